@@ -1,0 +1,1 @@
+"""Runs plans: bounded-concurrency uploads and ranged reads."""

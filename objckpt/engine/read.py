@@ -1,0 +1,101 @@
+"""Fetch tensor chunks with concurrent ranged GETs, straight into place.
+
+Each wanted chunk is a span of a blob with a destination: a slice of host
+memory (the caller's own CPU tensor when it is contiguous and of the stored
+dtype, else a temporary).  Spans become requests (merged across small gaps,
+split when large); a request that serves exactly one span reads directly into
+the destination, others read into a scratch buffer and scatter.  Once all of a
+chunk's bytes are in, its crc32c is checked; a mismatch names tensor, blob and
+offset.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .. import _runtime
+from ..checksum import crc32c
+from ..errors import CorruptCheckpointError, NotFoundError
+from ..format.manifest import Chunk
+from ..planning.ranges import Request, Span, plan_requests
+from ..storage.base import ObjectStore
+from .stats import IOStats
+from .tasks import gather_fail_fast
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """Fetch ``chunk`` of tensor ``key`` into ``dest`` (exactly ``chunk.length`` bytes)."""
+
+    key: str
+    chunk: Chunk
+    blob_key: str
+    dest: memoryview
+
+
+async def read_chunks(
+    store: ObjectStore,
+    reads: Sequence[ChunkRead],
+    stats: IOStats,
+    *,
+    verify: bool = True,
+    on_chunk_done: Optional[Callable[[ChunkRead], None]] = None,
+    merge_gap: int = 256 << 10,
+    max_request: int = 32 << 20,
+    split_above: int = 32 << 20,
+) -> None:
+    spans = [Span(r.blob_key, r.chunk.offset, r.chunk.length, i) for i, r in enumerate(reads)]
+    requests = plan_requests(spans, merge_gap=merge_gap, max_request=max_request, split_above=split_above)
+    pending = {i: 0 for i in range(len(reads))}
+    for req in requests:
+        for span, _, _, _ in req.pieces:
+            pending[span.target] += 1  # type: ignore[index]
+    sem = asyncio.Semaphore(store.concurrency)
+
+    async def finish(i: int) -> None:
+        r = reads[i]
+        if verify:
+            got = await _runtime.in_thread(crc32c, r.dest)
+            if got != r.chunk.crc32c:
+                raise CorruptCheckpointError(
+                    f"tensor {r.key!r}: crc32c mismatch in blob {r.blob_key!r} at offset {r.chunk.offset} "
+                    f"(length {r.chunk.length}, chunk at {list(r.chunk.offsets)}): stored {r.chunk.crc32c:#010x}, "
+                    f"read {got:#010x}"
+                )
+        if on_chunk_done is not None:
+            on_chunk_done(r)
+
+    async def fetch(req: Request) -> None:
+        async with sem:
+            try:
+                if req.direct:
+                    span, _, in_span, n = req.pieces[0]
+                    dest = reads[span.target].dest[in_span : in_span + n]  # type: ignore[index]
+                    await store.get_range_into(str(req.obj), req.offset, dest)
+                else:
+                    scratch = bytearray(req.length)
+                    await store.get_range_into(str(req.obj), req.offset, memoryview(scratch))
+                    for span, at, in_span, n in req.pieces:
+                        reads[span.target].dest[in_span : in_span + n] = scratch[at : at + n]  # type: ignore[index]
+            except NotFoundError:
+                keys = sorted({reads[s.target].key for s, *_ in req.pieces})  # type: ignore[index]
+                raise CorruptCheckpointError(
+                    f"blob {req.obj!r} is missing (needed by tensor(s) {', '.join(map(repr, keys[:5]))})"
+                ) from None
+            except CorruptCheckpointError as e:
+                keys = sorted({reads[s.target].key for s, *_ in req.pieces})  # type: ignore[index]
+                raise CorruptCheckpointError(f"{e} (needed by tensor(s) {', '.join(map(repr, keys[:5]))})") from None
+            stats.add(req.length)
+        for span, *_ in req.pieces:
+            i = span.target
+            pending[i] -= 1  # type: ignore[index]
+            if pending[i] == 0:  # type: ignore[index]
+                await finish(i)  # type: ignore[arg-type]
+
+    tasks = [asyncio.ensure_future(fetch(r)) for r in requests]
+    # zero-length chunks have no request; they are done already
+    for i, n in pending.items():
+        if n == 0:
+            tasks.append(asyncio.ensure_future(finish(i)))
+    await gather_fail_fast(tasks)

@@ -1,0 +1,117 @@
+"""Upload a save plan: stage each part, checksum it, upload it, in parallel.
+
+Every part of every blob is an independent job: take a staging buffer, copy the
+part's chunks into it (any device, any strides), crc32c each chunk on the
+staged bytes, upload the part, give the buffer back.  The number of jobs in
+flight is bounded by the staging budget and the store's concurrency, so host
+memory stays near the budget however large the state.  A blob is completed as
+soon as its last part is up.  On any failure every unfinished upload is
+aborted and every blob already written is deleted, then the error is raised:
+nothing of a failed attempt stays visible (``gc`` sweeps what a crash leaves).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Mapping
+
+import torch
+
+from .. import _runtime
+from ..checksum import crc32c
+from ..planning.pack import ChunkPlan, PartPlan, SavePlan
+from ..staging.pool import BufferPool
+from ..storage.base import BlobWriter, ObjectStore
+from .stats import IOStats
+from .tasks import gather_fail_fast
+
+
+def _chunk_source(t: torch.Tensor, c: ChunkPlan) -> torch.Tensor:
+    if t.dim() == 0:
+        return t.reshape(1)
+    return t[c.row_start : c.row_end]
+
+
+def stage_part(part: PartPlan, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> list[int]:
+    """Copy ``part``'s chunks into ``buf`` and return their crc32c, in order.
+
+    Alignment padding is zeroed so blob bytes are deterministic.
+    """
+    crcs: list[int] = []
+    pos = 0
+    flat = buf[: part.size]
+    host = flat.numpy()
+    for c in part.chunks:
+        rel = c.offset - part.offset
+        if rel > pos:
+            flat[pos:rel].zero_()
+        if c.length:
+            src = _chunk_source(tensors[c.key], c)
+            dst = flat[rel : rel + c.length].view(src.dtype).view(src.shape)
+            dst.copy_(src)
+        crcs.append(crc32c(memoryview(host)[rel : rel + c.length]))
+        pos = rel + c.length
+    if pos < part.size:
+        flat[pos:].zero_()
+    return crcs
+
+
+async def write_plan(
+    store: ObjectStore,
+    blob_keys: list[str],
+    plan: SavePlan,
+    tensors: Mapping[str, torch.Tensor],
+    pool: BufferPool,
+    stats: IOStats,
+) -> dict[ChunkPlan, int]:
+    """Upload every blob of ``plan``; returns the crc32c of each chunk."""
+    crcs: dict[ChunkPlan, int] = {}
+    writers: dict[int, BlobWriter] = {}
+    remaining: dict[int, int] = {}
+    completed: list[int] = []
+    max_part = max(plan.max_part, 1)
+    slots = asyncio.Semaphore(max(1, min(pool.slots(max_part), store.concurrency)))
+    has_cuda = any(t.is_cuda for t in tensors.values())
+
+    for b in plan.blobs:
+        writers[b.index] = store.open_writer(blob_keys[b.index], b.size, len(b.parts))
+        remaining[b.index] = len(b.parts)
+
+    async def job(part: PartPlan) -> None:
+        async with slots:
+            buf = pool.take(part.size)
+            try:
+                part_crcs = await _runtime.in_thread(_stage, part, buf)
+                for c, v in zip(part.chunks, part_crcs):
+                    crcs[c] = v
+                data = memoryview(buf.numpy())[: part.size]
+                await writers[part.blob].write_part(part.index, part.offset, data)
+                stats.add(part.size)
+            finally:
+                pool.give(buf)
+        remaining[part.blob] -= 1
+        if remaining[part.blob] == 0:
+            await writers[part.blob].complete()
+            if len(plan.blobs[part.blob - plan.blobs[0].index].parts) > 1:
+                stats.add(0, 2)  # create + complete of the multipart upload
+            completed.append(part.blob)
+
+    def _stage(part: PartPlan, buf: torch.Tensor) -> list[int]:
+        out = stage_part(part, tensors, buf)
+        if has_cuda:
+            torch.cuda.current_stream().synchronize()
+        return out
+
+    tasks = [asyncio.ensure_future(job(p)) for b in plan.blobs for p in b.parts]
+    try:
+        await gather_fail_fast(tasks)
+    except BaseException:
+        await asyncio.gather(
+            *(w.abort() for i, w in writers.items() if i not in completed), return_exceptions=True
+        )
+        if completed:
+            try:
+                await store.delete([blob_keys[i] for i in completed])
+            except Exception:
+                pass  # left for gc; not referenced by any manifest
+        raise
+    return crcs

@@ -1,0 +1,63 @@
+"""The dtype table of format v1: manifest names <-> torch dtypes.
+
+Names are stable strings written into manifests; torch's own repr may change
+between releases, so the table, not ``str(dtype)``, is the contract.  Bytes are
+little-endian, row-major.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedFormatError, UnsupportedValueError
+
+_NAMES: dict[str, str] = {
+    "float64": "float64",
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "complex128": "complex128",
+    "complex64": "complex64",
+    "complex32": "complex32",
+    "int64": "int64",
+    "int32": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "uint8": "uint8",
+    "uint16": "uint16",
+    "uint32": "uint32",
+    "uint64": "uint64",
+    "bool": "bool",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "float8_e4m3fnuz": "float8_e4m3fnuz",
+    "float8_e5m2fnuz": "float8_e5m2fnuz",
+    "float8_e8m0fnu": "float8_e8m0fnu",
+}
+
+NAME_TO_DTYPE: dict[str, torch.dtype] = {}
+DTYPE_TO_NAME: dict[torch.dtype, str] = {}
+for _name, _attr in _NAMES.items():
+    _dt = getattr(torch, _attr, None)  # float8 variants are missing in older torch
+    if isinstance(_dt, torch.dtype):
+        NAME_TO_DTYPE[_name] = _dt
+        DTYPE_TO_NAME[_dt] = _name
+
+
+def dtype_name(dtype: torch.dtype, key: str = "?") -> str:
+    try:
+        return DTYPE_TO_NAME[dtype]
+    except KeyError:
+        raise UnsupportedValueError(f"tensor {key!r}: dtype {dtype} is not supported by format v1") from None
+
+
+def dtype_from_name(name: str, key: str = "?") -> torch.dtype:
+    try:
+        return NAME_TO_DTYPE[name]
+    except KeyError:
+        raise UnsupportedFormatError(
+            f"tensor {key!r}: dtype {name!r} is unknown to this torch build/objckpt release"
+        ) from None
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,45 @@
+"""Where a checkpoint's objects live under its prefix.
+
+``<prefix>/manifest.json``            the commit: present <=> checkpoint exists
+``<prefix>/blobs/<attempt>/r<rank>-<n>.bin``  tensor bytes of one save attempt
+
+The attempt id is unique per save call, so a retry or an overwrite never
+rewrites bytes that a committed manifest points to.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+MANIFEST_NAME = "manifest.json"
+BLOB_DIR = "blobs"
+
+
+def join(prefix: str, *parts: str) -> str:
+    prefix = prefix.strip("/")
+    rest = "/".join(p.strip("/") for p in parts if p)
+    return f"{prefix}/{rest}" if prefix else rest
+
+
+def manifest_key(prefix: str) -> str:
+    return join(prefix, MANIFEST_NAME)
+
+
+def new_attempt_id() -> str:
+    """Time-ordered and random: sortable in listings, never reused."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(6)}"
+
+
+def blob_name(attempt: str, rank: int, index: int) -> str:
+    """Blob path relative to the checkpoint prefix (what the manifest stores)."""
+    return f"{BLOB_DIR}/{attempt}/r{rank:05d}-{index:04d}.bin"
+
+
+def attempt_of(blob_rel: str) -> str:
+    parts = blob_rel.split("/")
+    return parts[1] if len(parts) >= 3 and parts[0] == BLOB_DIR else ""
+
+
+def pid_token() -> str:
+    return f"{os.getpid()}"

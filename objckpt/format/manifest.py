@@ -1,0 +1,215 @@
+"""Format v1 manifest: typed objects, JSON encode/decode, version check.
+
+The manifest is the only metadata object of a checkpoint and its commit
+record.  It is plain JSON (zstd-compressed when large, detected by magic), so
+any language can read a checkpoint with one GET and a JSON parser; it is never
+pickled.  ``docs/format.md`` is the normative spec, ``manifest.schema.json``
+its JSON Schema.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import zstandard
+
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+
+FORMAT_NAME = "objckpt"
+FORMAT_VERSION = 1
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+COMPRESS_ABOVE = 1 << 20  # manifests larger than this are stored zstd-compressed
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a tensor: a box of the global tensor at ``offsets``
+    with ``shape``, stored raw row-major at ``blob``[``offset``: ``offset+length``]."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    blob: int  # index into Manifest.blobs
+    offset: int
+    length: int
+    crc32c: int
+
+
+@dataclass
+class TensorEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[Chunk] = field(default_factory=list)
+    #: key of the tensor this one shares storage with (bytes stored once)
+    alias_of: Optional[str] = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Blob:
+    name: str  # path relative to the checkpoint prefix
+    size: int
+    rank: int = 0
+
+
+@dataclass
+class Manifest:
+    tensors: dict[str, TensorEntry]
+    blobs: list[Blob]
+    tree: Any  # encoded nested structure (see objckpt.format.tree)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    attempt: str = ""
+    world_size: int = 1
+    created: float = field(default_factory=time.time)
+    writer: str = ""
+    format_version: int = FORMAT_VERSION
+
+    # -- convenience for inspect() users -----------------------------------
+    @property
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def nbytes(self, key: Optional[str] = None) -> int:
+        """Stored bytes of one tensor, or of all (aliases counted once)."""
+        if key is not None:
+            return sum(c.length for c in self.tensors[key].chunks)
+        return sum(c.length for t in self.tensors.values() if t.alias_of is None for c in t.chunks)
+
+    @property
+    def total_blob_bytes(self) -> int:
+        return sum(b.size for b in self.blobs)
+
+
+def _chunk_to_json(c: Chunk) -> dict[str, Any]:
+    return {
+        "offsets": list(c.offsets),
+        "shape": list(c.shape),
+        "blob": c.blob,
+        "offset": c.offset,
+        "length": c.length,
+        "crc32c": c.crc32c,
+    }
+
+
+def to_json_obj(m: Manifest) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    for k, t in m.tensors.items():
+        d: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
+        if t.alias_of is not None:
+            d["alias_of"] = t.alias_of
+        else:
+            d["chunks"] = [_chunk_to_json(c) for c in t.chunks]
+        tensors[k] = d
+    return {
+        "format": FORMAT_NAME,
+        "format_version": m.format_version,
+        "writer": m.writer,
+        "created": m.created,
+        "attempt": m.attempt,
+        "world_size": m.world_size,
+        "metadata": m.metadata,
+        "blobs": [{"name": b.name, "size": b.size, "rank": b.rank} for b in m.blobs],
+        "tensors": tensors,
+        "tree": m.tree,
+    }
+
+
+def encode(m: Manifest, *, compress: Optional[bool] = None) -> bytes:
+    """JSON bytes of ``m``; zstd-compressed when larger than 1 MiB (or as told)."""
+    raw = json.dumps(to_json_obj(m), separators=(",", ":"), allow_nan=False).encode()
+    if compress is None:
+        compress = len(raw) > COMPRESS_ABOVE
+    return zstandard.ZstdCompressor(level=3).compress(raw) if compress else raw
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"manifest {where}: {what}")
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def decode(data: bytes, where: str = "<manifest>") -> Manifest:
+    """Parse and check a manifest.  ``where`` names it in errors."""
+    if data[:4] == ZSTD_MAGIC:
+        try:
+            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
+        except zstandard.ZstdError as e:
+            raise CorruptCheckpointError(f"manifest {where}: bad zstd stream ({e})") from None
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {e}") from None
+    _need(isinstance(obj, dict), where, "top level is not an object")
+    _need(obj.get("format") == FORMAT_NAME, where, f"'format' is {obj.get('format')!r}, not {FORMAT_NAME!r}")
+    version = obj.get("format_version")
+    _need(isinstance(version, int), where, "'format_version' missing or not an integer")
+    if version > FORMAT_VERSION or version < 1:
+        raise UnsupportedFormatError(
+            f"manifest {where} has format_version {version}; this objckpt release reads "
+            f"version {FORMAT_VERSION} — upgrade objckpt to read it"
+        )
+    try:
+        blobs_raw = obj["blobs"]
+        _need(isinstance(blobs_raw, list), where, "'blobs' is not a list")
+        blobs = []
+        for i, b in enumerate(blobs_raw):
+            _need(isinstance(b, dict) and isinstance(b.get("name"), str), where, f"blob #{i} malformed")
+            _need(isinstance(b.get("size"), int) and b["size"] >= 0, where, f"blob #{i} size malformed")
+            blobs.append(Blob(b["name"], b["size"], int(b.get("rank", 0))))
+        tensors: dict[str, TensorEntry] = {}
+        traw = obj["tensors"]
+        _need(isinstance(traw, dict), where, "'tensors' is not an object")
+        for k, t in traw.items():
+            _need(isinstance(t, dict), where, f"tensor {k!r} malformed")
+            _need(isinstance(t.get("dtype"), str), where, f"tensor {k!r}: dtype missing")
+            _need(_int_list(t.get("shape")), where, f"tensor {k!r}: shape malformed")
+            entry = TensorEntry(k, t["dtype"], tuple(t["shape"]), alias_of=t.get("alias_of"))
+            if entry.alias_of is None:
+                _need(isinstance(t.get("chunks"), list), where, f"tensor {k!r}: chunks missing")
+                for j, c in enumerate(t["chunks"]):
+                    ok = (
+                        isinstance(c, dict)
+                        and _int_list(c.get("offsets"))
+                        and _int_list(c.get("shape"))
+                        and len(c["offsets"]) == len(entry.shape) == len(c["shape"])
+                        and isinstance(c.get("blob"), int)
+                        and 0 <= c["blob"] < len(blobs)
+                        and isinstance(c.get("offset"), int)
+                        and isinstance(c.get("length"), int)
+                        and isinstance(c.get("crc32c"), int)
+                        and c["offset"] >= 0
+                        and c["offset"] + c["length"] <= blobs[c["blob"]].size
+                    )
+                    _need(ok, where, f"tensor {k!r}: chunk #{j} malformed")
+                    entry.chunks.append(
+                        Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"])
+                    )
+            tensors[k] = entry
+        for k, t in tensors.items():
+            if t.alias_of is not None:
+                _need(t.alias_of in tensors and tensors[t.alias_of].alias_of is None, where,
+                      f"tensor {k!r}: alias_of {t.alias_of!r} does not name a stored tensor")
+        meta = obj.get("metadata") or {}
+        _need(isinstance(meta, dict), where, "'metadata' is not an object")
+        return Manifest(
+            tensors=tensors,
+            blobs=blobs,
+            tree=obj.get("tree"),
+            metadata=meta,
+            attempt=str(obj.get("attempt", "")),
+            world_size=int(obj.get("world_size", 1)),
+            created=float(obj.get("created", 0.0)),
+            writer=str(obj.get("writer", "")),
+            format_version=version,
+        )
+    except KeyError as e:
+        raise CorruptCheckpointError(f"manifest {where}: required field {e} missing") from None

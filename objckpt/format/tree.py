@@ -1,0 +1,166 @@
+"""Nested state <-> JSON tree with tensor placeholders.
+
+A state dict is any nesting of dicts, lists and tuples whose leaves are tensors
+or plain values.  The tree keeps the nesting and the plain values inline (JSON)
+and replaces each tensor by ``{"$tensor": key}``, where ``key`` is the dotted
+path (``"model.layers.0.weight"``, ``"optim.state.3.exp_avg"``) that the rest
+of the API uses.  Types JSON lacks are tagged objects with one ``$``-key:
+
+``$tuple`` ``$dict`` (non-string keys) ``$float`` (nan/inf) ``$size``
+``$dtype`` ``$device`` ``$bytes`` ``$pickle`` (only with explicit opt-in).
+"""
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedValueError
+from .dtypes import dtype_from_name, dtype_name
+
+TensorSink = Callable[[str, torch.Tensor], None]
+TensorSource = Callable[[str], Any]
+
+_SCALARS = (str, int, bool, type(None))
+
+
+def _child_key(prefix: str, k: Any) -> str:
+    part = str(k)
+    return f"{prefix}.{part}" if prefix else part
+
+
+def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False) -> Any:
+    """Encode ``obj``; ``on_tensor(key, tensor)`` is called for every tensor leaf."""
+    seen_keys: set[str] = set()
+
+    def enc(x: Any, key: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            if key in seen_keys:
+                raise UnsupportedValueError(f"two entries flatten to the same key {key!r}; rename one")
+            seen_keys.add(key)
+            on_tensor(key, x)
+            return {"$tensor": key}
+        if isinstance(x, bool) or x is None or isinstance(x, str):
+            return x
+        if isinstance(x, int):
+            return int(x)
+        if isinstance(x, float):
+            return float(x) if math.isfinite(x) else {"$float": repr(float(x))}
+        if isinstance(x, torch.Size):
+            return {"$size": [int(d) for d in x]}
+        if isinstance(x, torch.dtype):
+            return {"$dtype": dtype_name(x, key)}
+        if isinstance(x, torch.device):
+            return {"$device": str(x)}
+        if isinstance(x, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(x)).decode()}
+        if isinstance(x, Mapping):
+            items = list(x.items())
+            if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
+                return {k: enc(v, _child_key(key, k)) for k, v in items}
+            for k, _ in items:
+                if not isinstance(k, (str, int, bool, float, type(None))):
+                    raise UnsupportedValueError(f"{key or '<root>'!r}: dict key {k!r} of type {type(k).__name__} is not supported")
+            return {"$dict": [[enc(k, key), enc(v, _child_key(key, k))] for k, v in items]}
+        if isinstance(x, list):
+            return [enc(v, _child_key(key, i)) for i, v in enumerate(x)]
+        if isinstance(x, tuple) and not hasattr(x, "_fields"):
+            return {"$tuple": [enc(v, _child_key(key, i)) for i, v in enumerate(x)]}
+        if allow_pickle:
+            return {"$pickle": base64.b64encode(pickle.dumps(x)).decode()}
+        raise UnsupportedValueError(
+            f"value at key {key or '<root>'!r} has type {type(x).__module__}.{type(x).__qualname__}, which "
+            "objckpt stores only as tensor, number, str, bool, None, bytes, dict, list, tuple, torch.Size, "
+            "dtype or device; convert it, or pass allow_pickle=True to save (and to load) to pickle it"
+        )
+
+    return enc(obj, "")
+
+
+def decode_tree(tree: Any, get_tensor: TensorSource, *, allow_pickle: bool = False, where: str = "") -> Any:
+    """Rebuild the nested structure; ``get_tensor(key)`` supplies each tensor."""
+
+    def dec(x: Any) -> Any:
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        if len(x) == 1:
+            (tag, v), = x.items()
+            if tag == "$tensor":
+                return get_tensor(v)
+            if tag == "$tuple":
+                return tuple(dec(e) for e in v)
+            if tag == "$dict":
+                return {dec(k): dec(val) for k, val in v}
+            if tag == "$float":
+                return float(v)
+            if tag == "$size":
+                return torch.Size(v)
+            if tag == "$dtype":
+                return dtype_from_name(v)
+            if tag == "$device":
+                return torch.device(v)
+            if tag == "$bytes":
+                return base64.b64decode(v)
+            if tag == "$pickle":
+                if not allow_pickle:
+                    raise UnsupportedValueError(
+                        f"checkpoint {where} holds a pickled value; pass allow_pickle=True to load it "
+                        "(only for checkpoints you trust: unpickling runs code)"
+                    )
+                return pickle.loads(base64.b64decode(v))
+            if tag.startswith("$"):
+                raise CorruptCheckpointError(f"manifest {where}: unknown tree tag {tag!r}")
+        return {k: dec(v) for k, v in x.items()}
+
+    return dec(tree)
+
+
+def has_tensor(tree: Any) -> bool:
+    """Whether an encoded (sub)tree holds any tensor."""
+    if isinstance(tree, list):
+        return any(has_tensor(v) for v in tree)
+    if isinstance(tree, dict):
+        if "$tensor" in tree and len(tree) == 1:
+            return True
+        return any(has_tensor(v) for v in tree.values())
+    return False
+
+
+def iter_leaves(tree: Any, prefix: str = ""):
+    """(key, encoded value) for every leaf of an encoded tree.
+
+    Leaves are tensors (``{"$tensor": k}``) and maximal tensor-free subtrees
+    (a step counter, a list of hyper-parameters), which load replaces whole.
+    """
+    if prefix and not has_tensor(tree):
+        yield prefix, tree
+        return
+    if isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from iter_leaves(v, _child_key(prefix, i))
+        return
+    if isinstance(tree, dict):
+        if len(tree) == 1:
+            (tag, v), = tree.items()
+            if tag == "$tuple":
+                for i, e in enumerate(v):
+                    yield from iter_leaves(e, _child_key(prefix, i))
+                return
+            if tag == "$dict":
+                for k, val in v:
+                    kk = k if not isinstance(k, dict) else decode_tree(k, lambda _: None)
+                    yield from iter_leaves(val, _child_key(prefix, kk))
+                return
+            if tag.startswith("$"):
+                yield prefix, tree
+                return
+        for k, v in tree.items():
+            yield from iter_leaves(v, _child_key(prefix, k))
+        return
+    yield prefix, tree

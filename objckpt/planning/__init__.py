@@ -1,0 +1,1 @@
+"""Pure planning functions: no I/O, no collectives, easy to test at scale."""

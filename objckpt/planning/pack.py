@@ -1,0 +1,139 @@
+"""Packing tensors into blobs and upload parts (pure).
+
+Each stored tensor is cut along dim 0 into chunks of at most ``chunk_bytes``
+(whole rows), each chunk gets its own crc32c, and chunks are laid out back to
+back (start aligned to ``align`` bytes) in blobs of about ``blob_bytes``.  A
+blob is uploaded as parts made of whole chunks, at least ``min_part`` bytes
+each except the last: so every part can be staged and checksummed on its own,
+in parallel, and a chunk's crc never spans two parts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..errors import UnsupportedValueError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What packing needs to know of a tensor."""
+
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    key: str
+    row_start: int  # along dim 0 (0 for 0-d tensors)
+    row_end: int
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    blob: int
+    offset: int  # inside the blob
+    length: int
+
+
+@dataclass
+class PartPlan:
+    blob: int
+    index: int
+    offset: int
+    size: int
+    chunks: list[ChunkPlan] = field(default_factory=list)
+
+
+@dataclass
+class BlobPlan:
+    index: int
+    size: int = 0
+    parts: list[PartPlan] = field(default_factory=list)
+
+
+@dataclass
+class SavePlan:
+    blobs: list[BlobPlan]
+
+    @property
+    def chunks(self) -> list[ChunkPlan]:
+        return [c for b in self.blobs for p in b.parts for c in p.chunks]
+
+    @property
+    def max_part(self) -> int:
+        return max((p.size for b in self.blobs for p in b.parts), default=0)
+
+
+def split_rows(spec: TensorSpec, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of dim 0, each at most ``chunk_bytes`` (at least one row)."""
+    if len(spec.shape) == 0:
+        return [(0, 1)]
+    rows = spec.shape[0]
+    if rows == 0 or spec.nbytes == 0:
+        return [(0, rows)]
+    row_bytes = spec.nbytes // rows
+    per = max(1, chunk_bytes // row_bytes)
+    return [(r, min(rows, r + per)) for r in range(0, rows, per)]
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def plan_save(
+    specs: Sequence[TensorSpec],
+    *,
+    blob_bytes: int = 1 << 30,
+    part_bytes: int = 16 << 20,
+    chunk_bytes: int = 16 << 20,
+    max_part_bytes: int = 5 << 30,
+    align: int = 64,
+    first_blob: int = 0,
+) -> SavePlan:
+    """Lay ``specs`` out in blobs and parts; the order of ``specs`` is kept."""
+    if part_bytes <= 0 or chunk_bytes <= 0 or blob_bytes <= 0:
+        raise ValueError("blob, part and chunk sizes must be positive")
+    blobs: list[BlobPlan] = []
+    blob: BlobPlan | None = None
+    part: PartPlan | None = None
+
+    def new_blob() -> BlobPlan:
+        b = BlobPlan(first_blob + len(blobs))
+        blobs.append(b)
+        return b
+
+    for spec in specs:
+        for r0, r1 in split_rows(spec, chunk_bytes):
+            if len(spec.shape) == 0:
+                shape: tuple[int, ...] = ()
+                offsets: tuple[int, ...] = ()
+                length = spec.itemsize
+            else:
+                shape = (r1 - r0,) + tuple(spec.shape[1:])
+                offsets = (r0,) + (0,) * (len(spec.shape) - 1)
+                length = math.prod(shape) * spec.itemsize
+            if length > max_part_bytes:
+                raise UnsupportedValueError(
+                    f"tensor {spec.key!r}: one row along dim 0 is {length} bytes, above the store's "
+                    f"largest part ({max_part_bytes}); reshape it so dim 0 is longer"
+                )
+            if blob is None or (blob.size >= blob_bytes and length > 0):
+                blob = new_blob()
+                part = None
+            start = _align(blob.size, align)
+            if part is None or part.size >= part_bytes or start + length - part.offset > max_part_bytes:
+                if part is not None:  # alignment padding goes to the part that ends here
+                    part.size = start - part.offset
+                part = PartPlan(blob.index, len(blob.parts), start, 0)
+                blob.parts.append(part)
+            chunk = ChunkPlan(spec.key, r0, r1, offsets, shape, blob.index, start, length)
+            part.chunks.append(chunk)
+            blob.size = start + length
+            part.size = blob.size - part.offset
+    return SavePlan(blobs)

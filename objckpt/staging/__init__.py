@@ -1,0 +1,1 @@
+"""Host staging buffers for uploads."""

@@ -1,0 +1,111 @@
+"""Walking the caller's state: tensors to save, and slots to load into.
+
+Flat keys are the dotted paths of :mod:`objckpt.format.tree`, so a template
+state dict and a stored one agree on names.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .errors import UnsupportedValueError
+from .format.dtypes import dtype_name
+from .format.tree import _child_key, encode_tree
+
+
+@dataclass
+class Collected:
+    tree: Any
+    tensors: dict[str, torch.Tensor]  # every tensor leaf, by key
+    alias_of: dict[str, str]  # key -> key of the first tensor with the same storage view
+
+
+def _check_tensor(key: str, t: torch.Tensor) -> None:
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise UnsupportedValueError(
+            f"tensor {key!r} is a {type(t).__module__}.{type(t).__qualname__}; this release saves plain tensors "
+            "(convert sharded tensors with .full_tensor() or save each rank's shard)"
+        )
+    if t.layout != torch.strided:
+        raise UnsupportedValueError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored")
+    if t.is_meta:
+        raise UnsupportedValueError(f"tensor {key!r} is on the meta device and has no data to save")
+    if t.is_quantized:
+        raise UnsupportedValueError(f"tensor {key!r} is quantized; dequantize it or store its int repr")
+    dtype_name(t.dtype, key)
+
+
+def _identity(t: torch.Tensor) -> Optional[tuple]:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except Exception:
+        return None
+    if t.numel() == 0:
+        return None
+    return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def collect(state: Any, *, allow_pickle: bool = False) -> Collected:
+    """Encode ``state`` and find its tensors; tensors that are the same view of
+    the same storage (tied weights) are recorded as aliases and stored once."""
+    if not isinstance(state, (Mapping, list, tuple)):
+        raise UnsupportedValueError(f"state must be a dict (or list/tuple), got {type(state).__name__}")
+    tensors: dict[str, torch.Tensor] = {}
+    alias_of: dict[str, str] = {}
+    first: dict[tuple, str] = {}
+
+    def on_tensor(key: str, t: torch.Tensor) -> None:
+        _check_tensor(key, t)
+        tensors[key] = t
+        ident = _identity(t)
+        if ident is not None:
+            if ident in first:
+                alias_of[key] = first[ident]
+            else:
+                first[ident] = key
+
+    tree = encode_tree(state, on_tensor, allow_pickle=allow_pickle)
+    return Collected(tree, tensors, alias_of)
+
+
+@dataclass
+class Slot:
+    """One leaf of a template: its value and where it sits (to replace non-tensors)."""
+
+    key: str
+    value: Any
+    container: Any
+    index: Any
+
+
+def _has_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, Mapping):
+        return any(_has_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_tensor(v) for v in x)
+    return False
+
+
+def template_slots(state: Any) -> Iterator[Slot]:
+    """Leaves of a template, keyed like :func:`objckpt.format.tree.iter_leaves`."""
+
+    def walk(x: Any, key: str, container: Any, index: Any) -> Iterator[Slot]:
+        if key and not _has_tensor(x):
+            yield Slot(key, x, container, index)
+        elif isinstance(x, torch.Tensor):
+            yield Slot(key, x, container, index)
+        elif isinstance(x, Mapping):
+            for k, v in x.items():
+                yield from walk(v, _child_key(key, k), x, k)
+        elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            for i, v in enumerate(x):
+                yield from walk(v, _child_key(key, i), x, i)
+        else:
+            yield Slot(key, x, container, index)
+
+    yield from walk(state, "", None, None)

@@ -1,0 +1,66 @@
+"""Storage backends behind one seam, and the URI -> store mapping.
+
+``s3://bucket/prefix`` -> S3 (aiobotocore), ``file:///dir`` or a plain path ->
+local files, ``memory://name/prefix`` -> in-process (tests), any other
+``proto://`` -> fsspec.  Stores are cached per (URI root, options) so a
+training job reuses one connection pool across saves.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+from .. import _runtime
+from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
+from .local import LocalStore
+from .memory import MemoryStore, namespace
+
+__all__ = ["ObjectStore", "ObjectInfo", "UploadInfo", "BlobWriter", "open_store", "split_uri"]
+
+_cache: dict[str, ObjectStore] = {}
+_cache_lock = threading.Lock()
+_runtime.on_reset(_cache.clear)
+
+
+def split_uri(uri: str) -> tuple[str, str, str]:
+    """(scheme, root, prefix): root names the store (bucket, directory), prefix the checkpoint."""
+    if "://" not in uri:
+        return "file", "/", os.path.abspath(os.path.expanduser(uri)).lstrip("/")
+    parts = urlsplit(uri)
+    scheme = parts.scheme
+    if scheme == "file":
+        return "file", "/", (parts.netloc + parts.path).lstrip("/")
+    return scheme, parts.netloc, parts.path.lstrip("/")
+
+
+def open_store(uri: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[ObjectStore, str]:
+    """The store holding ``uri`` and the checkpoint's key prefix inside it."""
+    opts = dict(storage_options or {})
+    scheme, root, prefix = split_uri(uri)
+    prefix = prefix.strip("/")
+    if scheme in ("s3", "s3a") and not root:
+        raise ValueError(f"{uri!r}: an S3 URI needs a bucket (s3://bucket/path)")
+    cache_key = json.dumps([scheme, root, opts], sort_keys=True, default=str)
+    with _cache_lock:
+        store = _cache.get(cache_key)
+        if store is None:
+            store = _make(scheme, root, opts)
+            _cache[cache_key] = store
+    return store, prefix
+
+
+def _make(scheme: str, root: str, opts: dict[str, Any]) -> ObjectStore:
+    if scheme == "file":
+        return LocalStore(root)
+    if scheme == "memory":
+        return MemoryStore(namespace(root), name=root)
+    if scheme in ("s3", "s3a"):
+        from .s3 import S3Store
+
+        return S3Store(root, **opts)
+    from .fsspec_store import FsspecStore
+
+    return FsspecStore(scheme, root, **opts)

@@ -1,0 +1,173 @@
+"""The object-store seam.
+
+Everything objckpt does to storage goes through :class:`ObjectStore`: a few
+small async calls that every backend implements, plus richer calls
+(:meth:`ObjectStore.open_writer`, :meth:`ObjectStore.get_range_into`) that get
+default versions built on the small ones.  A backend overrides only what it can
+do faster (multipart on S3, positional writes on local disk).
+
+Keys are relative to the store's root (an S3 bucket, a directory, a memory
+namespace) and always use ``/`` as separator.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from ..errors import NotFoundError, CorruptCheckpointError
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a listing or a HEAD tells about one object."""
+
+    key: str
+    size: int
+    etag: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class UploadInfo:
+    """An unfinished multipart upload (only stores with multipart have them)."""
+
+    key: str
+    upload_id: str
+    initiated: Optional[float] = None  # seconds since the epoch
+
+
+class BlobWriter(abc.ABC):
+    """Writes one object from parts that may arrive concurrently and out of order.
+
+    ``write_part(index, offset, data)`` is given the part's index (0-based) and
+    its byte offset inside the object; ``complete()`` makes the object visible;
+    ``abort()`` throws everything away.  ``data`` is only borrowed for the
+    duration of the call, so the caller may reuse its buffer afterwards.
+    """
+
+    @abc.abstractmethod
+    async def write_part(self, index: int, offset: int, data: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    async def complete(self) -> None: ...
+
+    @abc.abstractmethod
+    async def abort(self) -> None: ...
+
+
+class _BufferingWriter(BlobWriter):
+    """Default writer: gathers the parts in memory, then one ``put``.
+
+    Only for backends without a native multi-part protocol (memory, fsspec);
+    S3 and local files override :meth:`ObjectStore.open_writer`.
+    """
+
+    def __init__(self, store: "ObjectStore", key: str, size: int) -> None:
+        self._store = store
+        self._key = key
+        self._buf = bytearray(size)
+
+    async def write_part(self, index: int, offset: int, data: memoryview) -> None:
+        self._buf[offset : offset + len(data)] = data
+
+    async def complete(self) -> None:
+        await self._store.put(self._key, memoryview(self._buf))
+        self._buf = bytearray()
+
+    async def abort(self) -> None:
+        self._buf = bytearray()
+
+
+class ObjectStore(abc.ABC):
+    """Async object storage.  All methods run on objckpt's background event loop."""
+
+    #: smallest part a multi-part upload accepts (all but the last part)
+    min_part_size: int = 5 * MiB
+    #: largest part
+    max_part_size: int = 5 * GiB
+    #: most parts in one object
+    max_parts: int = 10_000
+    #: how many requests this store likes in flight at once
+    concurrency: int = 16
+
+    # -- the small calls every backend implements --------------------------
+    @abc.abstractmethod
+    async def get(self, key: str) -> bytes:
+        """Whole object; :class:`NotFoundError` if absent."""
+
+    @abc.abstractmethod
+    async def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset``; fewer only if the object is shorter."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, data: memoryview | bytes, *, if_absent: bool = False) -> None:
+        """Write a whole object.  With ``if_absent`` raise :class:`PreconditionFailed`
+        instead of replacing an existing object (the commit primitive)."""
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> Optional[ObjectInfo]:
+        """Size of ``key``, or None if it does not exist."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``."""
+
+    @abc.abstractmethod
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Delete objects; absent keys are not an error."""
+
+    # -- richer calls with default implementations -------------------------
+    def open_writer(self, key: str, size: int, num_parts: int = 1) -> BlobWriter:
+        """A writer for an object of exactly ``size`` bytes sent as ``num_parts`` parts
+        (each but the last at least :attr:`min_part_size`)."""
+        return _BufferingWriter(self, key, size)
+
+    async def get_range_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes at ``offset``; a short object is corruption."""
+        data = await self.get_range(key, offset, len(out))
+        if len(data) != len(out):
+            raise CorruptCheckpointError(
+                f"object {key!r} is truncated: wanted bytes {offset}..{offset + len(out)}, "
+                f"got {len(data)} of {len(out)}"
+            )
+        out[:] = data
+
+    async def list_uploads(self, prefix: str) -> list[UploadInfo]:
+        """Unfinished multipart uploads under ``prefix`` (none by default)."""
+        return []
+
+    async def abort_upload(self, upload: UploadInfo) -> None:
+        """Abort an unfinished multipart upload."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+def not_found(key: str) -> NotFoundError:
+    return NotFoundError(f"object {key!r} does not exist")
+
+
+def part_size_for(size: int, store: ObjectStore, preferred: int) -> int:
+    """Part size for an object of ``size`` bytes: ``preferred`` unless the store's
+    part-count limit forces larger parts."""
+    part = max(preferred, store.min_part_size)
+    while size > part * store.max_parts:
+        part *= 2
+    return min(part, store.max_part_size)
+
+
+def chunks_of(items: Iterable, n: int):
+    buf = []
+    for it in items:
+        buf.append(it)
+        if len(buf) == n:
+            yield buf
+            buf = []
+    if buf:
+        yield buf

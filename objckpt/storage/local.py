@@ -1,0 +1,215 @@
+"""Local filesystem store (``file://`` URIs and plain paths).
+
+Blobs are written with positional writes from many threads at once (no
+append-order constraint), fsync'ed before the manifest is committed.  The
+manifest is committed atomically: written to a temporary file, fsync'ed, then
+hard-linked into place when it must not exist yet (``link`` fails if the target
+exists, so two writers can never both commit) or ``os.replace``d for an
+overwrite.  Readers thus see either no manifest or a whole one.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import secrets
+from typing import Optional, Sequence
+
+from .. import _runtime
+from ..errors import PreconditionFailed, StorageError
+from .base import BlobWriter, ObjectInfo, ObjectStore, not_found, MiB
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(BlobWriter):
+    def __init__(self, store: "LocalStore", key: str, size: int) -> None:
+        self._path = store._path(key)
+        self._key = key
+        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        self._fd: Optional[int] = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self._fd, size)
+
+    def _pwrite(self, offset: int, data: memoryview) -> None:
+        assert self._fd is not None
+        view = data.cast("B") if data.format != "B" else data
+        while len(view):
+            n = os.pwrite(self._fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    async def write_part(self, index: int, offset: int, data: memoryview) -> None:
+        try:
+            await _runtime.in_thread(self._pwrite, offset, data)
+        except OSError as e:
+            raise StorageError(f"writing {self._key!r} at offset {offset}: {e}") from e
+
+    async def complete(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        def finish() -> None:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        await _runtime.in_thread(finish)
+
+    async def abort(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+
+class LocalStore(ObjectStore):
+    min_part_size = 1
+    max_part_size = 1 << 40
+    max_parts = 1 << 30
+    concurrency = 8
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def _path(self, key: str) -> str:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"bad object key {key!r}")
+        return os.path.join(self.root, *key.split("/"))
+
+    async def get(self, key: str) -> bytes:
+        def read() -> bytes:
+            try:
+                with open(self._path(key), "rb") as f:
+                    return f.read()
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise not_found(key) from None
+        return await _runtime.in_thread(read)
+
+    async def get_range(self, key: str, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        n = await self._read_into(key, offset, memoryview(buf))
+        return bytes(buf[:n])
+
+    def _read_into_sync(self, key: str, offset: int, out: memoryview) -> int:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise not_found(key) from None
+        try:
+            got = 0
+            view = out.cast("B") if out.format != "B" else out
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
+
+    async def _read_into(self, key: str, offset: int, out: memoryview) -> int:
+        return await _runtime.in_thread(self._read_into_sync, key, offset, out)
+
+    async def get_range_into(self, key: str, offset: int, out: memoryview) -> None:
+        n = await self._read_into(key, offset, out)
+        if n != len(out):
+            from ..errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(
+                f"object {key!r} is truncated: wanted bytes {offset}..{offset + len(out)}, got {n}"
+            )
+
+    async def put(self, key: str, data: memoryview | bytes, *, if_absent: bool = False) -> None:
+        path = self._path(key)
+
+        def write() -> None:
+            d = os.path.dirname(path)
+            os.makedirs(d, exist_ok=True)
+            if if_absent and os.path.exists(path):
+                raise PreconditionFailed(f"object {key!r} already exists")
+            tmp = f"{path}.tmp-{secrets.token_hex(6)}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                if if_absent:
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError:
+                        raise PreconditionFailed(f"object {key!r} already exists") from None
+                    finally:
+                        os.unlink(tmp)
+                else:
+                    os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            _fsync_dir(d)
+
+        await _runtime.in_thread(write)
+
+    async def head(self, key: str) -> Optional[ObjectInfo]:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return ObjectInfo(key, st.st_size)
+
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        def walk() -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
+            base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+            start = os.path.join(self.root, *base.split("/")) if base else self.root
+            for dirpath, _, files in os.walk(start):
+                for fn in files:
+                    full = os.path.join(dirpath, fn)
+                    key = os.path.relpath(full, self.root).replace(os.sep, "/")
+                    if key.startswith(prefix):
+                        try:
+                            out.append(ObjectInfo(key, os.path.getsize(full)))
+                        except FileNotFoundError:
+                            pass
+            return sorted(out, key=lambda o: o.key)
+        return await _runtime.in_thread(walk)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        def rm() -> None:
+            dirs = set()
+            for k in keys:
+                p = self._path(k)
+                try:
+                    os.unlink(p)
+                    dirs.add(os.path.dirname(p))
+                except FileNotFoundError:
+                    pass
+            for d in sorted(dirs, key=len, reverse=True):  # tidy now-empty blob dirs
+                while d.startswith(self.root) and d != self.root:
+                    try:
+                        os.rmdir(d)
+                    except OSError as e:
+                        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.EBUSY):
+                            break
+                        raise
+                    d = os.path.dirname(d)
+        await _runtime.in_thread(rm)
+
+    def open_writer(self, key: str, size: int, num_parts: int = 1) -> BlobWriter:
+        return _LocalWriter(self, key, size)
+
+    def describe(self) -> str:
+        return f"file://{self.root}"
