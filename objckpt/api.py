@@ -80,6 +80,7 @@ def save(
     blob_size: int = 1 << 30,
     part_size: int = 16 * MiB,
     staging_bytes: int = 512 * MiB,
+    store: Optional[ObjectStore] = None,
 ) -> SaveResult:
     """Save ``state_dict`` (nested dicts/lists of tensors and plain values) to ``uri``.
 
@@ -88,10 +89,12 @@ def save(
     appears whole or not at all.  Raises :class:`CheckpointExistsError` when a
     checkpoint is already committed at ``uri`` unless ``overwrite=True`` (the old
     one stays loadable until the new manifest replaces it).  ``metadata`` is
-    free-form JSON stored in the manifest.
+    free-form JSON stored in the manifest.  ``store`` replaces the backend the
+    URI would open (custom backends, wrappers); the URI's path is the prefix.
     """
     return _runtime.run(
-        _save(state_dict, uri, storage_options, overwrite, metadata, allow_pickle, blob_size, part_size, staging_bytes)
+        _save(state_dict, uri, storage_options, overwrite, metadata, allow_pickle, blob_size, part_size,
+              staging_bytes, store)
     )
 
 
@@ -105,16 +108,17 @@ async def _save(
     blob_size: int,
     part_size: int,
     staging_bytes: int,
+    store_override: Optional[ObjectStore],
 ) -> SaveResult:
     t0 = time.perf_counter()
-    store, prefix = open_store(uri, storage_options)
+    store, prefix = _open(uri, storage_options, store_override)
     meta = _check_metadata(metadata)
     col = collect(state, allow_pickle=allow_pickle)
     stored = [k for k in col.tensors if k not in col.alias_of]
     specs = [TensorSpec(k, tuple(col.tensors[k].shape), col.tensors[k].element_size()) for k in stored]
     part = max(part_size, store.min_part_size)
     plan = plan_save(
-        specs, blob_bytes=blob_size, part_bytes=part, chunk_bytes=part, max_part_bytes=store.max_part_size
+        specs, blob_bytes=blob_size, part_bytes=part, chunk_bytes=part_size, max_part_bytes=store.max_part_size
     )
     mkey = layout.manifest_key(prefix)
     stats = IOStats()
@@ -202,9 +206,19 @@ async def _fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Opti
     return decode(data, f"{uri.rstrip('/')}/{layout.MANIFEST_NAME}")
 
 
-def inspect(uri: str, *, storage_options: Optional[dict[str, Any]] = None) -> Manifest:
+def _open(uri: str, storage_options: Optional[dict[str, Any]], store: Optional[ObjectStore]) -> tuple[ObjectStore, str]:
+    if store is None:
+        return open_store(uri, storage_options)
+    from .storage import split_uri
+
+    return store, split_uri(uri)[2].strip("/")
+
+
+def inspect(
+    uri: str, *, storage_options: Optional[dict[str, Any]] = None, store: Optional[ObjectStore] = None
+) -> Manifest:
     """The checkpoint's manifest: keys, dtypes, shapes, chunks, blobs, metadata."""
-    store, prefix = open_store(uri, storage_options)
+    store, prefix = _open(uri, storage_options, store)
     return _runtime.run(_fetch_manifest(store, prefix, uri))
 
 
@@ -280,6 +294,7 @@ def read(
     *,
     storage_options: Optional[dict[str, Any]] = None,
     allow_pickle: bool = False,
+    store: Optional[ObjectStore] = None,
 ) -> Any:
     """Tensors (on CPU) and values of a checkpoint, without a template.
 
@@ -287,11 +302,12 @@ def read(
     tied tensors tied again).  With ``keys``, returns ``{key: value}`` for just
     those leaves and fetches only their bytes.
     """
-    return _runtime.run(_read(uri, None if keys is None else list(keys), storage_options, allow_pickle))
+    return _runtime.run(_read(uri, None if keys is None else list(keys), storage_options, allow_pickle, store))
 
 
-async def _read(uri: str, keys: Optional[list[str]], storage_options: Any, allow_pickle: bool) -> Any:
-    store, prefix = open_store(uri, storage_options)
+async def _read(uri: str, keys: Optional[list[str]], storage_options: Any, allow_pickle: bool,
+                store_override: Optional[ObjectStore]) -> Any:
+    store, prefix = _open(uri, storage_options, store_override)
     stats = IOStats()
     m = await _fetch_manifest(store, prefix, uri, stats)
     leaves = dict(iter_leaves(m.tree))
@@ -330,6 +346,7 @@ def load(
     storage_options: Optional[dict[str, Any]] = None,
     strict: bool = True,
     allow_pickle: bool = False,
+    store: Optional[ObjectStore] = None,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place (any device) from the checkpoint.
 
@@ -338,12 +355,13 @@ def load(
     missing from the checkpoint or not in ``state_dict`` are an error; otherwise
     they are reported in the result.  Only the needed bytes are fetched.
     """
-    return _runtime.run(_load(state_dict, uri, storage_options, strict, allow_pickle))
+    return _runtime.run(_load(state_dict, uri, storage_options, strict, allow_pickle, store))
 
 
-async def _load(state: Any, uri: str, storage_options: Any, strict: bool, allow_pickle: bool) -> LoadResult:
+async def _load(state: Any, uri: str, storage_options: Any, strict: bool, allow_pickle: bool,
+                store_override: Optional[ObjectStore]) -> LoadResult:
     t0 = time.perf_counter()
-    store, prefix = open_store(uri, storage_options)
+    store, prefix = _open(uri, storage_options, store_override)
     stats = IOStats()
     m = await _fetch_manifest(store, prefix, uri, stats)
     leaves = dict(iter_leaves(m.tree))

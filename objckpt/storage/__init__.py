@@ -7,6 +7,7 @@ training job reuses one connection pool across saves.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -30,7 +31,7 @@ def split_uri(uri: str) -> tuple[str, str, str]:
     if "://" not in uri:
         return "file", "/", os.path.abspath(os.path.expanduser(uri)).lstrip("/")
     parts = urlsplit(uri)
-    scheme = parts.scheme
+    scheme = parts.scheme  # "fsspec+PROTO" forces the fsspec backend
     if scheme == "file":
         return "file", "/", (parts.netloc + parts.path).lstrip("/")
     return scheme, parts.netloc, parts.path.lstrip("/")
@@ -63,4 +64,27 @@ def _make(scheme: str, root: str, opts: dict[str, Any]) -> ObjectStore:
         return S3Store(root, **opts)
     from .fsspec_store import FsspecStore
 
-    return FsspecStore(scheme, root, **opts)
+    return FsspecStore(scheme.split("+", 1)[1] if scheme.startswith("fsspec+") else scheme, root, **opts)
+
+
+def _close_all() -> None:
+    """Close cached clients at exit so no connection pool is left unclosed."""
+    stores = list(_cache.values())
+    _cache.clear()
+    if not stores or _runtime._loop is None or not _runtime._loop.is_running():
+        return
+    try:
+        _runtime.run(_close_stores(stores), timeout=5)
+    except Exception:
+        pass
+
+
+async def _close_stores(stores: list[ObjectStore]) -> None:
+    for s in stores:
+        try:
+            await s.close()
+        except Exception:
+            pass
+
+
+atexit.register(_close_all)

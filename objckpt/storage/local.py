@@ -35,6 +35,7 @@ def _fsync_dir(path: str) -> None:
 
 class _LocalWriter(BlobWriter):
     def __init__(self, store: "LocalStore", key: str, size: int) -> None:
+        self._store = store
         self._path = store._path(key)
         self._key = key
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
@@ -69,10 +70,7 @@ class _LocalWriter(BlobWriter):
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        await self._store.delete([self._key])  # also tidies the emptied attempt directory
 
 
 class LocalStore(ObjectStore):
