@@ -42,11 +42,14 @@ async def read_chunks(
     verify: bool = True,
     on_chunk_done: Optional[Callable[[ChunkRead], None]] = None,
     merge_gap: int = 256 << 10,
-    max_request: int = 32 << 20,
-    split_above: int = 32 << 20,
+    max_request: int = 16 << 20,
+    split_above: int = 16 << 20,
+    split_into: int = 8 << 20,
 ) -> None:
     spans = [Span(r.blob_key, r.chunk.offset, r.chunk.length, i) for i, r in enumerate(reads)]
-    requests = plan_requests(spans, merge_gap=merge_gap, max_request=max_request, split_above=split_above)
+    requests = plan_requests(
+        spans, merge_gap=merge_gap, max_request=max_request, split_above=split_above, split_into=split_into
+    )
     pending = {i: 0 for i in range(len(reads))}
     for req in requests:
         for span, _, _, _ in req.pieces:
