@@ -46,7 +46,13 @@ class FsspecStore(ObjectStore):
         path = self._path(key)
         if if_absent and await self._run(self.fs.exists, path):
             raise PreconditionFailed(f"object {self.protocol}://{path} already exists")
-        await self._run(self.fs.pipe_file, path, bytes(data))
+        def write() -> None:
+            parent = self.fs._parent(path)
+            if parent:
+                self.fs.makedirs(parent, exist_ok=True)  # no-op on object stores
+            self.fs.pipe_file(path, bytes(data))
+
+        await self._run(write)
 
     async def head(self, key: str) -> Optional[ObjectInfo]:
         try:
