@@ -34,6 +34,22 @@ class ChunkRead:
     dest: memoryview
 
 
+def _scatter_views(req: Request, reads: Sequence[ChunkRead]) -> list[memoryview]:
+    """Consecutive buffers covering ``req``: destinations, with scratch for the gaps."""
+    views: list[memoryview] = []
+    pos = 0
+    for span, at, in_span, n in sorted(req.pieces, key=lambda p: p[1]):
+        if at > pos:
+            views.append(memoryview(bytearray(at - pos)))
+        if at < pos:  # overlapping spans (the same bytes wanted twice): copy afterwards
+            raise AssertionError("overlapping spans in one request")
+        views.append(reads[span.target].dest[in_span : in_span + n])  # type: ignore[index]
+        pos = at + n
+    if pos < req.length:
+        views.append(memoryview(bytearray(req.length - pos)))
+    return views
+
+
 async def read_chunks(
     store: ObjectStore,
     reads: Sequence[ChunkRead],
@@ -77,10 +93,7 @@ async def read_chunks(
                     dest = reads[span.target].dest[in_span : in_span + n]  # type: ignore[index]
                     await store.get_range_into(str(req.obj), req.offset, dest)
                 else:
-                    scratch = bytearray(req.length)
-                    await store.get_range_into(str(req.obj), req.offset, memoryview(scratch))
-                    for span, at, in_span, n in req.pieces:
-                        reads[span.target].dest[in_span : in_span + n] = scratch[at : at + n]  # type: ignore[index]
+                    await store.get_range_scatter(str(req.obj), req.offset, _scatter_views(req, reads))
             except NotFoundError:
                 keys = sorted({reads[s.target].key for s, *_ in req.pieces})  # type: ignore[index]
                 raise CorruptCheckpointError(

@@ -55,6 +55,45 @@ def stage_part(part: PartPlan, tensors: Mapping[str, torch.Tensor], buf: torch.T
     return crcs
 
 
+_ZEROS = memoryview(bytes(4096))
+
+
+def _is_direct(t: torch.Tensor) -> bool:
+    """A tensor whose chunks can be uploaded from its own memory, without staging."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def direct_views(part: PartPlan, tensors: Mapping[str, torch.Tensor]) -> tuple[list[memoryview], list[int]]:
+    """The part as views of the tensors' own bytes (zero padding between), and chunk crcs."""
+    views: list[memoryview] = []
+    crcs: list[int] = []
+    pos = part.offset
+    for c in part.chunks:
+        if c.offset > pos:
+            views.append(_ZEROS[: c.offset - pos])
+        t = tensors[c.key]
+        whole = _tensor_bytes(t)
+        if t.dim() == 0:
+            v = whole
+        else:
+            row = c.length // max(c.row_end - c.row_start, 1) if c.length else 0
+            v = whole[c.row_start * row : c.row_start * row + c.length]
+        crcs.append(crc32c(v))
+        if len(v):
+            views.append(v)
+        pos = c.offset + c.length
+    if pos < part.offset + part.size:
+        views.append(_ZEROS[: part.offset + part.size - pos])
+    return views, crcs
+
+
 async def write_plan(
     store: ObjectStore,
     blob_keys: list[str],
@@ -62,8 +101,16 @@ async def write_plan(
     tensors: Mapping[str, torch.Tensor],
     pool: BufferPool,
     stats: IOStats,
+    *,
+    zero_copy: bool = True,
 ) -> dict[ChunkPlan, int]:
-    """Upload every blob of ``plan``; returns the crc32c of each chunk."""
+    """Upload every blob of ``plan``; returns the crc32c of each chunk.
+
+    With ``zero_copy`` (sync saves), parts made only of contiguous CPU tensors
+    are uploaded from the tensors' own memory: the caller is blocked until the
+    upload ends, so the bytes cannot change under us.  Everything else (GPU
+    tensors, strided views) is staged through the buffer pool.
+    """
     crcs: dict[ChunkPlan, int] = {}
     writers: dict[int, BlobWriter] = {}
     remaining: dict[int, int] = {}
@@ -76,7 +123,26 @@ async def write_plan(
         writers[b.index] = store.open_writer(blob_keys[b.index], b.size, len(b.parts))
         remaining[b.index] = len(b.parts)
 
+    direct = {k: _is_direct(t) for k, t in tensors.items()} if zero_copy else {}
+
     async def job(part: PartPlan) -> None:
+        if zero_copy and all(direct[c.key] for c in part.chunks):
+            async with slots:
+                views, part_crcs = await _runtime.in_thread(direct_views, part, tensors)
+                for c, v in zip(part.chunks, part_crcs):
+                    crcs[c] = v
+                await writers[part.blob].write_part_views(part.index, part.offset, views)
+                stats.add(part.size)
+        else:
+            await staged(part)
+        remaining[part.blob] -= 1
+        if remaining[part.blob] == 0:
+            await writers[part.blob].complete()
+            if len(plan.blobs[part.blob - plan.blobs[0].index].parts) > 1:
+                stats.add(0, 2)  # create + complete of the multipart upload
+            completed.append(part.blob)
+
+    async def staged(part: PartPlan) -> None:
         async with slots:
             buf = pool.take(part.size)
             try:
@@ -88,12 +154,6 @@ async def write_plan(
                 stats.add(part.size)
             finally:
                 pool.give(buf)
-        remaining[part.blob] -= 1
-        if remaining[part.blob] == 0:
-            await writers[part.blob].complete()
-            if len(plan.blobs[part.blob - plan.blobs[0].index].parts) > 1:
-                stats.add(0, 2)  # create + complete of the multipart upload
-            completed.append(part.blob)
 
     def _stage(part: PartPlan, buf: torch.Tensor) -> list[int]:
         out = stage_part(part, tensors, buf)

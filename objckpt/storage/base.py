@@ -51,6 +51,17 @@ class BlobWriter(abc.ABC):
     @abc.abstractmethod
     async def write_part(self, index: int, offset: int, data: memoryview) -> None: ...
 
+    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview]) -> None:
+        """Write one part given as consecutive buffers (e.g. straight from tensors).
+
+        Default: one buffer is passed through, several are joined (one copy);
+        backends with vectored writes override it.
+        """
+        if len(views) == 1:
+            await self.write_part(index, offset, views[0])
+        else:
+            await self.write_part(index, offset, memoryview(b"".join(views)))
+
     @abc.abstractmethod
     async def complete(self) -> None: ...
 
@@ -134,6 +145,21 @@ class ObjectStore(abc.ABC):
                 f"got {len(data)} of {len(out)}"
             )
         out[:] = data
+
+    async def get_range_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        """Fill consecutive buffers ``outs`` with the bytes from ``offset`` on (one request).
+
+        Lets one ranged GET land directly in several destinations (e.g. many small
+        tensors stored back to back).  The default reads into a scratch buffer
+        and copies; backends that can scatter natively override it.
+        """
+        total = sum(len(o) for o in outs)
+        scratch = memoryview(bytearray(total))
+        await self.get_range_into(key, offset, scratch)
+        pos = 0
+        for o in outs:
+            o[:] = scratch[pos : pos + len(o)]
+            pos += len(o)
 
     async def list_uploads(self, prefix: str) -> list[UploadInfo]:
         """Unfinished multipart uploads under ``prefix`` (none by default)."""

@@ -33,6 +33,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+_IOV_MAX = 1024
+
+
 class _LocalWriter(BlobWriter):
     def __init__(self, store: "LocalStore", key: str, size: int) -> None:
         self._store = store
@@ -52,6 +55,24 @@ class _LocalWriter(BlobWriter):
     async def write_part(self, index: int, offset: int, data: memoryview) -> None:
         try:
             await _runtime.in_thread(self._pwrite, offset, data)
+        except OSError as e:
+            raise StorageError(f"writing {self._key!r} at offset {offset}: {e}") from e
+
+    def _pwritev(self, offset: int, views: Sequence[memoryview]) -> None:
+        assert self._fd is not None
+        vs = [v.cast("B") if v.format != "B" else v for v in views if len(v)]
+        while vs:
+            n = os.pwritev(self._fd, vs[:_IOV_MAX], offset)
+            offset += n
+            while vs and n >= len(vs[0]):
+                n -= len(vs[0])
+                vs.pop(0)
+            if vs and n:
+                vs[0] = vs[0][n:]
+
+    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview]) -> None:
+        try:
+            await _runtime.in_thread(self._pwritev, offset, views)
         except OSError as e:
             raise StorageError(f"writing {self._key!r} at offset {offset}: {e}") from e
 
@@ -101,25 +122,41 @@ class LocalStore(ObjectStore):
         n = await self._read_into(key, offset, memoryview(buf))
         return bytes(buf[:n])
 
-    def _read_into_sync(self, key: str, offset: int, out: memoryview) -> int:
+    def _read_into_sync(self, key: str, offset: int, outs: list[memoryview]) -> int:
+        """Scatter-read with preadv: straight into every destination, no copy."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise not_found(key) from None
         try:
+            views = [o.cast("B") if o.format != "B" else o for o in outs if len(o)]
             got = 0
-            view = out.cast("B") if out.format != "B" else out
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], offset + got)
+            while views:
+                n = os.preadv(fd, views[:_IOV_MAX], offset + got)
                 if n == 0:
                     break
                 got += n
+                while views and n >= len(views[0]):  # drop what is filled
+                    n -= len(views[0])
+                    views.pop(0)
+                if views and n:
+                    views[0] = views[0][n:]
             return got
         finally:
             os.close(fd)
 
     async def _read_into(self, key: str, offset: int, out: memoryview) -> int:
-        return await _runtime.in_thread(self._read_into_sync, key, offset, out)
+        return await _runtime.in_thread(self._read_into_sync, key, offset, [out])
+
+    async def get_range_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        want = sum(len(o) for o in outs)
+        n = await _runtime.in_thread(self._read_into_sync, key, offset, list(outs))
+        if n != want:
+            from ..errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(
+                f"object {key!r} is truncated: wanted bytes {offset}..{offset + want}, got {n}"
+            )
 
     async def get_range_into(self, key: str, offset: int, out: memoryview) -> None:
         n = await self._read_into(key, offset, out)

@@ -465,8 +465,10 @@ class _S3App:
 
     async def op_HeadObject(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
         o = self._get(bucket, key)
-        resp = web.Response(headers=self._obj_headers(o))
+        resp = web.StreamResponse(headers=self._obj_headers(o))
         resp.content_length = len(o.data)  # HEAD: aiohttp sends the header, never a body
+        await resp.prepare(request)
+        await resp.write_eof()
         return resp
 
     async def op_GetObject(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.StreamResponse:
