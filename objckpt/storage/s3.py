@@ -188,32 +188,46 @@ class S3Store(ObjectStore):
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
         buf = bytearray(length)
-        n = await self._read_into(key, offset, memoryview(buf), allow_short=True)
+        n = await self._read_into(key, offset, [memoryview(buf)], allow_short=True)
         return bytes(buf[:n])
 
     async def get_range_into(self, key: str, offset: int, out: memoryview) -> None:
-        await self._read_into(key, offset, out, allow_short=False)
+        await self._read_into(key, offset, [out], allow_short=False)
 
-    async def _read_into(self, key: str, offset: int, out: memoryview, *, allow_short: bool) -> int:
-        if len(out) == 0:
+    async def get_range_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
+        await self._read_into(key, offset, list(outs), allow_short=False)
+
+    async def _read_into(self, key: str, offset: int, outs: list[memoryview], *, allow_short: bool) -> int:
+        """One ranged GET streamed piecewise into ``outs`` (consecutive buffers):
+        each received chunk is copied once, straight to where it belongs."""
+        views = [o if o.format == "B" else o.cast("B") for o in outs if len(o)]
+        total = sum(len(v) for v in views)
+        if total == 0:
             return 0
-        view = out if out.format == "B" else out.cast("B")
         client = await self.client()
-        got = 0
+        got = 0  # bytes delivered so far, across views
+        vi, vpos = 0, 0  # current view and position in it
         attempt = 0
         while True:
             try:
-                end = offset + len(view) - 1
-                r = await self.call(client.get_object, Bucket=self.bucket, Key=key, Range=f"bytes={offset + got}-{end}")
+                rng = f"bytes={offset + got}-{offset + total - 1}"
+                r = await self.call(client.get_object, Bucket=self.bucket, Key=key, Range=rng)
                 async with r["Body"] as body:
                     stream = body._raw_stream.content if hasattr(body, "_raw_stream") else None
-                    while got < len(view):
+                    while got < total:
                         chunk = await (stream.readany() if stream is not None else body.read(1 << 20))
                         if not chunk:
                             break
-                        n = min(len(chunk), len(view) - got)
-                        view[got : got + n] = chunk[:n]
-                        got += n
+                        mv = memoryview(chunk)
+                        while len(mv) and vi < len(views):
+                            v = views[vi]
+                            n = min(len(mv), len(v) - vpos)
+                            v[vpos : vpos + n] = mv[:n]
+                            mv = mv[n:]
+                            vpos += n
+                            got += n
+                            if vpos == len(v):
+                                vi, vpos = vi + 1, 0
                 break
             except Exception as e:
                 if _is_missing(e):
@@ -224,9 +238,9 @@ class S3Store(ObjectStore):
                 if attempt >= self.max_attempts or isinstance(e, StorageError):
                     raise StorageError(f"reading s3://{self.bucket}/{key} at {offset + got}: {e}") from e
                 await asyncio.sleep(min(5.0, 0.1 * 2 ** attempt) * random.random())
-        if got != len(view) and not allow_short:
+        if got != total and not allow_short:
             raise CorruptCheckpointError(
-                f"object s3://{self.bucket}/{key} is truncated: wanted bytes {offset}..{offset + len(view)}, got {got}"
+                f"object s3://{self.bucket}/{key} is truncated: wanted bytes {offset}..{offset + total}, got {got}"
             )
         return got
 
