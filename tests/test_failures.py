@@ -100,3 +100,25 @@ def test_server_side_error_over_http(fast_endpoint: str) -> None:
         objckpt.inspect(f"s3://{bucket}/x", storage_options=opts)
     real, _ = open_store(f"s3://{bucket}", opts)
     assert _keys(real, "x") == []
+
+
+def test_throttling_and_server_errors_are_retried(fast_endpoint: str) -> None:
+    """503 SlowDown and 500 on parts and ranged GETs are retried with backoff; the result is exact."""
+    import urllib.request
+
+    from conftest import make_bucket, s3_options
+
+    bucket = make_bucket(fast_endpoint)
+    opts = s3_options(fast_endpoint)
+    sd = _state(8)
+
+    def fail(op: str, status: int, count: int) -> None:
+        url = f"{fast_endpoint}/_objckpt/fail?op={op}&count={count}&status={status}"
+        urllib.request.urlopen(urllib.request.Request(url, method="POST")).read()
+
+    fail("UploadPart", 503, 2)
+    fail("CompleteMultipartUpload", 500, 1)
+    objckpt.save(sd, f"s3://{bucket}/r", storage_options=opts, part_size=5 << 20)
+    fail("GetObject", 503, 3)
+    back = objckpt.read(f"s3://{bucket}/r", storage_options=opts)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)

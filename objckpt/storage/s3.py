@@ -40,6 +40,27 @@ def _status(e: BaseException) -> int:
     return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
 
+_RETRY_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
+}
+
+
+def _retryable(e: BaseException) -> bool:
+    """Throttling, server errors and broken connections; never 4xx client errors."""
+    cause = e.__cause__ if isinstance(e, StorageError) and e.__cause__ is not None else e
+    if _code(cause) in _RETRY_CODES:
+        return True
+    status = _status(cause)
+    if status == 429 or status >= 500:
+        return True
+    if status:
+        return False
+    from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
+
+    return isinstance(cause, (BotoConnectionError, HTTPClientError, ConnectionError, asyncio.TimeoutError))
+
+
 def _is_missing(e: BaseException) -> bool:
     return _code(e) in ("NoSuchKey", "404", "NotFound") or _status(e) == 404
 
@@ -69,13 +90,12 @@ class _S3Writer(BlobWriter):
             return self._upload_id
 
     async def write_part(self, index: int, offset: int, data: memoryview) -> None:
-        client = await self._s.client()
         if self._single:
-            await self._s.call(client.put_object, Bucket=self._s.bucket, Key=self._key, Body=_body(data))
+            await self._s.call_with_body("put_object", Bucket=self._s.bucket, Key=self._key, Body=_body(data))
             return
         upload_id = await self._ensure_upload()
-        r = await self._s.call(
-            client.upload_part, Bucket=self._s.bucket, Key=self._key, UploadId=upload_id,
+        r = await self._s.call_with_body(
+            "upload_part", Bucket=self._s.bucket, Key=self._key, UploadId=upload_id,
             PartNumber=index + 1, Body=_body(data),
         )
         self._etags[index] = r["ETag"]
@@ -118,53 +138,85 @@ class S3Store(ObjectStore):
         self.max_attempts = int(options.pop("max_attempts", 8))
         self._options = options
         self._client: Any = None
-        self._client_cm: Any = None
+        self._body_client: Any = None
+        self._client_cms: list[Any] = []
         self._lock: Optional[asyncio.Lock] = None
         _runtime.on_reset(self._forget)
 
     def _forget(self) -> None:
-        self._client = self._client_cm = self._lock = None
+        self._client = self._body_client = self._lock = None
+        self._client_cms = []
 
     async def client(self) -> Any:
-        if self._client is not None:
-            return self._client
+        """The client for calls without a body: botocore retries them itself."""
+        if self._client is None:
+            await self._ensure_clients()
+        return self._client
+
+    async def body_client(self) -> Any:
+        """The client for calls that send a body (PutObject, UploadPart).
+
+        botocore can only retry a body it can rewind, and our bodies are
+        zero-copy memoryviews, so this client makes one attempt and
+        :meth:`call_with_body` does the retrying (same policy: exponential
+        backoff with full jitter on throttling, 5xx and connection errors).
+        """
+        if self._body_client is None:
+            await self._ensure_clients()
+        return self._body_client
+
+    async def _ensure_clients(self) -> None:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             if self._client is None:
-                from aiobotocore.config import AioConfig
-                from aiobotocore.session import get_session
+                self._client, cm1 = await self._make_client(self.max_attempts)
+                self._body_client, cm2 = await self._make_client(1)
+                self._client_cms = [cm1, cm2]
 
-                opts = dict(self._options)
-                kwargs = {k: opts.pop(k) for k in _CLIENT_KEYS if k in opts}
-                if "region_name" not in kwargs and not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
-                    kwargs["region_name"] = "us-east-1"
-                addressing = opts.pop("addressing_style", "path" if kwargs.get("endpoint_url") else "auto")
-                cfg = dict(
-                    retries={"max_attempts": self.max_attempts, "mode": "standard"},
-                    max_pool_connections=max(self.concurrency * 2, 16),
-                    connect_timeout=float(opts.pop("connect_timeout", 10)),
-                    read_timeout=float(opts.pop("read_timeout", 60)),
-                    s3={"addressing_style": addressing, "payload_signing_enabled": False},
-                    parameter_validation=False,
-                )
-                try:
-                    cfg["request_checksum_calculation"] = "when_required"
-                    cfg["response_checksum_validation"] = "when_required"
-                    config = AioConfig(**cfg)
-                except TypeError:  # older botocore without flexible checksums
-                    cfg.pop("request_checksum_calculation")
-                    cfg.pop("response_checksum_validation")
-                    config = AioConfig(**cfg)
-                session = get_session()
-                if "profile" in opts:
-                    session.set_config_variable("profile", opts.pop("profile"))
-                if opts:
-                    raise ValueError(f"unknown S3 storage_options: {sorted(opts)}")
-                cm = session.create_client("s3", config=config, **kwargs)
-                self._client = await cm.__aenter__()
-                self._client_cm = cm
-        return self._client
+    async def _make_client(self, max_attempts: int) -> tuple[Any, Any]:
+        from aiobotocore.config import AioConfig
+        from aiobotocore.session import get_session
+
+        opts = dict(self._options)
+        kwargs = {k: opts.pop(k) for k in _CLIENT_KEYS if k in opts}
+        if "region_name" not in kwargs and not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
+            kwargs["region_name"] = "us-east-1"
+        addressing = opts.pop("addressing_style", "path" if kwargs.get("endpoint_url") else "auto")
+        cfg: dict[str, Any] = dict(
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
+            max_pool_connections=max(self.concurrency * 2, 16),
+            connect_timeout=float(opts.pop("connect_timeout", 10)),
+            read_timeout=float(opts.pop("read_timeout", 60)),
+            s3={"addressing_style": addressing, "payload_signing_enabled": False},
+            parameter_validation=False,
+        )
+        try:
+            config = AioConfig(
+                **cfg, request_checksum_calculation="when_required", response_checksum_validation="when_required"
+            )
+        except TypeError:  # older botocore without flexible checksums
+            config = AioConfig(**cfg)
+        session = get_session()
+        if "profile" in opts:
+            session.set_config_variable("profile", opts.pop("profile"))
+        if opts:
+            raise ValueError(f"unknown S3 storage_options: {sorted(opts)}")
+        cm = session.create_client("s3", config=config, **kwargs)
+        return await cm.__aenter__(), cm
+
+    async def call_with_body(self, op: str, **kw: Any) -> Any:
+        client = await self.body_client()
+        fn = getattr(client, op)
+        attempt = 0
+        while True:
+            try:
+                return await self.call(fn, **kw)
+            except Exception as e:
+                attempt += 1
+                if attempt >= self.max_attempts or not _retryable(e):
+                    raise
+                await asyncio.sleep(random.random() * min(20.0, 0.1 * 2 ** attempt))
 
     async def call(self, fn: Any, **kw: Any) -> Any:
         """One API call; errors other than the ones callers map become StorageError."""
@@ -245,12 +297,11 @@ class S3Store(ObjectStore):
         return got
 
     async def put(self, key: str, data: memoryview | bytes, *, if_absent: bool = False) -> None:
-        client = await self.client()
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": _body(memoryview(data))}
         if if_absent:
             kw["IfNoneMatch"] = "*"
         try:
-            await self.call(client.put_object, **kw)
+            await self.call_with_body("put_object", **kw)
         except Exception as e:
             if if_absent and _is_precondition(e):
                 raise PreconditionFailed(f"object s3://{self.bucket}/{key} already exists") from None
@@ -316,8 +367,9 @@ class S3Store(ObjectStore):
                 raise
 
     async def close(self) -> None:
-        cm, self._client_cm, self._client = self._client_cm, None, None
-        if cm is not None:
+        cms, self._client_cms = self._client_cms, []
+        self._client = self._body_client = None
+        for cm in cms:
             await cm.__aexit__(None, None, None)
 
     def describe(self) -> str:
