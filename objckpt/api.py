@@ -158,13 +158,20 @@ async def _save(
         await store.put(mkey, data, if_absent=not overwrite)
         stats.add(len(data))
     except BaseException as e:
-        try:
-            await store.delete(keys)
-        except Exception:
-            pass
-        if isinstance(e, PreconditionFailed):
-            raise CheckpointExistsError(f"another writer committed a checkpoint at {uri!r} first") from None
-        raise
+        # The PUT may have landed even though we saw an error (a lost reply, then
+        # a retry answered 412): look before deleting anything a manifest may
+        # point to.
+        committed = await _committed_attempt(store, mkey)
+        if committed != attempt:
+            if committed != "?":  # ours is certainly not referenced: remove its blobs
+                try:
+                    await store.delete(keys)
+                except Exception:
+                    pass  # unreferenced: gc sweeps them
+            if isinstance(e, PreconditionFailed):
+                raise CheckpointExistsError(f"another writer committed a checkpoint at {uri!r} first") from None
+            raise
+        stats.add(len(data))
     if old is not None:  # the replaced checkpoint's blobs are garbage now
         live = set(names)
         stale = [layout.join(prefix, b.name) for b in old.blobs if b.name not in live]
@@ -176,6 +183,16 @@ async def _save(
         uri, sum(b.size for b in plan.blobs), time.perf_counter() - t0, stats.requests,
         len(col.tensors), len(plan.blobs), len(data),
     )
+
+
+async def _committed_attempt(store: ObjectStore, mkey: str) -> Optional[str]:
+    """The attempt id of the manifest now at ``mkey``; None if absent, "?" if unknown."""
+    try:
+        return decode(await store.get(mkey), mkey).attempt
+    except NotFoundError:
+        return None
+    except Exception:
+        return "?"
 
 
 def _check_metadata(metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
@@ -261,11 +278,18 @@ def _direct_ok(t: torch.Tensor) -> bool:
 
 
 def _check_coverage(entry: TensorEntry) -> None:
-    total = sum(c.length for c in entry.chunks)
-    want = entry.numel * itemsize(dtype_from_name(entry.dtype, entry.key))
-    if total != want:
+    """The chunks tile the tensor exactly: no gap (uninitialised bytes), no overlap."""
+    if len(entry.shape) == 0:
+        ok = len(entry.chunks) == 1 and entry.chunks[0].length == itemsize(dtype_from_name(entry.dtype, entry.key))
+    elif entry.numel == 0:
+        ok = all(c.length == 0 for c in entry.chunks)
+    else:
+        rows = sorted((c.offsets[0], c.offsets[0] + c.shape[0]) for c in entry.chunks if c.shape[0])
+        ok = bool(rows) and rows[0][0] == 0 and rows[-1][1] == entry.shape[0]
+        ok = ok and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    if not ok:
         raise CorruptCheckpointError(
-            f"tensor {entry.key!r}: chunks hold {total} bytes, its shape {list(entry.shape)} needs {want}"
+            f"tensor {entry.key!r}: its chunks do not cover shape {list(entry.shape)} exactly once"
         )
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .errors import UnsupportedValueError
 from .format.dtypes import dtype_name
-from .format.tree import _child_key, encode_tree
+from .format.tree import _child_key, encode_tree, iter_leaves
 
 
 @dataclass
@@ -68,6 +68,14 @@ def collect(state: Any, *, allow_pickle: bool = False) -> Collected:
                 first[ident] = key
 
     tree = encode_tree(state, on_tensor, allow_pickle=allow_pickle)
+    seen: set[str] = set()
+    for key, _ in iter_leaves(tree):
+        if key in seen or key == "":
+            raise UnsupportedValueError(
+                f"two entries flatten to the same key {key!r} (e.g. 1 and '1', or 'a.b' and a/b)"
+                if key else "an entry has an empty key; give it a name"
+            )
+        seen.add(key)
     return Collected(tree, tensors, alias_of)
 
 

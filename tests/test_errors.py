@@ -141,3 +141,29 @@ def test_unsupported_values_name_the_key(tmp_path: Any, value: Any, pattern: str
 def test_metadata_must_be_json(tmp_path: Any) -> None:
     with pytest.raises(TypeError, match="metadata"):
         objckpt.save({"a": torch.zeros(1)}, str(tmp_path / "m"), metadata={"x": object()})
+
+
+@pytest.mark.parametrize("state", [{1: 1, "1": 2}, {"a.b": 1, "a": {"b": torch.ones(1)}}, {"": torch.ones(1)}])
+def test_colliding_or_empty_keys(tmp_path: Any, state: Any) -> None:
+    with pytest.raises(objckpt.UnsupportedValueError, match="key"):
+        objckpt.save(state, str(tmp_path / "c"))
+
+
+def test_lost_commit_reply_is_not_mistaken_for_a_race(tmp_path: Any) -> None:
+    """The manifest PUT lands but its reply is lost and the retry sees 412: the save
+    succeeded and its blobs must stay."""
+    from objckpt.errors import PreconditionFailed
+    from objckpt.storage import open_store
+    from objckpt.storage.wrappers import CountingStore
+
+    real, _ = open_store(str(tmp_path / "c"))
+
+    class LostReply(CountingStore):
+        async def put(self, key: str, data: Any, *, if_absent: bool = False) -> None:
+            await super().put(key, data, if_absent=if_absent)
+            if key.endswith("manifest.json"):
+                raise PreconditionFailed("retry of a PUT that had landed")
+
+    sd = {"w": torch.randn(50, 4)}
+    objckpt.save(sd, str(tmp_path / "c"), store=LostReply(real))
+    assert torch.equal(objckpt.read(str(tmp_path / "c"))["w"], sd["w"])

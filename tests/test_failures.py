@@ -10,6 +10,7 @@ import objckpt
 from objckpt.storage import open_store
 from objckpt.storage.wrappers import CountingStore, FaultyStore
 from objckpt import _runtime
+from objckpt.format.manifest import Manifest, encode
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -75,7 +76,8 @@ def test_concurrent_commit_loses_cleanly(tmp_path: Any) -> None:
         async def put(self, key: str, data: Any, *, if_absent: bool = False) -> None:
             if key.endswith("manifest.json") and not self.ops["raced"]:
                 self.ops["raced"] += 1
-                await real.put(key, b"{}", if_absent=True)  # someone else commits first
+                other = encode(Manifest(tensors={}, blobs=[], tree={}, attempt="someone-else"))
+                await real.put(key, other, if_absent=True)  # someone else commits first
             await super().put(key, data, if_absent=if_absent)
 
     with pytest.raises(objckpt.CheckpointExistsError, match="another writer"):

@@ -133,12 +133,22 @@ def _need(cond: bool, where: str, what: str) -> None:
         raise CorruptCheckpointError(f"manifest {where}: {what}")
 
 
+def _int(v: Any, lo: int = 0, hi: Optional[int] = None) -> bool:
+    """A real JSON integer (not a bool) within [lo, hi]."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+
+
 def _int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    return isinstance(v, list) and all(_int(x) for x in v)
 
 
 def decode(data: bytes, where: str = "<manifest>") -> Manifest:
-    """Parse and check a manifest.  ``where`` names it in errors."""
+    """Parse and check a manifest.  ``where`` names it in errors.
+
+    Everything a reader later trusts (offsets, lengths, shapes, aliases) is
+    checked here, so a damaged or hostile manifest fails with
+    :class:`CorruptCheckpointError` instead of reading the wrong bytes.
+    """
     if data[:4] == ZSTD_MAGIC:
         try:
             data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
@@ -151,65 +161,74 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     _need(isinstance(obj, dict), where, "top level is not an object")
     _need(obj.get("format") == FORMAT_NAME, where, f"'format' is {obj.get('format')!r}, not {FORMAT_NAME!r}")
     version = obj.get("format_version")
-    _need(isinstance(version, int), where, "'format_version' missing or not an integer")
+    _need(_int(version, lo=-(2**63)), where, "'format_version' missing or not an integer")
     if version > FORMAT_VERSION or version < 1:
         raise UnsupportedFormatError(
             f"manifest {where} has format_version {version}; this objckpt release reads "
             f"version {FORMAT_VERSION} — upgrade objckpt to read it"
         )
-    try:
-        blobs_raw = obj["blobs"]
-        _need(isinstance(blobs_raw, list), where, "'blobs' is not a list")
-        blobs = []
-        for i, b in enumerate(blobs_raw):
-            _need(isinstance(b, dict) and isinstance(b.get("name"), str), where, f"blob #{i} malformed")
-            _need(isinstance(b.get("size"), int) and b["size"] >= 0, where, f"blob #{i} size malformed")
-            blobs.append(Blob(b["name"], b["size"], int(b.get("rank", 0))))
-        tensors: dict[str, TensorEntry] = {}
-        traw = obj["tensors"]
-        _need(isinstance(traw, dict), where, "'tensors' is not an object")
-        for k, t in traw.items():
-            _need(isinstance(t, dict), where, f"tensor {k!r} malformed")
-            _need(isinstance(t.get("dtype"), str), where, f"tensor {k!r}: dtype missing")
-            _need(_int_list(t.get("shape")), where, f"tensor {k!r}: shape malformed")
-            entry = TensorEntry(k, t["dtype"], tuple(t["shape"]), alias_of=t.get("alias_of"))
-            if entry.alias_of is None:
-                _need(isinstance(t.get("chunks"), list), where, f"tensor {k!r}: chunks missing")
-                for j, c in enumerate(t["chunks"]):
-                    ok = (
-                        isinstance(c, dict)
-                        and _int_list(c.get("offsets"))
-                        and _int_list(c.get("shape"))
-                        and len(c["offsets"]) == len(entry.shape) == len(c["shape"])
-                        and isinstance(c.get("blob"), int)
-                        and 0 <= c["blob"] < len(blobs)
-                        and isinstance(c.get("offset"), int)
-                        and isinstance(c.get("length"), int)
-                        and isinstance(c.get("crc32c"), int)
-                        and c["offset"] >= 0
-                        and c["offset"] + c["length"] <= blobs[c["blob"]].size
-                    )
-                    _need(ok, where, f"tensor {k!r}: chunk #{j} malformed")
-                    entry.chunks.append(
-                        Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"])
-                    )
-            tensors[k] = entry
-        for k, t in tensors.items():
-            if t.alias_of is not None:
-                _need(t.alias_of in tensors and tensors[t.alias_of].alias_of is None, where,
-                      f"tensor {k!r}: alias_of {t.alias_of!r} does not name a stored tensor")
-        meta = obj.get("metadata") or {}
-        _need(isinstance(meta, dict), where, "'metadata' is not an object")
-        return Manifest(
-            tensors=tensors,
-            blobs=blobs,
-            tree=obj.get("tree"),
-            metadata=meta,
-            attempt=str(obj.get("attempt", "")),
-            world_size=int(obj.get("world_size", 1)),
-            created=float(obj.get("created", 0.0)),
-            writer=str(obj.get("writer", "")),
-            format_version=version,
-        )
-    except KeyError as e:
-        raise CorruptCheckpointError(f"manifest {where}: required field {e} missing") from None
+    for name in ("blobs", "tensors"):
+        _need(name in obj, where, f"required field '{name}' missing")
+    blobs_raw = obj["blobs"]
+    _need(isinstance(blobs_raw, list), where, "'blobs' is not a list")
+    blobs = []
+    for i, b in enumerate(blobs_raw):
+        _need(isinstance(b, dict) and isinstance(b.get("name"), str) and b["name"], where, f"blob #{i}: name malformed")
+        _need(_int(b.get("size")), where, f"blob #{i}: size malformed")
+        _need(_int(b.get("rank", 0)), where, f"blob #{i}: rank malformed")
+        blobs.append(Blob(b["name"], b["size"], b.get("rank", 0)))
+    tensors: dict[str, TensorEntry] = {}
+    traw = obj["tensors"]
+    _need(isinstance(traw, dict), where, "'tensors' is not an object")
+    for k, t in traw.items():
+        _need(isinstance(t, dict), where, f"tensor {k!r} malformed")
+        _need(isinstance(t.get("dtype"), str), where, f"tensor {k!r}: dtype missing")
+        _need(_int_list(t.get("shape")), where, f"tensor {k!r}: shape malformed")
+        alias = t.get("alias_of")
+        _need(alias is None or isinstance(alias, str), where, f"tensor {k!r}: alias_of malformed")
+        _need(alias is None or "chunks" not in t, where, f"tensor {k!r}: has both chunks and alias_of")
+        entry = TensorEntry(k, t["dtype"], tuple(t["shape"]), alias_of=alias)
+        if alias is None:
+            _need(isinstance(t.get("chunks"), list), where, f"tensor {k!r}: chunks missing")
+            for j, c in enumerate(t["chunks"]):
+                ok = (
+                    isinstance(c, dict)
+                    and _int_list(c.get("offsets"))
+                    and _int_list(c.get("shape"))
+                    and len(c["offsets"]) == len(entry.shape) == len(c["shape"])
+                    and all(o + n <= d for o, n, d in zip(c["offsets"], c["shape"], entry.shape))
+                    and _int(c.get("blob"), 0, len(blobs) - 1)
+                    and _int(c.get("offset"))
+                    and _int(c.get("length"))
+                    and _int(c.get("crc32c"), 0, 2**32 - 1)
+                    and c["offset"] + c["length"] <= blobs[c["blob"]].size
+                )
+                _need(ok, where, f"tensor {k!r}: chunk #{j} malformed")
+                entry.chunks.append(
+                    Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"])
+                )
+        tensors[k] = entry
+    for k, t in tensors.items():
+        if t.alias_of is not None:
+            target = tensors.get(t.alias_of)
+            _need(target is not None and target.alias_of is None, where,
+                  f"tensor {k!r}: alias_of {t.alias_of!r} does not name a stored tensor")
+            _need(target.dtype == t.dtype and target.shape == t.shape, where,  # type: ignore[union-attr]
+                  f"tensor {k!r}: alias of {t.alias_of!r} with a different dtype or shape")
+    meta = obj.get("metadata", {})
+    _need(isinstance(meta, dict), where, "'metadata' is not an object")
+    world = obj.get("world_size", 1)
+    _need(_int(world, lo=1), where, "'world_size' malformed")
+    created = obj.get("created", 0.0)
+    _need(isinstance(created, (int, float)) and not isinstance(created, bool), where, "'created' malformed")
+    return Manifest(
+        tensors=tensors,
+        blobs=blobs,
+        tree=obj.get("tree"),
+        metadata=meta,
+        attempt=str(obj.get("attempt", "")),
+        world_size=world,
+        created=float(created),
+        writer=str(obj.get("writer", "")),
+        format_version=version,
+    )

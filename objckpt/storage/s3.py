@@ -78,16 +78,22 @@ class _S3Writer(BlobWriter):
         self._key = key
         self._single = num_parts <= 1
         self._upload_id: Optional[str] = None
-        self._create_lock = asyncio.Lock()
+        self._create: Optional["asyncio.Future[str]"] = None
         self._etags: dict[int, str] = {}
 
     async def _ensure_upload(self) -> str:
-        async with self._create_lock:
-            if self._upload_id is None:
+        # The create runs as its own task, shielded: if the caller is cancelled
+        # mid-request the upload may still be created server-side, and abort()
+        # must learn its id to clean it up.
+        if self._create is None:
+            async def create() -> str:
                 client = await self._s.client()
                 r = await self._s.call(client.create_multipart_upload, Bucket=self._s.bucket, Key=self._key)
-                self._upload_id = r["UploadId"]
-            return self._upload_id
+                return str(r["UploadId"])
+
+            self._create = asyncio.ensure_future(create())
+        self._upload_id = await asyncio.shield(self._create)
+        return self._upload_id
 
     async def write_part(self, index: int, offset: int, data: memoryview) -> None:
         if self._single:
@@ -114,12 +120,16 @@ class _S3Writer(BlobWriter):
         )
 
     async def abort(self) -> None:
-        if self._upload_id is not None:
+        if self._create is not None:
             try:
-                await self._s.abort_upload(UploadInfo(self._key, self._upload_id))
+                upload_id = await self._create
+                await self._s.abort_upload(UploadInfo(self._key, upload_id))
             except Exception:
                 pass  # gc will find it
-        elif self._single:
+        # a single PUT cancelled in flight may still land: delete it (absent is fine)
+        try:
+            await self._s.delete([self._key])
+        except Exception:
             pass
 
 

@@ -31,6 +31,7 @@ import base64
 import email.utils
 import itertools
 import json
+import signal
 import socket
 import sys
 import threading
@@ -680,9 +681,15 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     async def run() -> None:
         runner = await _serve(state, sock)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # clean exit on terminate() (SIGINT may be ignored in bg jobs)
+            try:
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # e.g. Windows
+                pass
         print(f"http://{args.host}:{sock.getsockname()[1]}", flush=True)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await runner.cleanup()
 
