@@ -130,3 +130,16 @@ def test_pickle_needs_opt_in_both_ways(tmp_path: Any) -> None:
     with pytest.raises(objckpt.UnsupportedValueError, match="allow_pickle"):
         objckpt.read(uri)
     assert objckpt.read(uri, allow_pickle=True)["f"] == fractions.Fraction(1, 3)
+
+
+def test_s3_settings_from_standard_aws_environment(moto_s3: tuple[str, dict[str, Any]],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket, opts = moto_s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    sd = {"w": torch.randn(8, 8)}
+    objckpt.save(sd, f"s3://{bucket}/env/ck")  # no storage_options at all
+    assert torch.equal(objckpt.read(f"s3://{bucket}/env/ck")["w"], sd["w"])
+    assert torch.equal(objckpt.read(f"s3://{bucket}/env/ck", storage_options=opts)["w"], sd["w"])

@@ -192,7 +192,9 @@ class S3Store(ObjectStore):
         kwargs = {k: opts.pop(k) for k in _CLIENT_KEYS if k in opts}
         if "region_name" not in kwargs and not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
             kwargs["region_name"] = "us-east-1"
-        addressing = opts.pop("addressing_style", "path" if kwargs.get("endpoint_url") else "auto")
+        custom = kwargs.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        # S3-compatible servers (MinIO, moto, on-prem) rarely do virtual-host buckets
+        addressing = opts.pop("addressing_style", "path" if custom else "auto")
         cfg: dict[str, Any] = dict(
             retries={"total_max_attempts": max_attempts, "mode": "standard"},
             max_pool_connections=max(self.concurrency * 2, 16),
