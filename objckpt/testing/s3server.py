@@ -1,45 +1,44 @@
-"""A small, fast, in-memory S3-compatible HTTP server -- a BENCHMARK AND TEST TARGET ONLY.
+"""In-memory S3-compatible HTTP server: a BENCHMARK AND TEST TARGET ONLY, not a store.
 
-Not a production store: nothing is persisted, nothing is authenticated, ETags
-are NOT MD5 digests (a cheap counter, so the server never hashes payloads),
-Content-MD5 / x-amz-checksum-* headers are ignored, aws-chunked bodies are
-refused, and there is no versioning, ACL, encryption or lifecycle.
+Nothing is persisted or authenticated (SigV4 headers are ignored); ETags are a
+counter, NOT MD5 digests; Content-MD5 / x-amz-checksum-* are not verified;
+aws-chunked bodies get 501; no versioning, ACLs, encryption or lifecycle.
 
-Why it exists: moto ingests multipart parts at ~50 MB/s (it hashes parts and
-reassembles serially) and reads whole objects per ranged GET, so behind moto
-every client looks equally slow.  This server keeps objects as immutable
-``bytes`` and answers ranged GETs from a ``memoryview`` slice, so the numbers a
-benchmark sees are the client's.  Run it in a separate process
-(``python -m objckpt.testing.s3server --port 0``; the first stdout line is the
-endpoint URL) so that its CPU time is not charged to the client.
+Why: moto ingests multipart parts at ~50 MB/s and reads whole objects per
+ranged GET, so behind moto every client looks equally slow.  Here object bytes
+are never copied after aiohttp parsed them: a body stays the list of chunks it
+arrived in, completing an upload concatenates the parts' chunk lists, and a
+ranged GET writes memoryview slices of those chunks.  For benchmarks run it in
+its own process (``python -m objckpt.testing.s3server --port 0``, or this file
+as a script, which skips importing torch) so its CPU is not charged to the
+client; the first stdout line is the endpoint URL.  Path-style addressing only.
 
-Path-style addressing only (``http://127.0.0.1:PORT/bucket/key``).  Control
-endpoints (never counted in the stats):
-
-* ``GET  /_objckpt/stats``        -> ``{"requests": {...}, "ops": {...}, "bytes_in": n, "bytes_out": n}``
-* ``POST /_objckpt/reset_stats``  -> zero the counters
-* ``POST /_objckpt/reset``        -> drop all buckets, objects, uploads; zero the counters
-* ``POST /_objckpt/fail?op=UploadPart&count=N&status=500`` -> the next N such
-  operations (``op=*``: any operation) fail with an S3 XML error
-  (500 InternalError, 503 SlowDown, else ``code=`` or InjectedFault).
+Control endpoints, never counted in the stats:
+``GET /_objckpt/stats`` -> ``{"requests": {"GET": n, ...}, "ops": {"UploadPart": n, ...},
+"bytes_in": n, "bytes_out": n}`` (object bytes of PutObject/UploadPart in, GetObject out);
+``POST /_objckpt/reset_stats``; ``POST /_objckpt/reset`` (drop everything, zero stats);
+``POST /_objckpt/fail?op=UploadPart&count=N&status=500``: the next N such operations
+(``op=*``: any) fail after reading their body, with an S3 XML error (500 InternalError,
+503 SlowDown, else ``&code=`` or InjectedFault).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import base64
+import bisect
+import ctypes
+import ctypes.util
 import email.utils
 import itertools
-import json
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 from urllib.parse import quote, unquote
 from xml.sax.saxutils import escape
 
@@ -47,26 +46,58 @@ from aiohttp import web
 
 Buffer = Union[bytes, bytearray]
 _NS = "http://s3.amazonaws.com/doc/2006-03-01/"
-_CHUNK = 1 << 20  # bytes per transport write: bounds the server's send buffer
-_DEFAULT_MIN_PART = 5 << 20  # S3's minimum size for every part but the last
-_BUCKET_SUBRESOURCES_UNSUPPORTED = frozenset(
-    "acl policy versioning versions tagging lifecycle cors website logging notification "
-    "replication encryption object-lock accelerate analytics inventory metrics "
-    "requestPayment ownershipControls publicAccessBlock intelligent-tiering".split()
-)
+_DEFAULT_MIN_PART = 5 << 20  # S3's minimum for every part but the last
+_UNSUPPORTED_BUCKET_SUBRESOURCES = frozenset(
+    "acl policy versions tagging lifecycle cors website logging notification replication "
+    "encryption object-lock accelerate analytics inventory metrics requestPayment ownershipControls "
+    "publicAccessBlock intelligent-tiering".split())
+_PRECONDITION = "At least one of the pre-conditions you specified did not hold"
 
 
 class S3Error(Exception):
-    """An S3 error answer: HTTP status plus the XML ``<Code>`` botocore maps to an exception."""
+    """An S3 error answer: HTTP status plus the XML ``<Code>`` that botocore maps to an exception."""
 
     def __init__(self, status: int, code: str, message: str = "", resource: str = "") -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status, self.code, self.message, self.resource = status, code, message or code, resource
 
 
+class _Data:
+    """Immutable object bytes kept as the chunks they arrived in.  Never joined:
+    completing a 1 GiB upload is O(parts) and does not double the server's memory."""
+
+    __slots__ = ("chunks", "starts", "size")
+
+    def __init__(self, chunks: List[Buffer]) -> None:
+        self.chunks = [c for c in chunks if len(c)]
+        self.starts = list(itertools.accumulate((len(c) for c in self.chunks[:-1]), initial=0))
+        self.size = self.starts[-1] + len(self.chunks[-1]) if self.chunks else 0
+
+    @classmethod
+    def concat(cls, parts: List["_Data"]) -> "_Data":
+        return cls([c for p in parts for c in p.chunks])
+
+    def views(self, start: int, end: int) -> Iterator[memoryview]:
+        """memoryview slices covering [start, end): no byte is copied."""
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while start < end and i < len(self.chunks):
+            c, s0 = self.chunks[i], self.starts[i]
+            lo, hi = start - s0, min(len(c), end - s0)
+            if hi > lo:
+                yield memoryview(c)[lo:hi]
+                start = s0 + hi
+            i += 1
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+_EMPTY = _Data([])
+
+
 @dataclass
 class _Obj:
-    data: Buffer
+    data: _Data
     etag: str
     mtime: float
     content_type: str = "binary/octet-stream"
@@ -90,8 +121,20 @@ class _Bucket:
     uploads: Dict[str, _Upload] = field(default_factory=dict)
 
 
+class _Ctx:
+    """One parsed request: what every operation handler needs."""
+
+    def __init__(self, request: web.Request, bucket: str, key: str, body: _Data) -> None:
+        self.request, self.bucket, self.key, self.body = request, bucket, key, body
+        self.q, self.headers = request.query, request.headers
+
+
 def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + ".%03dZ" % int((ts % 1) * 1000)
+
+
+def _el(tag: str, value: Any) -> str:
+    return f"<{tag}>{escape(str(value))}</{tag}>"
 
 
 def _xml(root: str, body: str) -> web.Response:
@@ -99,14 +142,10 @@ def _xml(root: str, body: str) -> web.Response:
     return web.Response(body=text.encode(), content_type="application/xml")
 
 
-def _el(tag: str, value: Any) -> str:
-    return f"<{tag}>{escape(str(value))}</{tag}>"
-
-
-def _parse_xml(body: Buffer) -> ET.Element:
+def _parse_xml(body: _Data) -> ET.Element:
     """Parse a request body, dropping namespaces so ``find('Part')`` works with or without xmlns."""
     try:
-        root = ET.fromstring(bytes(body))
+        root = ET.fromstring(body.tobytes())
     except ET.ParseError as e:
         raise S3Error(400, "MalformedXML", str(e)) from None
     for el in root.iter():
@@ -114,26 +153,23 @@ def _parse_xml(body: Buffer) -> ET.Element:
     return root
 
 
-def _meta_of(request: web.Request) -> Dict[str, str]:
-    return {k.lower(): v for k, v in request.headers.items() if k.lower().startswith("x-amz-meta-")}
+def _meta_of(r: _Ctx) -> Dict[str, str]:
+    return {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-amz-meta-")}
 
 
 def _parse_range(header: str, size: int) -> Optional[Tuple[int, int]]:
-    """(start, end_exclusive) for one ``bytes=`` range; None = serve everything
-    (no, malformed or multi-range header, as S3 does); S3Error 416 if unsatisfiable."""
-    if not header.startswith("bytes=") or "," in header:
-        return None
+    """(start, end_exclusive) of one ``bytes=`` range; None = whole object (no, malformed or
+    multi-range header: S3 ignores those); S3Error 416 when unsatisfiable."""
     first, sep, last = header[6:].strip().partition("-")
+    if not header.startswith("bytes=") or "," in header or not sep:
+        return None
     try:
-        if not sep:
-            return None
         if first == "":  # suffix: the last N bytes
             n = int(last)
             if n <= 0 or size == 0:
                 raise S3Error(416, "InvalidRange", "The requested range is not satisfiable")
             return max(0, size - n), size
-        start = int(first)
-        end = int(last) + 1 if last else size
+        start, end = int(first), (int(last) + 1 if last else size)
     except ValueError:
         return None
     if end <= start:
@@ -143,23 +179,52 @@ def _parse_range(header: str, size: int) -> Optional[Tuple[int, int]]:
     return start, min(end, size)
 
 
+def _op_name(method: str, r: _Ctx) -> str:
+    """Name the S3 operation as botocore does (also the fault-injection key)."""
+    q, copy = r.q, "x-amz-copy-source" in r.headers
+    if not r.bucket:
+        if method == "GET":
+            return "ListBuckets"
+    elif not r.key:
+        if method == "GET":
+            if any(s in q for s in _UNSUPPORTED_BUCKET_SUBRESOURCES):
+                raise S3Error(501, "NotImplemented", "bucket subresource not supported by this test server")
+            return ("ListMultipartUploads" if "uploads" in q else "GetBucketLocation" if "location" in q
+                    else "GetBucketVersioning" if "versioning" in q
+                    else "ListObjectsV2" if q.get("list-type") == "2" else "ListObjects")
+        if method == "POST" and "delete" in q:
+            return "DeleteObjects"
+        if method in ("HEAD", "DELETE") or (method == "PUT" and not q):
+            return {"PUT": "CreateBucket", "HEAD": "HeadBucket", "DELETE": "DeleteBucket"}[method]
+    elif method == "PUT":
+        if "partNumber" in q and "uploadId" in q:
+            if copy:
+                raise S3Error(501, "NotImplemented", "UploadPartCopy is not supported by this test server")
+            return "UploadPart"
+        return "CopyObject" if copy else "PutObject"
+    elif method in ("GET", "HEAD", "DELETE"):
+        return {"GET": ("ListParts", "GetObject"), "HEAD": ("HeadObject", "HeadObject"),
+                "DELETE": ("AbortMultipartUpload", "DeleteObject")}[method]["uploadId" not in q]
+    elif method == "POST" and ("uploads" in q or "uploadId" in q):
+        return "CreateMultipartUpload" if "uploads" in q else "CompleteMultipartUpload"
+    raise S3Error(405, "MethodNotAllowed", "The specified method is not allowed against this resource.")
+
+
 class _S3App:
-    """State and request handling; everything runs on one event loop, so no locks."""
+    """State and request handling.  Everything runs on one event loop, so no locks."""
 
     def __init__(self, min_part_size: int = _DEFAULT_MIN_PART, latency_s: float = 0.0) -> None:
-        self.min_part_size = min_part_size
-        self.latency_s = latency_s
+        self.min_part_size, self.latency_s = min_part_size, latency_s
         self.buckets: Dict[str, _Bucket] = {}
         self.faults: List[List[Any]] = []  # [op, remaining, status, code]
         self._etags = itertools.count(1)
         self.reset_stats()
 
-    # ---- control -------------------------------------------------------------
+    # ---- control (in-process via S3Server, or over HTTP) ------------------------------------
     def reset_stats(self) -> None:
         self.requests = {m: 0 for m in ("GET", "PUT", "POST", "HEAD", "DELETE")}
         self.ops: Dict[str, int] = {}
-        self.bytes_in = 0
-        self.bytes_out = 0
+        self.bytes_in = self.bytes_out = 0
 
     def reset(self) -> None:
         self.buckets.clear()
@@ -167,24 +232,26 @@ class _S3App:
         self.reset_stats()
 
     def stats(self) -> Dict[str, Any]:
-        return {"requests": dict(self.requests), "ops": dict(self.ops),
-                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+        return {"requests": dict(self.requests), "ops": dict(self.ops), "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out}
 
-    def add_fault(self, op: str, count: int = 1, status: int = 500, code: str = "") -> None:
-        code = code or {500: "InternalError", 503: "SlowDown"}.get(status, "InjectedFault")
-        self.faults.append([op, count, status, code])
+    def add_fault(self, op: str = "*", count: int = 1, status: int = 500, code: str = "") -> None:
+        if count > 0:
+            code = code or {500: "InternalError", 503: "SlowDown"}.get(status, "InjectedFault")
+            self.faults.append([op, count, status, code])
 
     def _check_fault(self, op: str) -> None:
         for f in self.faults:
-            if f[0] in (op, "*") and f[1] > 0:
+            if f[0] in (op, "*"):
                 f[1] -= 1
-                if f[1] == 0:
+                if f[1] <= 0:
                     self.faults.remove(f)
                 raise S3Error(f[2], f[3], f"injected fault for {op}")
 
     async def _control(self, request: web.Request, name: str) -> web.Response:
         if name == "stats":
             return web.json_response(self.stats())
+        q = request.query
         if request.method != "POST":
             raise S3Error(405, "MethodNotAllowed")
         if name == "reset_stats":
@@ -192,178 +259,144 @@ class _S3App:
         elif name == "reset":
             self.reset()
         elif name == "fail":
-            q = request.query
             self.add_fault(q.get("op", "*"), int(q.get("count", "1")), int(q.get("status", "500")), q.get("code", ""))
         else:
             raise S3Error(404, "NoSuchControl", name)
         return web.json_response({"ok": True})
 
-    # ---- plumbing --------------------------------------------------------------
-    def _etag(self) -> str:
-        return f'"{next(self._etags):032x}"'  # unique per write; deliberately not an MD5
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _etag(self, parts: int = 0) -> str:
+        """Unique per write; deliberately not an MD5 (hashing would cost ~1.5 s/GB)."""
+        return f'"{next(self._etags):032x}-{parts}"' if parts else f'"{next(self._etags):032x}"'
 
-    def _bucket(self, name: str) -> _Bucket:
-        b = self.buckets.get(name)
+    def _bucket(self, r: _Ctx) -> _Bucket:
+        b = self.buckets.get(r.bucket)
         if b is None:
-            raise S3Error(404, "NoSuchBucket", "The specified bucket does not exist", name)
+            raise S3Error(404, "NoSuchBucket", "The specified bucket does not exist", r.bucket)
         return b
 
-    def _upload(self, b: _Bucket, key: str, upload_id: str) -> _Upload:
-        up = b.uploads.get(upload_id)
-        if up is None or up.key != key:
-            raise S3Error(404, "NoSuchUpload", "The specified upload does not exist", upload_id)
-        return up
+    def _upload(self, r: _Ctx) -> Tuple[_Bucket, _Upload]:
+        b = self._bucket(r)
+        up = b.uploads.get(r.q["uploadId"])
+        if up is None or up.key != r.key:
+            raise S3Error(404, "NoSuchUpload", "The specified upload does not exist", r.q["uploadId"])
+        return b, up
+
+    def _object(self, r: _Ctx) -> _Obj:
+        o = self._bucket(r).objects.get(r.key)
+        if o is None:
+            raise S3Error(404, "NoSuchKey", "The specified key does not exist.", r.key)
+        return o
 
     @staticmethod
-    def _check_conditions(request: web.Request, existing: Optional[_Obj], key: str) -> None:
-        """Conditional writes: the commit protocol relies on ``If-None-Match: *``."""
-        inm = request.headers.get("If-None-Match")
-        if inm is not None and inm.strip() == "*" and existing is not None:
-            raise S3Error(412, "PreconditionFailed", "At least one of the pre-conditions you specified did not hold", key)
-        im = request.headers.get("If-Match")
+    def _check_conditions(r: _Ctx, existing: Optional[_Obj]) -> None:
+        """Conditional writes: objckpt's commit relies on ``If-None-Match: *``."""
+        if r.headers.get("If-None-Match", "").strip() == "*" and existing is not None:
+            raise S3Error(412, "PreconditionFailed", _PRECONDITION, r.key)
+        im = r.headers.get("If-Match")
         if im is not None:
             if existing is None:
-                raise S3Error(404, "NoSuchKey", "The specified key does not exist.", key)
+                raise S3Error(404, "NoSuchKey", "The specified key does not exist.", r.key)
             if im.strip() not in ("*", existing.etag):
-                raise S3Error(412, "PreconditionFailed", "At least one of the pre-conditions you specified did not hold", key)
+                raise S3Error(412, "PreconditionFailed", _PRECONDITION, r.key)
 
-    async def _read_body(self, request: web.Request) -> Buffer:
-        """The whole body as one buffer: chunks joined once (no zero-filled prealloc, no extra copy)."""
-        if ("aws-chunked" in request.headers.get("Content-Encoding", "")
-                or "x-amz-decoded-content-length" in request.headers):
+    @staticmethod
+    async def _read_body(request: web.Request) -> _Data:
+        """The body as the chunks aiohttp's parser produced, kept as they are."""
+        h = request.headers
+        if "aws-chunked" in h.get("Content-Encoding", "") or "x-amz-decoded-content-length" in h:
             raise S3Error(501, "NotImplemented", "aws-chunked bodies are not supported by this test server")
-        if not request.body_exists:
-            return b""
         chunks: List[bytes] = []
-        n = 0
-        while True:
+        while request.body_exists:
             c = await request.content.readany()
             if not c:
                 break
             chunks.append(c)
-            n += len(c)
-        if request.content_length is not None and n != request.content_length:
+        data = _Data(chunks)
+        if request.content_length is not None and data.size != request.content_length:
             raise S3Error(400, "IncompleteBody", "body shorter than Content-Length")
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return data
 
-    def _error(self, request: web.Request, e: S3Error) -> web.Response:
-        headers = {"x-amz-request-id": uuid.uuid4().hex[:16]}
-        if request.method == "HEAD":  # S3 sends no body to HEAD; botocore maps the bare status
-            return web.Response(status=e.status, headers=headers)
+    @staticmethod
+    def _error(request: web.Request, e: S3Error) -> web.Response:
+        rid = uuid.uuid4().hex[:16]
+        if request.method == "HEAD":  # S3 sends HEAD errors without a body; botocore maps the status
+            return web.Response(status=e.status, headers={"x-amz-request-id": rid})
         body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error>{_el("Code", e.code)}{_el("Message", e.message)}'
-                f'{_el("Resource", e.resource)}{_el("RequestId", headers["x-amz-request-id"])}</Error>')
-        return web.Response(status=e.status, body=body.encode(), content_type="application/xml", headers=headers)
+                f'{_el("Resource", e.resource)}{_el("RequestId", rid)}</Error>')
+        return web.Response(status=e.status, body=body.encode(), content_type="application/xml",
+                            headers={"x-amz-request-id": rid})
 
-    # ---- entry point ---------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        raw = request.raw_path.split("?", 1)[0]
-        if raw.startswith("/_objckpt/"):
-            try:
-                return await self._control(request, raw[len("/_objckpt/"):])
-            except S3Error as e:
-                return self._error(request, e)
-        method = request.method
-        self.requests[method] = self.requests.get(method, 0) + 1
-        bucket, _, key = raw[1:].partition("/")
-        bucket, key = unquote(bucket), unquote(key)
-        q = request.query
+        """The one route.  Decodes the raw path itself, so keys with ``..``, ``//`` or ``%`` survive."""
+        path = request.raw_path.split("?", 1)[0]
         try:
-            body = await self._read_body(request) if method in ("PUT", "POST") else b""
-            op = self._op(method, bucket, key, q, request)
-            if op in ("PutObject", "UploadPart"):
-                self.bytes_in += len(body)  # object data only, not XML request bodies
+            if path.startswith("/_objckpt/"):
+                return await self._control(request, path[len("/_objckpt/"):])
+            method = request.method
+            self.requests[method] = self.requests.get(method, 0) + 1
+            bucket, _, key = path[1:].partition("/")
+            body = await self._read_body(request) if method in ("PUT", "POST") else _EMPTY
+            r = _Ctx(request, unquote(bucket), unquote(key), body)
+            op = _op_name(method, r)
             self.ops[op] = self.ops.get(op, 0) + 1
+            if op in ("PutObject", "UploadPart"):
+                self.bytes_in += body.size
             if self.latency_s:
                 await asyncio.sleep(self.latency_s)
             self._check_fault(op)
-            return await getattr(self, "op_" + op)(request, bucket, key, body)
+            return await getattr(self, "op_" + op)(r)
         except S3Error as e:
             return self._error(request, e)
 
-    @staticmethod
-    def _op(method: str, bucket: str, key: str, q: Any, request: web.Request) -> str:
-        """Name the S3 operation the way botocore does (also the fault-injection key)."""
-        if not bucket:
-            if method == "GET":
-                return "ListBuckets"
-        elif not key:
-            if method == "GET":
-                if "uploads" in q:
-                    return "ListMultipartUploads"
-                if "location" in q:
-                    return "GetBucketLocation"
-                if any(s in q for s in _BUCKET_SUBRESOURCES_UNSUPPORTED):
-                    raise S3Error(501, "NotImplemented", "bucket subresource not supported by this test server")
-                return "ListObjectsV2" if q.get("list-type") == "2" else "ListObjects"
-            ops = {"PUT": "CreateBucket", "HEAD": "HeadBucket", "DELETE": "DeleteBucket"}
-            if method == "POST" and "delete" in q:
-                return "DeleteObjects"
-            if method in ops and not (method == "PUT" and q):
-                return ops[method]
-        elif method == "PUT":
-            if "partNumber" in q and "uploadId" in q:
-                if "x-amz-copy-source" in request.headers:
-                    raise S3Error(501, "NotImplemented", "UploadPartCopy is not supported by this test server")
-                return "UploadPart"
-            return "CopyObject" if "x-amz-copy-source" in request.headers else "PutObject"
-        elif method == "GET":
-            return "ListParts" if "uploadId" in q else "GetObject"
-        elif method == "HEAD":
-            return "HeadObject"
-        elif method == "DELETE":
-            return "AbortMultipartUpload" if "uploadId" in q else "DeleteObject"
-        elif method == "POST":
-            if "uploads" in q:
-                return "CreateMultipartUpload"
-            if "uploadId" in q:
-                return "CompleteMultipartUpload"
-        raise S3Error(405, "MethodNotAllowed", "The specified method is not allowed against this resource.")
-
-    # ---- buckets -------------------------------------------------------------
-    async def op_ListBuckets(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
+    # ---- buckets ----------------------------------------------------------------------------
+    async def op_ListBuckets(self, r: _Ctx) -> web.Response:
         items = "".join(f"<Bucket>{_el('Name', n)}{_el('CreationDate', _iso(b.created))}</Bucket>"
                         for n, b in sorted(self.buckets.items()))
-        owner = "<Owner><ID>objckpt</ID><DisplayName>objckpt</DisplayName></Owner>"
-        return _xml("ListAllMyBucketsResult", f"{owner}<Buckets>{items}</Buckets>")
+        return _xml("ListAllMyBucketsResult", "<Owner><ID>objckpt</ID><DisplayName>objckpt</DisplayName></Owner>"
+                    f"<Buckets>{items}</Buckets>")
 
-    async def op_CreateBucket(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        if bucket in self.buckets:
-            raise S3Error(409, "BucketAlreadyOwnedByYou", "Your previous request to create the named bucket succeeded", bucket)
-        self.buckets[bucket] = _Bucket(created=time.time())
-        return web.Response(headers={"Location": "/" + bucket})
+    async def op_CreateBucket(self, r: _Ctx) -> web.Response:
+        if r.bucket in self.buckets:  # what S3 says outside us-east-1 (us-east-1 itself answers 200)
+            raise S3Error(409, "BucketAlreadyOwnedByYou", "Your previous request to create the named bucket succeeded")
+        self.buckets[r.bucket] = _Bucket(created=time.time())
+        return web.Response(headers={"Location": "/" + r.bucket})
 
-    async def op_HeadBucket(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        self._bucket(bucket)
+    async def op_HeadBucket(self, r: _Ctx) -> web.Response:
+        self._bucket(r)
         return web.Response(headers={"x-amz-bucket-region": "us-east-1"})
 
-    async def op_DeleteBucket(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        if self._bucket(bucket).objects:
-            raise S3Error(409, "BucketNotEmpty", "The bucket you tried to delete is not empty", bucket)
-        del self.buckets[bucket]
+    async def op_DeleteBucket(self, r: _Ctx) -> web.Response:
+        if self._bucket(r).objects:
+            raise S3Error(409, "BucketNotEmpty", "The bucket you tried to delete is not empty", r.bucket)
+        del self.buckets[r.bucket]
         return web.Response(status=204)
 
-    async def op_GetBucketLocation(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        self._bucket(bucket)
+    async def op_GetBucketLocation(self, r: _Ctx) -> web.Response:
+        self._bucket(r)
         return _xml("LocationConstraint", "")
 
-    async def op_ListObjects(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        return self._list(request, bucket, v2=False)
+    async def op_GetBucketVersioning(self, r: _Ctx) -> web.Response:
+        self._bucket(r)
+        return _xml("VersioningConfiguration", "")  # never versioned (s3fs asks before removing a bucket)
 
-    async def op_ListObjectsV2(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        return self._list(request, bucket, v2=True)
+    async def op_ListObjects(self, r: _Ctx) -> web.Response:
+        return self._list(r, v2=False)
 
-    def _list(self, request: web.Request, bucket: str, v2: bool) -> web.Response:
-        """V1 and V2 listing; common prefixes count toward max-keys, as on S3."""
-        b, q = self._bucket(bucket), request.query
+    async def op_ListObjectsV2(self, r: _Ctx) -> web.Response:
+        return self._list(r, v2=True)
+
+    def _list(self, r: _Ctx, v2: bool) -> web.Response:
+        """V1 (marker) and V2 (opaque continuation token, start-after) listing.  Common
+        prefixes count toward max-keys and are never repeated across pages, as on S3."""
+        b, q = self._bucket(r), r.q
         prefix, delim = q.get("prefix", ""), q.get("delimiter", "")
         max_keys = min(int(q.get("max-keys", "1000")), 1000)
-        url = q.get("encoding-type") == "url"
+        url = q.get("encoding-type") == "url"  # botocore always asks for it and unquotes the answer
         enc = (lambda s: quote(s, safe="/")) if url else (lambda s: s)
-        if v2:
-            token = q.get("continuation-token")
-            marker = base64.urlsafe_b64decode(token.encode()).decode() if token else q.get("start-after", "")
-        else:
-            marker = q.get("marker", "")
+        token = q.get("continuation-token") if v2 else None
+        marker = (base64.urlsafe_b64decode(token.encode()).decode() if token
+                  else q.get("start-after" if v2 else "marker", ""))
 
         def rollup(k: str) -> Optional[str]:
             i = k.find(delim, len(prefix)) if delim else -1
@@ -373,206 +406,171 @@ class _S3App:
         contents: List[str] = []
         prefixes: List[str] = []
         last, truncated = "", False
-        for k in sorted(k for k in b.objects if k.startswith(prefix) and k > marker):
-            if skip is not None and k.startswith(skip):
-                continue
+        for k in sorted(k for k in b.objects if k > marker and k.startswith(prefix)):
             cp = rollup(k)
-            if cp is not None and prefixes and prefixes[-1] == cp:
+            if (skip is not None and k.startswith(skip)) or (cp is not None and prefixes and prefixes[-1] == cp):
                 continue
             if len(contents) + len(prefixes) >= max_keys:
                 truncated = True
                 break
             if cp is not None:
                 prefixes.append(cp)
-                last = cp
             else:
                 o = b.objects[k]
-                contents.append(f"<Contents>{_el('Key', enc(k))}{_el('LastModified', _iso(o.mtime))}{_el('ETag', o.etag)}"
-                                f"{_el('Size', len(o.data))}<StorageClass>STANDARD</StorageClass></Contents>")
-                last = k
-        parts = [_el("Name", bucket), _el("Prefix", enc(prefix)), _el("MaxKeys", max_keys),
-                 _el("IsTruncated", "true" if truncated else "false")]
-        if delim:
-            parts.append(_el("Delimiter", enc(delim)))
-        if url:
-            parts.append(_el("EncodingType", "url"))
+                contents.append(f"<Contents>{_el('Key', enc(k))}{_el('LastModified', _iso(o.mtime))}"
+                                f"{_el('ETag', o.etag)}{_el('Size', o.data.size)}"
+                                "<StorageClass>STANDARD</StorageClass></Contents>")
+            last = cp if cp is not None else k
+        out = [_el("Name", r.bucket), _el("Prefix", enc(prefix)), _el("MaxKeys", max_keys),
+               _el("IsTruncated", str(truncated).lower())]
+        out += [_el("Delimiter", enc(delim))] if delim else []
+        out += [_el("EncodingType", "url")] if url else []
         if v2:
-            parts.append(_el("KeyCount", len(contents) + len(prefixes)))
-            if q.get("continuation-token"):
-                parts.append(_el("ContinuationToken", q["continuation-token"]))
-            if q.get("start-after"):
-                parts.append(_el("StartAfter", enc(q["start-after"])))
-            if truncated:
-                parts.append(_el("NextContinuationToken", base64.urlsafe_b64encode(last.encode()).decode()))
+            out.append(_el("KeyCount", len(contents) + len(prefixes)))
+            out += [_el("ContinuationToken", token)] if token else []
+            out += [_el("StartAfter", enc(q["start-after"]))] if q.get("start-after") else []
+            out += [_el("NextContinuationToken", base64.urlsafe_b64encode(last.encode()).decode())] if truncated else []
         else:
-            parts.append(_el("Marker", enc(marker)))
-            if truncated:
-                parts.append(_el("NextMarker", enc(last)))
+            out.append(_el("Marker", enc(marker)))
+            out += [_el("NextMarker", enc(last))] if truncated else []
         cps = "".join(f"<CommonPrefixes>{_el('Prefix', enc(p))}</CommonPrefixes>" for p in prefixes)
-        return _xml("ListBucketResult", "".join(parts) + "".join(contents) + cps)
+        return _xml("ListBucketResult", "".join(out) + "".join(contents) + cps)
 
-    async def op_DeleteObjects(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        b, root = self._bucket(bucket), _parse_xml(body)
+    async def op_DeleteObjects(self, r: _Ctx) -> web.Response:
+        b, root = self._bucket(r), _parse_xml(r.body)
         quiet = (root.findtext("Quiet") or "").strip().lower() == "true"
-        out = []
+        done = []
         for obj in root.findall("Object"):
             k = obj.findtext("Key") or ""
-            b.objects.pop(k, None)  # deleting a missing key succeeds, as on S3
-            if not quiet:
-                out.append(f"<Deleted>{_el('Key', k)}</Deleted>")
-        return _xml("DeleteResult", "".join(out))
+            b.objects.pop(k, None)  # a missing key counts as deleted, as on S3
+            done.append(f"<Deleted>{_el('Key', k)}</Deleted>")
+        return _xml("DeleteResult", "" if quiet else "".join(done))
 
-    async def op_ListMultipartUploads(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        b, q = self._bucket(bucket), request.query
-        prefix = q.get("prefix", "")
-        ups = sorted((u for u in b.uploads.values() if u.key.startswith(prefix)), key=lambda u: (u.key, u.initiated))
-        items = "".join(f"<Upload>{_el('Key', u.key)}{_el('UploadId', u.upload_id)}{_el('Initiated', _iso(u.initiated))}"
-                        f"<StorageClass>STANDARD</StorageClass></Upload>" for u in ups)
-        head = (_el("Bucket", bucket) + _el("KeyMarker", "") + _el("UploadIdMarker", "") + _el("Prefix", prefix)
-                + _el("MaxUploads", 10000) + _el("IsTruncated", "false"))
+    async def op_ListMultipartUploads(self, r: _Ctx) -> web.Response:
+        prefix = r.q.get("prefix", "")
+        ups = sorted((u for u in self._bucket(r).uploads.values() if u.key.startswith(prefix)),
+                     key=lambda u: (u.key, u.initiated))
+        items = "".join(f"<Upload>{_el('Key', u.key)}{_el('UploadId', u.upload_id)}"
+                        f"{_el('Initiated', _iso(u.initiated))}<StorageClass>STANDARD</StorageClass></Upload>"
+                        for u in ups)
+        head = (_el("Bucket", r.bucket) + "<KeyMarker></KeyMarker><UploadIdMarker></UploadIdMarker>"
+                + _el("Prefix", prefix) + "<MaxUploads>10000</MaxUploads><IsTruncated>false</IsTruncated>")
         return _xml("ListMultipartUploadsResult", head + items)
 
-    # ---- objects -------------------------------------------------------------
-    async def op_PutObject(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        b = self._bucket(bucket)
-        self._check_conditions(request, b.objects.get(key), key)
-        o = _Obj(body, self._etag(), time.time(), request.headers.get("Content-Type", "binary/octet-stream"), _meta_of(request))
-        b.objects[key] = o
-        return web.Response(headers={"ETag": o.etag})
-
-    async def op_CopyObject(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        src_b, _, src_k = unquote(request.headers["x-amz-copy-source"].split("?", 1)[0]).lstrip("/").partition("/")
-        src = self._bucket(src_b).objects.get(src_k)
-        if src is None:
-            raise S3Error(404, "NoSuchKey", "The specified key does not exist.", src_k)
-        b = self._bucket(bucket)
-        self._check_conditions(request, b.objects.get(key), key)
-        o = _Obj(src.data, self._etag(), time.time(), src.content_type, dict(src.meta))  # immutable: share bytes
-        b.objects[key] = o
-        return _xml("CopyObjectResult", _el("ETag", o.etag) + _el("LastModified", _iso(o.mtime)))
-
-    def _get(self, bucket: str, key: str) -> _Obj:
-        o = self._bucket(bucket).objects.get(key)
-        if o is None:
-            raise S3Error(404, "NoSuchKey", "The specified key does not exist.", key)
+    # ---- objects ----------------------------------------------------------------------------
+    def _store(self, r: _Ctx, b: _Bucket, data: _Data, etag: str, content_type: str, meta: Dict[str, str]) -> _Obj:
+        self._check_conditions(r, b.objects.get(r.key))
+        o = b.objects[r.key] = _Obj(data, etag, time.time(), content_type, meta)
         return o
 
-    @staticmethod
-    def _obj_headers(o: _Obj) -> Dict[str, str]:
-        h = {"ETag": o.etag, "Last-Modified": email.utils.formatdate(o.mtime, usegmt=True),
-             "Accept-Ranges": "bytes", "Content-Type": o.content_type}
-        h.update(o.meta)
-        return h
+    async def op_PutObject(self, r: _Ctx) -> web.Response:
+        o = self._store(r, self._bucket(r), r.body, self._etag(), r.headers.get("Content-Type", "binary/octet-stream"),
+                        _meta_of(r))
+        return web.Response(headers={"ETag": o.etag})
 
-    async def op_HeadObject(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        o = self._get(bucket, key)
-        resp = web.StreamResponse(headers=self._obj_headers(o))
-        resp.content_length = len(o.data)  # HEAD: aiohttp sends the header, never a body
-        await resp.prepare(request)
-        await resp.write_eof()
-        return resp
+    async def op_CopyObject(self, r: _Ctx) -> web.Response:
+        src_b, _, src_k = unquote(r.headers["x-amz-copy-source"].split("?", 1)[0]).lstrip("/").partition("/")
+        src = self._object(_Ctx(r.request, src_b, src_k, _EMPTY))
+        o = self._store(r, self._bucket(r), src.data, self._etag(), src.content_type, dict(src.meta))  # shares bytes
+        return _xml("CopyObjectResult", _el("ETag", o.etag) + _el("LastModified", _iso(o.mtime)))
 
-    async def op_GetObject(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.StreamResponse:
-        o = self._get(bucket, key)
-        size = len(o.data)
-        headers = self._obj_headers(o)
+    async def op_HeadObject(self, r: _Ctx) -> web.StreamResponse:
+        return await self.op_GetObject(r)  # aiohttp sends headers only for HEAD
+
+    async def op_GetObject(self, r: _Ctx) -> web.StreamResponse:
+        o = self._object(r)
+        size = o.data.size
+        headers = {"ETag": o.etag, "Last-Modified": email.utils.formatdate(o.mtime, usegmt=True),
+                   "Accept-Ranges": "bytes", "Content-Type": o.content_type, **o.meta}
         try:
-            rng = _parse_range(request.headers.get("Range", ""), size)
+            rng = _parse_range(r.headers.get("Range", ""), size) if r.request.method == "GET" else None
         except S3Error as e:
-            resp = self._error(request, e)
+            resp = self._error(r.request, e)
             resp.headers["Content-Range"] = f"bytes */{size}"
             return resp
-        start, end = rng if rng is not None else (0, size)
+        start, end = rng or (0, size)
         if rng is not None:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-        resp = web.StreamResponse(status=206 if rng is not None else 200, headers=headers)
+        resp = web.StreamResponse(status=206 if rng else 200, headers=headers)
         resp.content_length = end - start
-        await resp.prepare(request)
-        view = memoryview(o.data)[start:end]  # no copy of the object; chunks bound the send buffer
-        for i in range(0, len(view), _CHUNK):
-            await resp.write(view[i: i + _CHUNK])
-            self.bytes_out += min(_CHUNK, len(view) - i)
+        await resp.prepare(r.request)
+        if r.request.method == "GET":
+            for view in o.data.views(start, end):  # slices of the stored chunks: no copy
+                await resp.write(view)
+                self.bytes_out += len(view)
         await resp.write_eof()
         return resp
 
-    async def op_DeleteObject(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        self._bucket(bucket).objects.pop(key, None)
+    async def op_DeleteObject(self, r: _Ctx) -> web.Response:
+        self._bucket(r).objects.pop(r.key, None)
         return web.Response(status=204)
 
-    # ---- multipart -----------------------------------------------------------
-    async def op_CreateMultipartUpload(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        b = self._bucket(bucket)
-        up = _Upload(key, uuid.uuid4().hex, time.time(), request.headers.get("Content-Type", "binary/octet-stream"),
-                     _meta_of(request))
-        b.uploads[up.upload_id] = up
-        return _xml("InitiateMultipartUploadResult", _el("Bucket", bucket) + _el("Key", key) + _el("UploadId", up.upload_id))
+    # ---- multipart --------------------------------------------------------------------------
+    async def op_CreateMultipartUpload(self, r: _Ctx) -> web.Response:
+        up = _Upload(r.key, uuid.uuid4().hex, time.time(), r.headers.get("Content-Type", "binary/octet-stream"),
+                     _meta_of(r))
+        self._bucket(r).uploads[up.upload_id] = up
+        return _xml("InitiateMultipartUploadResult",
+                    _el("Bucket", r.bucket) + _el("Key", r.key) + _el("UploadId", up.upload_id))
 
-    async def op_UploadPart(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        up = self._upload(self._bucket(bucket), key, request.query["uploadId"])
-        try:
-            n = int(request.query["partNumber"])
-        except ValueError:
-            n = 0
+    async def op_UploadPart(self, r: _Ctx) -> web.Response:
+        _, up = self._upload(r)
+        n = int(r.q["partNumber"]) if r.q["partNumber"].isdigit() else 0
         if not 1 <= n <= 10000:
             raise S3Error(400, "InvalidArgument", "Part number must be an integer between 1 and 10000, inclusive")
-        part = _Obj(body, self._etag(), time.time())
-        up.parts[n] = part
+        part = up.parts[n] = _Obj(r.body, self._etag(), time.time())
         return web.Response(headers={"ETag": part.etag})
 
-    async def op_ListParts(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        up = self._upload(self._bucket(bucket), key, request.query["uploadId"])
+    async def op_ListParts(self, r: _Ctx) -> web.Response:
+        _, up = self._upload(r)
         items = "".join(f"<Part>{_el('PartNumber', n)}{_el('LastModified', _iso(p.mtime))}{_el('ETag', p.etag)}"
-                        f"{_el('Size', len(p.data))}</Part>" for n, p in sorted(up.parts.items()))
-        head = (_el("Bucket", bucket) + _el("Key", key) + _el("UploadId", up.upload_id)
-                + _el("MaxParts", 10000) + _el("IsTruncated", "false"))
+                        f"{_el('Size', p.data.size)}</Part>" for n, p in sorted(up.parts.items()))
+        head = (_el("Bucket", r.bucket) + _el("Key", r.key) + _el("UploadId", up.upload_id)
+                + "<MaxParts>10000</MaxParts><IsTruncated>false</IsTruncated>")
         return _xml("ListPartsResult", head + items)
 
-    async def op_AbortMultipartUpload(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        b = self._bucket(bucket)
-        self._upload(b, key, request.query["uploadId"])
-        del b.uploads[request.query["uploadId"]]
+    async def op_AbortMultipartUpload(self, r: _Ctx) -> web.Response:
+        b, up = self._upload(r)
+        del b.uploads[up.upload_id]
         return web.Response(status=204)
 
-    async def op_CompleteMultipartUpload(self, request: web.Request, bucket: str, key: str, body: Buffer) -> web.Response:
-        b = self._bucket(bucket)
-        up = self._upload(b, key, request.query["uploadId"])
-        listed: List[Tuple[int, str]] = []
-        for p in _parse_xml(body).findall("Part"):
-            try:
-                listed.append((int(p.findtext("PartNumber") or ""), (p.findtext("ETag") or "").strip().strip('"')))
-            except ValueError:
-                raise S3Error(400, "MalformedXML", "bad PartNumber") from None
+    async def op_CompleteMultipartUpload(self, r: _Ctx) -> web.Response:
+        b, up = self._upload(r)
+        try:
+            listed = [(int(p.findtext("PartNumber") or ""), (p.findtext("ETag") or "").strip().strip('"'))
+                      for p in _parse_xml(r.body).findall("Part")]
+        except ValueError:
+            raise S3Error(400, "MalformedXML", "bad PartNumber") from None
         if not listed:
             raise S3Error(400, "MalformedXML", "CompleteMultipartUpload lists no parts")
         if any(a[0] >= c[0] for a, c in zip(listed, listed[1:])):
             raise S3Error(400, "InvalidPartOrder", "The list of parts was not in ascending order.")
-        chosen: List[_Obj] = []
+        chosen: List[_Data] = []
         for i, (n, etag) in enumerate(listed):
             part = up.parts.get(n)
             if part is None or (etag and etag != part.etag.strip('"')):
                 raise S3Error(400, "InvalidPart", f"part {n} was not uploaded or its ETag does not match")
-            if i < len(listed) - 1 and len(part.data) < self.min_part_size:
+            if i < len(listed) - 1 and part.data.size < self.min_part_size:
                 raise S3Error(400, "EntityTooSmall", "Your proposed upload is smaller than the minimum allowed size")
-            chosen.append(part)
-        self._check_conditions(request, b.objects.get(key), key)  # the upload survives a 412
-        data = b"".join(p.data for p in chosen)  # the one copy: parts -> object
-        o = _Obj(data, f'"{next(self._etags):032x}-{len(chosen)}"', time.time(), up.content_type, up.meta)
-        b.objects[key] = o
+            chosen.append(part.data)
+        # a 412 here leaves the upload in place, so the client can still abort it
+        o = self._store(r, b, _Data.concat(chosen), self._etag(len(chosen)), up.content_type, up.meta)
         del b.uploads[up.upload_id]
-        return _xml("CompleteMultipartUploadResult", _el("Location", f"{request.url.origin()}/{bucket}/{quote(key)}")
-                    + _el("Bucket", bucket) + _el("Key", key) + _el("ETag", o.etag))
+        location = f"{r.request.url.origin()}/{r.bucket}/{quote(r.key)}"
+        return _xml("CompleteMultipartUploadResult", _el("Location", location)
+                    + _el("Bucket", r.bucket) + _el("Key", r.key) + _el("ETag", o.etag))
 
 
+# ---- running it -------------------------------------------------------------------------------
 def make_app(state: Optional[_S3App] = None) -> web.Application:
     """An aiohttp application with one catch-all route (keys may hold any character)."""
-    state = state or _S3App()
     app = web.Application(client_max_size=1 << 40)
-    app.router.add_route("*", "/{tail:.*}", state.handle)
-    app["s3"] = state
+    app.router.add_route("*", "/{tail:.*}", (state or _S3App()).handle)
     return app
 
 
 async def _serve(state: _S3App, sock: socket.socket) -> web.AppRunner:
+    # read_bufsize: fewer pause/resume cycles of the socket while large bodies stream in
     runner = web.AppRunner(make_app(state), access_log=None, read_bufsize=1 << 20, handle_signals=False)
     await runner.setup()
     await web.SockSite(runner, sock, backlog=1024).start()
@@ -580,6 +578,7 @@ async def _serve(state: _S3App, sock: socket.socket) -> web.AppRunner:
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """Bind before starting, so port 0 gives a known port and no race (pytest-xdist safe)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -587,10 +586,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class S3Server:
-    """The server on a background thread with its own event loop (for tests).
+    """The server on a background thread with its own event loop, for tests.
 
-    For benchmarks prefer ``python -m objckpt.testing.s3server`` in another
-    process, so the server's CPU time is not counted as the client's.
+    Benchmarks should run it in another process (``python -m objckpt.testing.s3server``)
+    so that its CPU time is not counted as the client's.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, min_part_size: int = _DEFAULT_MIN_PART,
@@ -606,28 +605,10 @@ class S3Server:
         sock = _bind(self.host, self.port)
         self.port = sock.getsockname()[1]
         self.endpoint_url = f"http://{self.host}:{self.port}"
-        ready = threading.Event()
-        failure: List[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            try:
-                self._runner = loop.run_until_complete(_serve(self.state, sock))
-            except BaseException as e:  # surface bind/setup errors in start()
-                failure.append(e)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="objckpt-s3server", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if failure:
-            raise failure[0]
+        loop = self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="objckpt-s3server", daemon=True)
+        self._thread.start()  # set up on that thread too: start() may be called from inside a running loop
+        self._runner = asyncio.run_coroutine_threadsafe(_serve(self.state, sock), loop).result(timeout=30)
         return self.endpoint_url
 
     def _call(self, fn: Any, *args: Any) -> Any:
@@ -648,16 +629,18 @@ class S3Server:
     def reset(self) -> None:
         self._call(self.state.reset)
 
-    def fail(self, op: str, count: int = 1, status: int = 500, code: str = "") -> None:
+    def fail(self, op: str = "*", count: int = 1, status: int = 500, code: str = "") -> None:
+        """The next ``count`` ``op`` operations answer ``status`` with an S3 XML error."""
         self._call(self.state.add_fault, op, count, status, code)
 
     def stop(self) -> None:
-        if self._loop is None or self._thread is None:
+        loop, thread, runner = self._loop, self._thread, self._runner
+        if loop is None or thread is None or runner is None:
             return
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
         self._loop = self._thread = self._runner = None
 
     def __enter__(self) -> "S3Server":
@@ -668,24 +651,38 @@ class S3Server:
         self.stop()
 
 
+def _retain_freed_memory() -> None:
+    """Ask glibc to serve body-sized chunks from its heap and keep freed memory.
+
+    Why: on some VMs the first touch of fresh pages costs 2-3 CPU-s/GB, which would
+    dominate the server's cost on every round of a benchmark; this way only the first
+    round pays it (benchmarks should warm up).  A no-op off glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's maximum
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: do not give memory back
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: Optional[List[str]] = None) -> None:
-    """Foreground server; prints the endpoint URL as the first stdout line."""
-    p = argparse.ArgumentParser(description="In-memory S3-compatible server for objckpt benchmarks/tests (not a store).")
+    """Foreground server; prints the endpoint URL as its first stdout line, exits on SIGTERM/SIGINT."""
+    p = argparse.ArgumentParser(description="In-memory S3-compatible server for objckpt benchmarks and tests.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--min-part-size", type=int, default=_DEFAULT_MIN_PART)
-    p.add_argument("--latency-ms", type=float, default=0.0, help="added delay per S3 request (emulate a remote store)")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="delay per S3 request (emulate a remote store)")
     args = p.parse_args(argv)
+    _retain_freed_memory()  # process-wide, so only here and not in S3Server (it lives in the test process)
     sock = _bind(args.host, args.port)
-    state = _S3App(args.min_part_size, args.latency_ms / 1000.0)
 
     async def run() -> None:
-        runner = await _serve(state, sock)
+        runner = await _serve(_S3App(args.min_part_size, args.latency_ms / 1000.0), sock)
         stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):  # clean exit on terminate() (SIGINT may be ignored in bg jobs)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT alone is ignored in background shell jobs
             try:
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):  # e.g. Windows
+            except (NotImplementedError, RuntimeError):  # no signal handlers here (e.g. Windows)
                 pass
         print(f"http://{args.host}:{sock.getsockname()[1]}", flush=True)
         try:
@@ -700,4 +697,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
