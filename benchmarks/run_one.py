@@ -10,15 +10,22 @@ region; only the operation itself is timed.  Reported:
 * ``wall_s``: ``time.perf_counter`` around the op; ``cpu_s``:
   ``time.process_time`` delta (all threads of this process, user + system).
 * ``gbps`` = bytes / wall / 1e9; ``cpu_s_per_gb`` = cpu_s / (bytes / 1e9).
-* ``peak_rss_bytes``: ``ru_maxrss`` of the process (its lifetime peak: for
-  load and read_one the expected values are generated one tensor at a time, so
-  before the op the process never held much more than the template);
-  ``op_peak_rss_bytes``: the peak during the op alone (Linux ``VmHWM`` after
-  resetting it through ``/proc/self/clear_refs``; null if that is not allowed);
-  ``rss_before_bytes`` and ``peak_minus_before_bytes``.
+* ``peak_rss_bytes``: the process's lifetime peak RSS (for load and read_one
+  the expected values are generated one tensor at a time, so before the op the
+  process never held much more than the template).  Taken from Linux
+  ``VmHWM`` (before and after the op), not ``ru_maxrss``: ``ru_maxrss`` is
+  inherited across fork/vfork + exec, so a child's value is never below its
+  parent's peak RSS at spawn time (the driver's RSS leaked into every method's
+  number).  ``ru_maxrss_bytes`` is reported too, and used if ``/proc`` is
+  missing.  ``op_peak_rss_bytes``: the peak during the op alone (``VmHWM``
+  after resetting it through ``/proc/self/clear_refs``; null if that is not
+  allowed); ``rss_before_bytes`` and ``peak_minus_before_bytes``.
 * ``file_read_bytes`` / ``file_write_bytes``: ``rchar``/``wchar`` deltas of
   ``/proc/self/io`` (read()/write() syscalls: local files; sockets through
   send/recv are not counted).
+* ``server``: the target's request/byte counters for the op (``--server-stats``).
+* By default the method makes one cheap request first (``Method.warmup``), so
+  a warm client is timed, as in a training job's later checkpoints.
 * ``ok`` / ``verify``: load checks crc32 of every tensor and compares a few in
   full; read_one compares the tensor in full.
 
@@ -77,6 +84,24 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _server_stats(endpoint_url: str, reset: bool = False) -> Any:
+    """objckpt's test server: POST reset_stats (returns None) or GET stats (a dict).
+
+    Returns an error string when the server does not offer them.
+    """
+    import urllib.request
+
+    try:
+        if reset:
+            req = urllib.request.Request(f"{endpoint_url}/_objckpt/reset_stats", data=b"", method="POST")
+            urllib.request.urlopen(req, timeout=10).read()
+            return None
+        with urllib.request.urlopen(f"{endpoint_url}/_objckpt/stats", timeout=10) as r:
+            return json.loads(r.read())
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
 def _verify_load(
     loaded: Any, expected_crc: dict[str, int], shapes: dict[str, tuple[int, ...]], full: dict[str, torch.Tensor]
 ) -> str:
@@ -119,6 +144,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - e.g. objckpt not importable yet
         out.update(status="skipped", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=5))
         return out
+    if args.warmup:
+        try:
+            method.warmup(target)
+        except Exception as e:  # noqa: BLE001 - the op itself will report real failures
+            out["warmup_error"] = f"{type(e).__name__}: {e}"
 
     total = scaled_bytes(args.scale)
     specs = gpt_specs(total)
@@ -135,7 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state = make_gpt_state(total, args.seed)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
     elif args.op == "load":
-        keep = {specs[0].key, specs[-1].key, specs[1].key, key}
+        # Compared in full after the load: small ones (so the copies do not inflate RSS); crc32 for all.
+        keep = {specs[1].key, specs[3].key, specs[-1].key, key}
         for k, t in iter_gpt_state(total, args.seed):
             expected_crc[k] = _crc(t)
             if k in keep:
@@ -151,6 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["key"] = key
 
     gc.collect()
+    pre_peak = _proc_status("VmHWM")
+    if args.server_stats:
+        out["server_stats_error"] = _server_stats(args.endpoint_url, reset=True)
     hwm_reset = _reset_peak_rss()
     rss_before = _proc_status("VmRSS")
     io0 = _proc_io()
@@ -171,8 +205,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     io1 = _proc_io()
-    op_peak = _proc_status("VmHWM") if hwm_reset else None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if args.server_stats:
+        stats = _server_stats(args.endpoint_url)
+        if isinstance(stats, dict):
+            out["server"] = stats
+            out.pop("server_stats_error", None)
+        else:
+            out["server_stats_error"] = stats
+    hwm = _proc_status("VmHWM")
+    op_peak = hwm if hwm_reset else None
+    ru_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if hwm is not None:
+        peak = max(hwm, pre_peak or 0)
+    else:
+        peak = ru_maxrss
 
     out.update(
         bytes=nbytes,
@@ -181,6 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gbps=nbytes / wall / 1e9 if wall > 0 else None,
         cpu_s_per_gb=cpu / (nbytes / 1e9) if nbytes else None,
         peak_rss_bytes=peak,
+        ru_maxrss_bytes=ru_maxrss,
         op_peak_rss_bytes=op_peak,
         rss_before_bytes=rss_before,
         peak_minus_before_bytes=(op_peak if op_peak is not None else peak) - rss_before if rss_before else None,
@@ -219,6 +266,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--local-root", default="/tmp/objckpt-bench")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="time a cold client (first request of the process) instead of a warm one")
+    ap.add_argument("--server-stats", action="store_true",
+                    help="reset/read the target's /_objckpt/stats around the op (objckpt's test server)")
     args = ap.parse_args(argv)
     out = run(args)
     sys.stdout.flush()
