@@ -80,6 +80,7 @@ def save(
     blob_size: int = 1 << 30,
     part_size: int = 16 * MiB,
     staging_bytes: int = 512 * MiB,
+    crc_block: int = 1 * MiB,
     store: Optional[ObjectStore] = None,
 ) -> SaveResult:
     """Save ``state_dict`` (nested dicts/lists of tensors and plain values) to ``uri``.
@@ -94,7 +95,7 @@ def save(
     """
     return _runtime.run(
         _save(state_dict, uri, storage_options, overwrite, metadata, allow_pickle, blob_size, part_size,
-              staging_bytes, store)
+              staging_bytes, crc_block, store)
     )
 
 
@@ -108,6 +109,7 @@ async def _save(
     blob_size: int,
     part_size: int,
     staging_bytes: int,
+    crc_block: int,
     store_override: Optional[ObjectStore],
 ) -> SaveResult:
     t0 = time.perf_counter()
@@ -137,13 +139,14 @@ async def _save(
     names = [layout.blob_name(attempt, 0, b.index) for b in plan.blobs]
     keys = [layout.join(prefix, n) for n in names]
     pool = default_pool(staging_bytes)
-    crcs = await write_plan(store, keys, plan, col.tensors, pool, stats)
+    crcs = await write_plan(store, keys, plan, col.tensors, pool, stats, crc_block=crc_block)
 
     entries: dict[str, TensorEntry] = {}
     for k, t in col.tensors.items():
         entries[k] = TensorEntry(k, dtype_name(t.dtype, k), tuple(t.shape), alias_of=col.alias_of.get(k))
     for c in plan.chunks:
-        entries[c.key].chunks.append(Chunk(c.offsets, c.shape, c.blob, c.offset, c.length, crcs[c]))
+        total, blocks = crcs[c]
+        entries[c.key].chunks.append(Chunk(c.offsets, c.shape, c.blob, c.offset, c.length, total, blocks))
     manifest = Manifest(
         tensors=entries,
         blobs=[Blob(n, b.size, 0) for n, b in zip(names, plan.blobs)],
@@ -152,6 +155,7 @@ async def _save(
         attempt=attempt,
         world_size=1,
         writer=f"objckpt {__version__}",
+        crc_block=crc_block,
     )
     data = encode(manifest)
     try:

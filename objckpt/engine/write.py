@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 
 from .. import _runtime
-from ..checksum import crc32c
+from ..checksum import block_crcs
 from ..planning.pack import ChunkPlan, PartPlan, SavePlan
 from ..staging.pool import BufferPool
 from ..storage.base import BlobWriter, ObjectStore
@@ -31,12 +31,15 @@ def _chunk_source(t: torch.Tensor, c: ChunkPlan) -> torch.Tensor:
     return t[c.row_start : c.row_end]
 
 
-def stage_part(part: PartPlan, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor) -> list[int]:
+Crc = tuple[int, tuple[int, ...]]  # whole-chunk crc32c, per-block crc32c
+
+
+def stage_part(part: PartPlan, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor, block: int = 0) -> list[Crc]:
     """Copy ``part``'s chunks into ``buf`` and return their crc32c, in order.
 
     Alignment padding is zeroed so blob bytes are deterministic.
     """
-    crcs: list[int] = []
+    crcs: list[Crc] = []
     pos = 0
     flat = buf[: part.size]
     host = flat.numpy()
@@ -48,7 +51,8 @@ def stage_part(part: PartPlan, tensors: Mapping[str, torch.Tensor], buf: torch.T
             src = _chunk_source(tensors[c.key], c)
             dst = flat[rel : rel + c.length].view(src.dtype).view(src.shape)
             dst.copy_(src)
-        crcs.append(crc32c(memoryview(host)[rel : rel + c.length]))
+        total, blocks = block_crcs(memoryview(host)[rel : rel + c.length], block)
+        crcs.append((total, tuple(blocks)))
         pos = rel + c.length
     if pos < part.size:
         flat[pos:].zero_()
@@ -70,10 +74,12 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def direct_views(part: PartPlan, tensors: Mapping[str, torch.Tensor]) -> tuple[list[memoryview], list[int]]:
+def direct_views(
+    part: PartPlan, tensors: Mapping[str, torch.Tensor], block: int = 0
+) -> tuple[list[memoryview], list[Crc]]:
     """The part as views of the tensors' own bytes (zero padding between), and chunk crcs."""
     views: list[memoryview] = []
-    crcs: list[int] = []
+    crcs: list[Crc] = []
     pos = part.offset
     for c in part.chunks:
         if c.offset > pos:
@@ -85,7 +91,8 @@ def direct_views(part: PartPlan, tensors: Mapping[str, torch.Tensor]) -> tuple[l
         else:
             row = c.length // max(c.row_end - c.row_start, 1) if c.length else 0
             v = whole[c.row_start * row : c.row_start * row + c.length]
-        crcs.append(crc32c(v))
+        total, blocks = block_crcs(v, block)
+        crcs.append((total, tuple(blocks)))
         if len(v):
             views.append(v)
         pos = c.offset + c.length
@@ -103,7 +110,8 @@ async def write_plan(
     stats: IOStats,
     *,
     zero_copy: bool = True,
-) -> dict[ChunkPlan, int]:
+    crc_block: int = 0,
+) -> dict[ChunkPlan, Crc]:
     """Upload every blob of ``plan``; returns the crc32c of each chunk.
 
     With ``zero_copy`` (sync saves), parts made only of contiguous CPU tensors
@@ -111,7 +119,7 @@ async def write_plan(
     upload ends, so the bytes cannot change under us.  Everything else (GPU
     tensors, strided views) is staged through the buffer pool.
     """
-    crcs: dict[ChunkPlan, int] = {}
+    crcs: dict[ChunkPlan, Crc] = {}
     writers: dict[int, BlobWriter] = {}
     remaining: dict[int, int] = {}
     completed: list[int] = []
@@ -128,7 +136,7 @@ async def write_plan(
     async def job(part: PartPlan) -> None:
         if zero_copy and all(direct[c.key] for c in part.chunks):
             async with slots:
-                views, part_crcs = await _runtime.in_thread(direct_views, part, tensors)
+                views, part_crcs = await _runtime.in_thread(direct_views, part, tensors, crc_block)
                 for c, v in zip(part.chunks, part_crcs):
                     crcs[c] = v
                 await writers[part.blob].write_part_views(part.index, part.offset, views)
@@ -155,8 +163,8 @@ async def write_plan(
             finally:
                 pool.give(buf)
 
-    def _stage(part: PartPlan, buf: torch.Tensor) -> list[int]:
-        out = stage_part(part, tensors, buf)
+    def _stage(part: PartPlan, buf: torch.Tensor) -> list[Crc]:
+        out = stage_part(part, tensors, buf, crc_block)
         if has_cuda:
             torch.cuda.current_stream().synchronize()
         return out

@@ -35,6 +35,8 @@ class Chunk:
     offset: int
     length: int
     crc32c: int
+    #: crc32c of each ``Manifest.crc_block``-byte block, for chunks larger than one block
+    block_crc32c: tuple[int, ...] = ()
 
 
 @dataclass
@@ -69,6 +71,10 @@ class Manifest:
     created: float = field(default_factory=time.time)
     writer: str = ""
     format_version: int = FORMAT_VERSION
+    #: block size of Chunk.block_crc32c (0: chunks carry only their whole crc)
+    crc_block: int = 0
+    #: non-tensor values per rank, when ranks saved different ones (else None)
+    rank_trees: Optional[list[Any]] = None
 
     # -- convenience for inspect() users -----------------------------------
     @property
@@ -87,7 +93,7 @@ class Manifest:
 
 
 def _chunk_to_json(c: Chunk) -> dict[str, Any]:
-    return {
+    d = {
         "offsets": list(c.offsets),
         "shape": list(c.shape),
         "blob": c.blob,
@@ -95,6 +101,9 @@ def _chunk_to_json(c: Chunk) -> dict[str, Any]:
         "length": c.length,
         "crc32c": c.crc32c,
     }
+    if c.block_crc32c:
+        d["block_crc32c"] = list(c.block_crc32c)
+    return d
 
 
 def to_json_obj(m: Manifest) -> dict[str, Any]:
@@ -106,7 +115,7 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
         else:
             d["chunks"] = [_chunk_to_json(c) for c in t.chunks]
         tensors[k] = d
-    return {
+    out = {
         "format": FORMAT_NAME,
         "format_version": m.format_version,
         "writer": m.writer,
@@ -118,6 +127,11 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
         "tensors": tensors,
         "tree": m.tree,
     }
+    if m.crc_block:
+        out["crc_block"] = m.crc_block
+    if m.rank_trees is not None:
+        out["rank_trees"] = m.rank_trees
+    return out
 
 
 def encode(m: Manifest, *, compress: Optional[bool] = None) -> bytes:
@@ -169,6 +183,10 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
         )
     for name in ("blobs", "tensors"):
         _need(name in obj, where, f"required field '{name}' missing")
+    crc_block = obj.get("crc_block", 0)
+    _need(_int(crc_block), where, "'crc_block' malformed")
+    rank_trees = obj.get("rank_trees")
+    _need(rank_trees is None or isinstance(rank_trees, list), where, "'rank_trees' malformed")
     blobs_raw = obj["blobs"]
     _need(isinstance(blobs_raw, list), where, "'blobs' is not a list")
     blobs = []
@@ -203,9 +221,13 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
                     and _int(c.get("crc32c"), 0, 2**32 - 1)
                     and c["offset"] + c["length"] <= blobs[c["blob"]].size
                 )
+                blocks = c.get("block_crc32c", [])
+                ok = ok and isinstance(blocks, list) and all(_int(x, 0, 2**32 - 1) for x in blocks)
+                ok = ok and (not blocks or (crc_block > 0 and len(blocks) == -(-c["length"] // crc_block)))
                 _need(ok, where, f"tensor {k!r}: chunk #{j} malformed")
                 entry.chunks.append(
-                    Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"])
+                    Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"],
+                          tuple(blocks))
                 )
         tensors[k] = entry
     for k, t in tensors.items():
@@ -231,4 +253,6 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
         created=float(created),
         writer=str(obj.get("writer", "")),
         format_version=version,
+        crc_block=crc_block,
+        rank_trees=rank_trees,
     )

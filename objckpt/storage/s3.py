@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 from .. import _runtime
 from ..errors import CorruptCheckpointError, PreconditionFailed, StorageError
+from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found, MiB
 
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
@@ -96,13 +97,15 @@ class _S3Writer(BlobWriter):
         return self._upload_id
 
     async def write_part(self, index: int, offset: int, data: memoryview) -> None:
+        await self.write_part_views(index, offset, [data])
+
+    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview]) -> None:
         if self._single:
-            await self._s.call_with_body("put_object", Bucket=self._s.bucket, Key=self._key, Body=_body(data))
+            await self._s.call_with_body("put_object", views, Bucket=self._s.bucket, Key=self._key)
             return
         upload_id = await self._ensure_upload()
         r = await self._s.call_with_body(
-            "upload_part", Bucket=self._s.bucket, Key=self._key, UploadId=upload_id,
-            PartNumber=index + 1, Body=_body(data),
+            "upload_part", views, Bucket=self._s.bucket, Key=self._key, UploadId=upload_id, PartNumber=index + 1
         )
         self._etags[index] = r["ETag"]
 
@@ -133,9 +136,6 @@ class _S3Writer(BlobWriter):
             pass
 
 
-def _body(data: memoryview) -> Any:
-    # botocore/aiohttp send bytes-likes as one buffer; a memoryview keeps it copy-free
-    return data if data.format == "B" else data.cast("B")
 
 
 class S3Store(ObjectStore):
@@ -217,13 +217,13 @@ class S3Store(ObjectStore):
         cm = session.create_client("s3", config=config, **kwargs)
         return await cm.__aenter__(), cm
 
-    async def call_with_body(self, op: str, **kw: Any) -> Any:
+    async def call_with_body(self, op: str, views: Sequence[memoryview], **kw: Any) -> Any:
         client = await self.body_client()
         fn = getattr(client, op)
         attempt = 0
         while True:
             try:
-                return await self.call(fn, **kw)
+                return await self.call(fn, Body=http_body.body(views), **kw)
             except Exception as e:
                 attempt += 1
                 if attempt >= self.max_attempts or not _retryable(e):
@@ -309,11 +309,11 @@ class S3Store(ObjectStore):
         return got
 
     async def put(self, key: str, data: memoryview | bytes, *, if_absent: bool = False) -> None:
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "Body": _body(memoryview(data))}
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
         if if_absent:
             kw["IfNoneMatch"] = "*"
         try:
-            await self.call_with_body("put_object", **kw)
+            await self.call_with_body("put_object", [memoryview(data)], **kw)
         except Exception as e:
             if if_absent and _is_precondition(e):
                 raise PreconditionFailed(f"object s3://{self.bucket}/{key} already exists") from None

@@ -1,0 +1,140 @@
+"""From stored chunks to the bytes a target box needs (pure).
+
+A target (a whole tensor, a DTensor's local shard, an ``objckpt.Shard``) is a
+box of the global tensor.  Stored chunks are boxes too, each stored row-major.
+For every chunk that overlaps the target (found through an index sorted by
+dim-0 start, not a scan of all pairs) the intersection is read either as one
+range over the rows it touches, or as one range per row (only the columns
+needed), whichever a simple cost model prices lower: bytes moved plus a fixed
+price per request.  Ranges are widened to whole crc blocks so every byte read
+is verified.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..format.manifest import Chunk
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+#: what one extra request costs, in bytes of transfer it is worth
+REQUEST_COST_BYTES = 256 << 10
+
+
+def intersect(a: Box, b: Box) -> Optional[Box]:
+    (ao, ash), (bo, bsh) = a, b
+    offs, shape = [], []
+    for x0, xs, y0, ys in zip(ao, ash, bo, bsh):
+        lo, hi = max(x0, y0), min(x0 + xs, y0 + ys)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        shape.append(hi - lo)
+    return tuple(offs), tuple(shape)
+
+
+class ChunkIndex:
+    """Chunks of one tensor sorted by dim-0 start, with a running max of dim-0
+    ends, so the chunks overlapping a box are found without scanning them all."""
+
+    def __init__(self, chunks: Sequence[Chunk]) -> None:
+        self.chunks = sorted(chunks, key=lambda c: c.offsets[0] if c.offsets else 0)
+        self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
+        ends = [(c.offsets[0] + c.shape[0]) if c.offsets else 1 for c in self.chunks]
+        self.max_end = []
+        m = -1
+        for e in ends:
+            m = max(m, e)
+            self.max_end.append(m)
+
+    def overlapping(self, box: Box) -> list[tuple[Chunk, Box]]:
+        offs, shape = box
+        if not offs:  # 0-d
+            return [(c, ((), ())) for c in self.chunks]
+        a, b = offs[0], offs[0] + shape[0]
+        i = bisect.bisect_left(self.starts, b)
+        out = []
+        j = i - 1
+        while j >= 0 and self.max_end[j] > a:
+            inter = intersect((self.chunks[j].offsets, self.chunks[j].shape), box)
+            if inter is not None:
+                out.append((self.chunks[j], inter))
+            j -= 1
+        out.reverse()
+        return out
+
+
+@dataclass(frozen=True)
+class PieceRead:
+    """Bytes [lo, hi) of ``chunk`` (chunk-relative) land in a temporary; the
+    wanted box is then an as_strided view of it.  ``ranges`` are the byte
+    ranges (chunk-relative) actually fetched, each a union of whole crc blocks."""
+
+    chunk: Chunk
+    inter: Box  # global box wanted from this chunk
+    lo: int
+    hi: int
+    ranges: tuple[tuple[int, int], ...]
+    whole: bool  # the whole chunk is fetched (verified with its chunk crc)
+    elem_offset: int  # element offset of inter's first element, relative to lo
+    strides: tuple[int, ...]  # element strides of inter inside the temporary
+
+
+def _row_major_strides(shape: Sequence[int]) -> list[int]:
+    st, acc = [], 1
+    for d in reversed(shape):
+        st.append(acc)
+        acc *= d
+    return list(reversed(st))
+
+
+def _widen(ranges: list[tuple[int, int]], block: int, length: int) -> list[tuple[int, int]]:
+    """Round each range out to whole crc blocks and merge what then touches."""
+    if block <= 0:
+        return ranges
+    out: list[tuple[int, int]] = []
+    for s, e in ranges:
+        s2, e2 = s // block * block, min(length, -(-e // block) * block)
+        if out and s2 <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e2))
+        else:
+            out.append((s2, e2))
+    return out
+
+
+def plan_piece(chunk: Chunk, inter: Box, itemsize: int, block: int, verify: bool = True) -> PieceRead:
+    """How to fetch ``inter`` (a sub-box of ``chunk``) with the fewest bytes + requests."""
+    c_off, c_shape = chunk.offsets, chunk.shape
+    i_off, i_shape = inter
+    if not c_shape:  # 0-d
+        return PieceRead(chunk, inter, 0, chunk.length, ((0, chunk.length),), True, 0, ())
+    rel = [o - co for o, co in zip(i_off, c_off)]
+    st = _row_major_strides(c_shape)
+    row_elems = st[0] if len(c_shape) > 1 else 1
+    a, b = rel[0], rel[0] + i_shape[0]
+    first = sum(r * s for r, s in zip(rel[1:], st[1:]))
+    last = sum((r + n - 1) * s for r, n, s in zip(rel[1:], i_shape[1:], st[1:])) + 1
+    run = last - first
+    isz = itemsize
+    if tuple(i_shape) == tuple(c_shape):
+        return PieceRead(chunk, inter, 0, chunk.length, ((0, chunk.length),), True, 0, tuple(st))
+    blk = block if verify else 0
+    rows_range = [(a * row_elems * isz, b * row_elems * isz)]
+    per_row = [((r * row_elems + first) * isz, (r * row_elems + first + run) * isz) for r in range(a, b)]
+    options = [_widen(rows_range, blk, chunk.length)]
+    if run < row_elems:
+        options.append(_widen(per_row, blk, chunk.length))
+    best = min(options, key=lambda rs: sum(e - s for s, e in rs) + REQUEST_COST_BYTES * len(rs))
+    if verify and blk <= 0:  # no block crcs stored: only the whole chunk can be verified
+        best = [(0, chunk.length)]
+    lo, hi = best[0][0], best[-1][1]
+    whole = lo == 0 and hi == chunk.length and len(best) == 1
+    elem_offset = (a * row_elems + first) - lo // isz
+    return PieceRead(chunk, inter, lo, hi, tuple(best), whole, elem_offset, tuple(st))
+
+
+def needed_bytes(inter: Box, itemsize: int) -> int:
+    return math.prod(inter[1]) * itemsize
