@@ -1,10 +1,13 @@
 """save / load / read / inspect: plan -> stage -> write -> commit, and back.
 
-The sync functions are thin wrappers that run one coroutine on objckpt's
+The functions are synchronous.  Collectives (only in multi-rank saves: one
+metadata exchange, one outcome exchange, one commit broadcast) run in the
+caller's thread; all storage I/O runs as one coroutine at a time on objckpt's
 background loop (see :mod:`objckpt._runtime`).
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -13,14 +16,15 @@ from typing import Any, Iterable, Optional
 import torch
 
 from . import __version__, _runtime
-from .engine.read import ChunkRead, read_chunks
+from .dist import Comm, get_comm
+from .engine.read import RangeRead, chunk_checks, read_ranges
 from .engine.stats import IOStats
 from .engine.write import write_plan
 from .errors import (
     CheckpointExistsError,
-    CorruptCheckpointError,
     MissingKeyError,
     NotFoundError,
+    ObjckptError,
     PreconditionFailed,
     StateDictMismatchError,
 )
@@ -29,9 +33,12 @@ from .format.dtypes import dtype_from_name, dtype_name, itemsize
 from .format.manifest import Blob, Chunk, Manifest, TensorEntry, decode, encode
 from .format.tree import decode_tree, iter_leaves
 from .planning.pack import TensorSpec, plan_save
+from .planning.reshard import Box, ChunkIndex, plan_piece
+from .planning.shard import TensorMeta, assign_writes
+from .sharding import Shard, is_dtensor, local_part
 from .staging.pool import default_pool
 from .statedict import collect, template_slots
-from .storage import ObjectStore, open_store
+from .storage import ObjectStore, open_store, split_uri
 
 MiB = 1 << 20
 
@@ -39,11 +46,11 @@ MiB = 1 << 20
 @dataclass
 class SaveResult:
     uri: str
-    bytes: int  # tensor bytes uploaded (blob sizes, padding included)
+    bytes: int  # tensor bytes this rank uploaded (blob sizes, padding included)
     seconds: float
-    requests: int
+    requests: int  # requests this rank made
     tensors: int
-    blobs: int
+    blobs: int  # blobs this rank wrote
     manifest_bytes: int = 0
 
     @property
@@ -54,7 +61,7 @@ class SaveResult:
 @dataclass
 class LoadResult:
     uri: str
-    bytes: int  # bytes fetched from storage (manifest included)
+    bytes: int  # bytes this rank fetched from storage (manifest included)
     seconds: float
     requests: int
     tensors: int
@@ -66,7 +73,41 @@ class LoadResult:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
+def _open(uri: str, storage_options: Optional[dict[str, Any]], store: Optional[ObjectStore]) -> tuple[ObjectStore, str]:
+    if store is None:
+        return open_store(uri, storage_options)
+    return store, split_uri(uri)[2].strip("/")
+
+
 # --------------------------------------------------------------------------- save
+
+
+@dataclass
+class _Local:
+    """What one rank brings to a save."""
+
+    tree: Any
+    metas: dict[str, TensorMeta]
+    sources: dict[str, tuple[Box, torch.Tensor]]  # key -> (box, local tensor)
+    aliases: dict[str, str]
+    dtypes: dict[str, str]
+
+
+def _collect_local(state: Any, allow_pickle: bool) -> _Local:
+    col = collect(state, allow_pickle=allow_pickle)
+    metas: dict[str, TensorMeta] = {}
+    sources: dict[str, tuple[Box, torch.Tensor]] = {}
+    dtypes: dict[str, str] = {}
+    for key, value in col.tensors.items():
+        shape, dt, box, local = local_part(key, value)
+        dtypes[key] = dtype_name(dt, key)
+        if key in col.alias_of:
+            continue
+        boxes = (box,) if box is not None else ()
+        metas[key] = TensorMeta(dtypes[key], shape, itemsize(dt), boxes)
+        if box is not None and local is not None:
+            sources[key] = (box, local)
+    return _Local(col.tree, metas, sources, dict(col.alias_of), dtypes)
 
 
 def save(
@@ -77,6 +118,7 @@ def save(
     overwrite: bool = False,
     metadata: Optional[dict[str, Any]] = None,
     allow_pickle: bool = False,
+    process_group: Any = None,
     blob_size: int = 1 << 30,
     part_size: int = 16 * MiB,
     staging_bytes: int = 512 * MiB,
@@ -85,108 +127,182 @@ def save(
 ) -> SaveResult:
     """Save ``state_dict`` (nested dicts/lists of tensors and plain values) to ``uri``.
 
-    Tensor bytes go to a few large blobs under ``uri`` as parallel (multipart)
-    uploads; the manifest is written last and conditionally, so the checkpoint
-    appears whole or not at all.  Raises :class:`CheckpointExistsError` when a
-    checkpoint is already committed at ``uri`` unless ``overwrite=True`` (the old
-    one stays loadable until the new manifest replaces it).  ``metadata`` is
-    free-form JSON stored in the manifest.  ``store`` replaces the backend the
-    URI would open (custom backends, wrappers); the URI's path is the prefix.
+    In a torch.distributed job every rank calls it with the same ``uri``: each
+    rank writes only its own shards (DTensor, :class:`objckpt.Shard`), plain
+    tensors count as replicated and are written once with the work spread over
+    the ranks, and rank 0 commits the manifest after every rank succeeded.
+    Tensor bytes go to a few large blobs as parallel (multipart) uploads; the
+    manifest is written last and conditionally, so the checkpoint appears whole
+    or not at all.  Raises :class:`CheckpointExistsError` when a checkpoint is
+    already committed at ``uri`` unless ``overwrite=True`` (the old one stays
+    loadable until the new manifest replaces it).  ``metadata`` is free-form
+    JSON stored in the manifest.  ``store`` replaces the backend the URI would
+    open (custom backends, wrappers); the URI's path is then the prefix.
     """
-    return _runtime.run(
-        _save(state_dict, uri, storage_options, overwrite, metadata, allow_pickle, blob_size, part_size,
-              staging_bytes, crc_block, store)
-    )
-
-
-async def _save(
-    state: Any,
-    uri: str,
-    storage_options: Optional[dict[str, Any]],
-    overwrite: bool,
-    metadata: Optional[dict[str, Any]],
-    allow_pickle: bool,
-    blob_size: int,
-    part_size: int,
-    staging_bytes: int,
-    crc_block: int,
-    store_override: Optional[ObjectStore],
-) -> SaveResult:
     t0 = time.perf_counter()
-    store, prefix = _open(uri, storage_options, store_override)
-    meta = _check_metadata(metadata)
-    col = collect(state, allow_pickle=allow_pickle)
-    stored = [k for k in col.tensors if k not in col.alias_of]
-    specs = [TensorSpec(k, tuple(col.tensors[k].shape), col.tensors[k].element_size()) for k in stored]
-    part = max(part_size, store.min_part_size)
-    plan = plan_save(
-        specs, blob_bytes=blob_size, part_bytes=part, chunk_bytes=part_size, max_part_bytes=store.max_part_size
-    )
+    comm = get_comm(process_group)
+    st, prefix = _open(uri, storage_options, store)
     mkey = layout.manifest_key(prefix)
     stats = IOStats()
 
-    old: Optional[Manifest] = None
-    if await store.head(mkey) is not None:
-        stats.add(0)
-        if not overwrite:
-            raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
-        try:
-            old = decode(await store.get(mkey), mkey)
-        except Exception:
-            old = None  # unreadable: replace it, leave its blobs to gc
-
-    attempt = layout.new_attempt_id()
-    names = [layout.blob_name(attempt, 0, b.index) for b in plan.blobs]
-    keys = [layout.join(prefix, n) for n in names]
-    pool = default_pool(staging_bytes)
-    crcs = await write_plan(store, keys, plan, col.tensors, pool, stats, crc_block=crc_block)
-
-    entries: dict[str, TensorEntry] = {}
-    for k, t in col.tensors.items():
-        entries[k] = TensorEntry(k, dtype_name(t.dtype, k), tuple(t.shape), alias_of=col.alias_of.get(k))
-    for c in plan.chunks:
-        total, blocks = crcs[c]
-        entries[c.key].chunks.append(Chunk(c.offsets, c.shape, c.blob, c.offset, c.length, total, blocks))
-    manifest = Manifest(
-        tensors=entries,
-        blobs=[Blob(n, b.size, 0) for n, b in zip(names, plan.blobs)],
-        tree=col.tree,
-        metadata=meta,
-        attempt=attempt,
-        world_size=1,
-        writer=f"objckpt {__version__}",
-        crc_block=crc_block,
-    )
-    data = encode(manifest)
+    # 1. local checks, then one exchange of metadata (and of any local error)
+    err: Optional[str] = None
+    local: Optional[_Local] = None
+    exists = False
     try:
-        await store.put(mkey, data, if_absent=not overwrite)
-        stats.add(len(data))
-    except BaseException as e:
-        # The PUT may have landed even though we saw an error (a lost reply, then
-        # a retry answered 412): look before deleting anything a manifest may
-        # point to.
-        committed = await _committed_attempt(store, mkey)
-        if committed != attempt:
-            if committed != "?":  # ours is certainly not referenced: remove its blobs
-                try:
-                    await store.delete(keys)
-                except Exception:
-                    pass  # unreferenced: gc sweeps them
-            if isinstance(e, PreconditionFailed):
-                raise CheckpointExistsError(f"another writer committed a checkpoint at {uri!r} first") from None
+        meta = _check_metadata(metadata)
+        local = _collect_local(state_dict, allow_pickle)
+        if comm.rank == 0:
+            exists = _runtime.run(st.head(mkey)) is not None
+            stats.add(0)
+    except Exception as e:
+        if comm.world_size == 1:
             raise
-        stats.add(len(data))
-    if old is not None:  # the replaced checkpoint's blobs are garbage now
-        live = set(names)
-        stale = [layout.join(prefix, b.name) for b in old.blobs if b.name not in live]
-        try:
-            await store.delete(stale)
-        except Exception:
-            pass  # gc sweeps them
-    return SaveResult(
-        uri, sum(b.size for b in plan.blobs), time.perf_counter() - t0, stats.requests,
-        len(col.tensors), len(plan.blobs), len(data),
+        err = f"{type(e).__name__}: {e}"
+    attempt = layout.new_attempt_id() if comm.rank == 0 else ""
+    gathered = comm.all_gather_object(
+        None if local is None else (local.metas, local.tree, local.aliases, local.dtypes, exists, attempt, err)
+    ) if comm.world_size > 1 else [(local.metas, local.tree, local.aliases, local.dtypes, exists, attempt, None)]  # type: ignore[union-attr]
+    failed = [(r, g[6] if g else "could not describe its state") for r, g in enumerate(gathered) if g is None or g[6]]
+    if failed:
+        raise ObjckptError(f"save to {uri!r} not started: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
+    assert local is not None
+    if gathered[0][4] and not overwrite:
+        raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
+    attempt = gathered[0][5]
+    alias_maps = [g[2] for g in gathered]
+    if any(a != alias_maps[0] for a in alias_maps):
+        raise StateDictMismatchError("tied tensors differ between ranks; tie the same keys on every rank")
+
+    # 2. who writes what (the same pure computation on every rank), then this rank's blobs
+    items = assign_writes([g[0] for g in gathered])[comm.rank]
+    pieces: dict[str, torch.Tensor] = {}
+    specs: list[TensorSpec] = []
+    where: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for i, it in enumerate(items):
+        (_, src) = local.sources[it.key]
+        view = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
+        pk = f"{it.key}\x00{i}"
+        pieces[pk] = view
+        where[pk] = (it.key, it.offsets)
+        specs.append(TensorSpec(pk, tuple(it.shape), src.element_size()))
+    part = max(part_size, st.min_part_size)
+    plan = plan_save(specs, blob_bytes=blob_size, part_bytes=part, chunk_bytes=part_size,
+                     max_part_bytes=st.max_part_size)
+    names = [layout.blob_name(attempt, comm.rank, b.index) for b in plan.blobs]
+    keys = [layout.join(prefix, n) for n in names]
+    records: list[tuple] = []
+    werr: Optional[str] = None
+    try:
+        crcs = _runtime.run(write_plan(st, keys, plan, pieces, default_pool(staging_bytes), stats, crc_block=crc_block))
+        for c in plan.chunks:
+            key, base = where[c.key]
+            offs = tuple(b + o for b, o in zip(base, c.offsets))
+            total, blocks = crcs[c]
+            records.append((key, offs, c.shape, c.blob, c.offset, c.length, total, blocks))
+    except Exception as e:
+        if comm.world_size == 1:
+            raise
+        werr = f"{type(e).__name__}: {e}"
+    mine = (records, [(n, b.size) for n, b in zip(names, plan.blobs)], werr)
+    results = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
+    failed = [(r, res[2]) for r, res in enumerate(results) if res[2]]
+    if failed:
+        _delete_quietly(st, keys)
+        raise ObjckptError(
+            f"save to {uri!r} failed on {len(failed)} of {comm.world_size} rank(s), nothing committed: "
+            + "; ".join(f"rank {r}: {m}" for r, m in failed)
+        )
+
+    # 3. rank 0 builds and commits the manifest; everyone learns the outcome
+    outcome: tuple[str, str, int] = ("ok", "", 0)
+    commit_errors: list[BaseException] = []
+    if comm.rank == 0:
+        m = _build_manifest(gathered, results, attempt, meta, crc_block, comm.world_size)
+        outcome = _commit(st, prefix, mkey, m, overwrite, uri, keys, stats, commit_errors)
+    if comm.world_size > 1:
+        outcome = comm.broadcast_object(outcome)
+    status, message, manifest_bytes = outcome
+    if status != "ok":
+        if comm.rank != 0 and status == "failed-clean":
+            _delete_quietly(st, keys)
+        if status.startswith("exists"):
+            raise CheckpointExistsError(message)
+        if commit_errors and comm.world_size == 1:
+            raise commit_errors[0]
+        raise ObjckptError(message)
+    return SaveResult(uri, sum(b.size for b in plan.blobs), time.perf_counter() - t0, stats.requests,
+                      len(local.dtypes), len(plan.blobs), manifest_bytes)
+
+
+def _build_manifest(gathered: list, results: list, attempt: str, meta: dict, crc_block: int, world: int) -> Manifest:
+    metas0: dict[str, TensorMeta] = {}
+    for g in gathered:
+        for k, t in g[0].items():
+            metas0.setdefault(k, t)
+    dtypes: dict[str, str] = {}
+    for g in gathered:
+        for k, d in g[3].items():
+            dtypes.setdefault(k, d)
+    aliases = gathered[0][2]
+    blobs: list[Blob] = []
+    entries: dict[str, TensorEntry] = {}
+    for k in dtypes:
+        if k in aliases:
+            target = metas0[aliases[k]]
+            entries[k] = TensorEntry(k, target.dtype, target.shape, alias_of=aliases[k])
+        else:
+            t = metas0[k]
+            entries[k] = TensorEntry(k, t.dtype, t.shape)
+    for rank, (records, rblobs, _) in enumerate(results):
+        base = len(blobs)
+        blobs.extend(Blob(n, size, rank) for n, size in rblobs)
+        for key, offs, shape, b, off, length, total, blocks in records:
+            entries[key].chunks.append(Chunk(tuple(offs), tuple(shape), base + b, off, length, total, tuple(blocks)))
+    for e in entries.values():
+        e.chunks.sort(key=lambda c: c.offsets)
+    trees = [g[1] for g in gathered]
+    same = all(json.dumps(t, sort_keys=True) == json.dumps(trees[0], sort_keys=True) for t in trees)
+    return Manifest(
+        tensors=entries, blobs=blobs, tree=trees[0], metadata=meta, attempt=attempt, world_size=world,
+        writer=f"objckpt {__version__}", crc_block=crc_block, rank_trees=None if same else trees,
     )
+
+
+def _commit(st: ObjectStore, prefix: str, mkey: str, m: Manifest, overwrite: bool, uri: str,
+            keys: list[str], stats: IOStats, errors: list[BaseException]) -> tuple[str, str, int]:
+    """Write the manifest (rank 0).  Returns (status, message, manifest bytes);
+    the exception behind a failure is appended to ``errors``."""
+    data = encode(m)
+
+    async def go() -> tuple[str, str, int]:
+        old: Optional[Manifest] = None
+        if overwrite:
+            try:
+                old = decode(await st.get(mkey), mkey)
+            except Exception:
+                old = None  # absent or unreadable: nothing of it to clean up
+        try:
+            await st.put(mkey, data, if_absent=not overwrite)
+        except BaseException as e:
+            # The PUT may have landed even though we saw an error (a lost reply,
+            # then a retry answered 412): look before deleting anything.
+            committed = await _committed_attempt(st, mkey)
+            if committed != m.attempt:
+                errors.append(e)
+                if committed != "?":  # ours is certainly not referenced
+                    await _delete_async(st, keys)
+                if isinstance(e, PreconditionFailed):
+                    return ("exists-clean", f"another writer committed a checkpoint at {uri!r} first", 0)
+                return ("failed-clean" if committed != "?" else "failed",
+                        f"committing {uri!r} failed: {type(e).__name__}: {e}", 0)
+        stats.add(len(data))
+        if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
+            live = {b.name for b in m.blobs}
+            await _delete_async(st, [layout.join(prefix, b.name) for b in old.blobs if b.name not in live])
+        return ("ok", "", len(data))
+
+    return _runtime.run(go())
 
 
 async def _committed_attempt(store: ObjectStore, mkey: str) -> Optional[str]:
@@ -199,9 +315,19 @@ async def _committed_attempt(store: ObjectStore, mkey: str) -> Optional[str]:
         return "?"
 
 
-def _check_metadata(metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
-    import json
+async def _delete_async(store: ObjectStore, keys: list[str]) -> None:
+    try:
+        await store.delete(keys)
+    except Exception:
+        pass  # unreferenced: gc sweeps them
 
+
+def _delete_quietly(store: ObjectStore, keys: list[str]) -> None:
+    if keys:
+        _runtime.run(_delete_async(store, keys))
+
+
+def _check_metadata(metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
     if metadata is None:
         return {}
     if not isinstance(metadata, dict):
@@ -227,48 +353,31 @@ async def _fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Opti
     return decode(data, f"{uri.rstrip('/')}/{layout.MANIFEST_NAME}")
 
 
-def _open(uri: str, storage_options: Optional[dict[str, Any]], store: Optional[ObjectStore]) -> tuple[ObjectStore, str]:
-    if store is None:
-        return open_store(uri, storage_options)
-    from .storage import split_uri
-
-    return store, split_uri(uri)[2].strip("/")
-
-
 def inspect(
     uri: str, *, storage_options: Optional[dict[str, Any]] = None, store: Optional[ObjectStore] = None
 ) -> Manifest:
     """The checkpoint's manifest: keys, dtypes, shapes, chunks, blobs, metadata."""
-    store, prefix = _open(uri, storage_options, store)
-    return _runtime.run(_fetch_manifest(store, prefix, uri))
+    st, prefix = _open(uri, storage_options, store)
+    return _runtime.run(_fetch_manifest(st, prefix, uri))
 
 
-# --------------------------------------------------------------------------- reading
+# --------------------------------------------------------------------------- reading boxes
 
 
-def _row_span(entry: TensorEntry, c: Chunk) -> tuple[int, int]:
-    """Byte offset/length of chunk ``c`` inside the row-major tensor ``entry``."""
-    shape = entry.shape
-    if len(shape) == 0:
-        return 0, c.length
-    if tuple(c.shape[1:]) != tuple(shape[1:]) or any(c.offsets[1:]):
+def _check_coverage(entry: TensorEntry) -> None:
+    """The chunks hold exactly the tensor's elements (each once, inside it)."""
+    from .errors import CorruptCheckpointError
+
+    isz = itemsize(dtype_from_name(entry.dtype, entry.key))
+    ok = all(c.length == math.prod(c.shape) * isz for c in entry.chunks)  # as_strided stays in bounds
+    if entry.shape:
+        ok = ok and sum(math.prod(c.shape) for c in entry.chunks) == entry.numel
+    else:
+        ok = ok and len(entry.chunks) == 1
+    if not ok:
         raise CorruptCheckpointError(
-            f"tensor {entry.key!r}: chunk at {list(c.offsets)} of shape {list(c.shape)} is not a run of whole rows; "
-            "this release reads only row-chunked tensors"
+            f"tensor {entry.key!r}: its chunks do not cover shape {list(entry.shape)} exactly once"
         )
-    item = itemsize(dtype_from_name(entry.dtype, entry.key))
-    row_bytes = math.prod(shape[1:]) * item
-    if c.length != c.shape[0] * row_bytes or c.offsets[0] + c.shape[0] > shape[0]:
-        raise CorruptCheckpointError(f"tensor {entry.key!r}: chunk at {list(c.offsets)} has inconsistent size")
-    return c.offsets[0] * row_bytes, c.length
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """Writable bytes of a contiguous CPU tensor (no copy)."""
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(bytearray(0))
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
 def _direct_ok(t: torch.Tensor) -> bool:
@@ -281,39 +390,67 @@ def _direct_ok(t: torch.Tensor) -> bool:
     )
 
 
-def _check_coverage(entry: TensorEntry) -> None:
-    """The chunks tile the tensor exactly: no gap (uninitialised bytes), no overlap."""
-    if len(entry.shape) == 0:
-        ok = len(entry.chunks) == 1 and entry.chunks[0].length == itemsize(dtype_from_name(entry.dtype, entry.key))
-    elif entry.numel == 0:
-        ok = all(c.length == 0 for c in entry.chunks)
-    else:
-        rows = sorted((c.offsets[0], c.offsets[0] + c.shape[0]) for c in entry.chunks if c.shape[0])
-        ok = bool(rows) and rows[0][0] == 0 and rows[-1][1] == entry.shape[0]
-        ok = ok and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
-    if not ok:
-        raise CorruptCheckpointError(
-            f"tensor {entry.key!r}: its chunks do not cover shape {list(entry.shape)} exactly once"
-        )
+def _byte_view(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-async def _fill(
-    store: ObjectStore, prefix: str, m: Manifest, dests: dict[str, torch.Tensor], stats: IOStats
-) -> None:
-    """Read stored tensors ``dests`` (key -> contiguous CPU tensor of the stored dtype/shape)."""
-    reads: list[ChunkRead] = []
-    for key, dest in dests.items():
+def _fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: list[tuple[str, Box, torch.Tensor]],
+                stats: IOStats, verify: bool = True) -> None:
+    """Fill each target (stored key, global box, destination tensor of the box's shape)."""
+    reads: list[RangeRead] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, source view)
+    indexes: dict[str, ChunkIndex] = {}
+    for key, box, dest in targets:
         entry = m.tensors[key]
-        _check_coverage(entry)
-        view = _byte_view(dest)
-        for c in entry.chunks:
-            start, n = _row_span(entry, c)
-            reads.append(ChunkRead(key, c, layout.join(prefix, m.blobs[c.blob].name), view[start : start + n]))
-    await read_chunks(store, reads, stats)
+        if key not in indexes:
+            _check_coverage(entry)
+            indexes[key] = ChunkIndex(entry.chunks)
+        dt = dtype_from_name(entry.dtype, key)
+        isz = itemsize(dt)
+        direct = _direct_ok(dest) and dest.dtype == dt
+        dview = _byte_view(dest) if direct else None
+        d_off, d_shape = box
+        d_row = int(torch.Size(d_shape[1:]).numel()) * isz if d_shape else isz
+        for chunk, inter in indexes[key].overlapping(box):
+            blob_key = layout.join(prefix, m.blobs[chunk.blob].name)
+            piece = plan_piece(chunk, inter, isz, m.crc_block, verify)
+            i_off, i_shape = inter
+            full_rows = tuple(i_shape[1:]) == tuple(d_shape[1:]) == tuple(chunk.shape[1:])
+            if piece.whole and dview is not None and full_rows:
+                start = (i_off[0] - d_off[0]) * d_row if d_shape else 0
+                checks = chunk_checks(chunk, 0, chunk.length, m.crc_block) if verify else ()
+                reads.append(RangeRead(key, blob_key, chunk.offset, dview[start : start + chunk.length], checks))
+                continue
+            temp = torch.empty(piece.hi - piece.lo, dtype=torch.uint8)
+            tview = memoryview(temp.numpy()) if temp.numel() else memoryview(bytearray(0))
+            for s, e in piece.ranges:
+                checks = chunk_checks(chunk, s, e, m.crc_block) if verify else ()
+                reads.append(RangeRead(key, blob_key, chunk.offset + s, tview[s - piece.lo : e - piece.lo], checks))
+            if not i_shape:
+                src = temp.view(dt).reshape(())
+                dst = dest
+            else:
+                src = temp.view(dt).as_strided(i_shape, piece.strides, piece.elem_offset)
+                dst = dest[tuple(slice(o - d, o - d + n) for o, d, n in zip(i_off, d_off, i_shape))]
+            copies.append((dst, src))
+    _runtime.run(read_ranges(st, reads, stats))
+    with torch.no_grad():
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=dst.is_cuda)
+        if any(d.is_cuda for d, _ in copies):
+            torch.cuda.synchronize()
 
 
 def _stored_key(m: Manifest, key: str) -> str:
     return m.tensors[key].alias_of or key
+
+
+def _whole(m: Manifest, key: str) -> Box:
+    shape = m.tensors[key].shape
+    return tuple(0 for _ in shape), tuple(shape)
 
 
 def read(
@@ -327,41 +464,37 @@ def read(
     """Tensors (on CPU) and values of a checkpoint, without a template.
 
     ``keys=None`` returns the whole saved structure (nested as it was saved,
-    tied tensors tied again).  With ``keys``, returns ``{key: value}`` for just
-    those leaves and fetches only their bytes.
+    tied tensors tied again, sharded tensors assembled whole).  With ``keys``,
+    returns ``{key: value}`` for just those leaves and fetches only their bytes.
     """
-    return _runtime.run(_read(uri, None if keys is None else list(keys), storage_options, allow_pickle, store))
-
-
-async def _read(uri: str, keys: Optional[list[str]], storage_options: Any, allow_pickle: bool,
-                store_override: Optional[ObjectStore]) -> Any:
-    store, prefix = _open(uri, storage_options, store_override)
+    st, prefix = _open(uri, storage_options, store)
     stats = IOStats()
-    m = await _fetch_manifest(store, prefix, uri, stats)
+    m = _runtime.run(_fetch_manifest(st, prefix, uri, stats))
     leaves = dict(iter_leaves(m.tree))
-    if keys is None:
-        wanted = [k for k in m.tensors]
+    wanted_keys = list(keys) if keys is not None else None
+    if wanted_keys is None:
+        wanted = list(m.tensors)
     else:
-        missing = [k for k in keys if k not in leaves]
+        missing = [k for k in wanted_keys if k not in leaves]
         if missing:
             raise MissingKeyError(
                 f"key(s) {missing[:10]} not in checkpoint {uri!r} (it has {len(leaves)} keys, e.g. {list(leaves)[:5]})"
             )
-        wanted = [k for k in keys if k in m.tensors]
+        wanted = [k for k in wanted_keys if k in m.tensors]
     bufs: dict[str, torch.Tensor] = {}
     for k in wanted:
         sk = _stored_key(m, k)
         if sk not in bufs:
             e = m.tensors[sk]
             bufs[sk] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype, sk))
-    await _fill(store, prefix, m, bufs, stats)
+    _fill_boxes(st, prefix, m, [(k, _whole(m, k), t) for k, t in bufs.items()], stats)
 
     def get_tensor(k: str) -> torch.Tensor:
         return bufs[_stored_key(m, k)]
 
-    if keys is None:
+    if wanted_keys is None:
         return decode_tree(m.tree, get_tensor, allow_pickle=allow_pickle, where=repr(uri))
-    return {k: decode_tree(leaves[k], get_tensor, allow_pickle=allow_pickle, where=repr(uri)) for k in keys}
+    return {k: decode_tree(leaves[k], get_tensor, allow_pickle=allow_pickle, where=repr(uri)) for k in wanted_keys}
 
 
 # --------------------------------------------------------------------------- load
@@ -374,26 +507,28 @@ def load(
     storage_options: Optional[dict[str, Any]] = None,
     strict: bool = True,
     allow_pickle: bool = False,
+    process_group: Any = None,
     store: Optional[ObjectStore] = None,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place (any device) from the checkpoint.
 
-    Non-tensor values in dicts and lists are replaced by the saved ones.
-    Dtype and shape must match exactly.  With ``strict`` (the default) keys
-    missing from the checkpoint or not in ``state_dict`` are an error; otherwise
-    they are reported in the result.  Only the needed bytes are fetched.
+    Tensors may be plain (the whole tensor is loaded), DTensors (each rank
+    fills its local shard) or :class:`objckpt.Shard`; the checkpoint may have
+    been saved with any other layout and world size.  Each rank fetches only
+    the bytes that overlap what it holds.  Non-tensor values in dicts and lists
+    are replaced by the saved ones (per rank, when ranks saved different
+    values).  Dtype and global shape must match exactly.  With ``strict`` (the
+    default) keys missing from the checkpoint or not in ``state_dict`` are an
+    error; otherwise they are reported in the result.
     """
-    return _runtime.run(_load(state_dict, uri, storage_options, strict, allow_pickle, store))
-
-
-async def _load(state: Any, uri: str, storage_options: Any, strict: bool, allow_pickle: bool,
-                store_override: Optional[ObjectStore]) -> LoadResult:
     t0 = time.perf_counter()
-    store, prefix = _open(uri, storage_options, store_override)
+    rank = get_comm(process_group).rank
+    st, prefix = _open(uri, storage_options, store)
     stats = IOStats()
-    m = await _fetch_manifest(store, prefix, uri, stats)
-    leaves = dict(iter_leaves(m.tree))
-    slots = list(template_slots(state))
+    m = _runtime.run(_fetch_manifest(st, prefix, uri, stats))
+    tree = m.rank_trees[rank] if m.rank_trees and rank < len(m.rank_trees) else m.tree
+    leaves = dict(iter_leaves(tree))
+    slots = list(template_slots(state_dict))
     tkeys = {s.key for s in slots}
     missing = [s.key for s in slots if s.key not in leaves]
     unexpected = [k for k in leaves if k not in tkeys]
@@ -404,56 +539,40 @@ async def _load(state: Any, uri: str, storage_options: Any, strict: bool, allow_
             f"{' ...' if len(unexpected) > 10 else ''} (pass strict=False to load the common keys)"
         )
     problems: list[str] = []
-    tensor_slots = []
+    targets: list[tuple[str, Box, torch.Tensor]] = []
     value_slots = []
+    seen: set[tuple] = set()
+    n_tensors = 0
     for s in slots:
         if s.key not in leaves:
             continue
-        is_t = isinstance(s.value, torch.Tensor)
+        is_t = isinstance(s.value, (torch.Tensor, Shard))
         in_ckpt_t = s.key in m.tensors
         if is_t != in_ckpt_t:
             problems.append(f"{s.key!r}: {'tensor' if is_t else 'value'} in state dict, "
                             f"{'tensor' if in_ckpt_t else 'value'} in checkpoint")
-        elif is_t:
-            e = m.tensors[s.key]
-            dt = dtype_from_name(e.dtype, s.key)
-            if s.value.dtype != dt or tuple(s.value.shape) != e.shape:
-                problems.append(
-                    f"{s.key!r}: state dict has {s.value.dtype} {list(s.value.shape)}, checkpoint has "
-                    f"{dt} {list(e.shape)}"
-                )
-            else:
-                tensor_slots.append(s)
-        else:
+            continue
+        if not is_t:
             value_slots.append(s)
+            continue
+        e = m.tensors[s.key]
+        shape, dt, box, local = local_part(s.key, s.value)
+        if dt != dtype_from_name(e.dtype, s.key) or tuple(shape) != e.shape:
+            problems.append(f"{s.key!r}: state dict has {dt} {list(shape)}, checkpoint has {e.dtype} {list(e.shape)}")
+            continue
+        if box is None or local is None:
+            continue  # this rank holds no part of it
+        n_tensors += 1
+        sk = _stored_key(m, s.key)
+        ident = (local.device, local.data_ptr(), tuple(local.shape), tuple(local.stride()), sk, box)
+        if ident in seen and local.numel():
+            continue  # tied destination: fill once
+        seen.add(ident)
+        targets.append((sk, box, local))
     if problems:
         raise StateDictMismatchError(f"cannot load {uri!r}: " + "; ".join(problems[:20]))
-
-    # one read per stored tensor; tied destinations filled once
-    reads: dict[str, torch.Tensor] = {}  # stored key -> buffer the bytes land in
-    copies: list[tuple[torch.Tensor, str]] = []  # (destination, stored key) needing a copy
-    seen: set[tuple] = set()
-    for s in tensor_slots:
-        dest: torch.Tensor = s.value
-        sk = _stored_key(m, s.key)
-        ident = (dest.device, dest.data_ptr(), tuple(dest.shape), tuple(dest.stride()), sk)
-        if ident in seen and dest.numel():
-            continue
-        seen.add(ident)
-        if sk not in reads and _direct_ok(dest):
-            reads[sk] = dest
-        else:
-            if sk not in reads:
-                reads[sk] = torch.empty(dest.shape, dtype=dest.dtype, pin_memory=dest.is_cuda)
-            if reads[sk] is not dest:
-                copies.append((dest, sk))
-    with torch.no_grad():
-        await _fill(store, prefix, m, reads, stats)
-        for dest, sk in copies:
-            dest.copy_(reads[sk], non_blocking=dest.is_cuda)
-        if any(d.is_cuda for d, _ in copies):
-            torch.cuda.synchronize()
+    _fill_boxes(st, prefix, m, targets, stats)
     for s in value_slots:
         if s.container is not None and not isinstance(s.container, tuple):
             s.container[s.index] = decode_tree(leaves[s.key], lambda k: None, allow_pickle=allow_pickle, where=repr(uri))
-    return LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, len(tensor_slots), missing, unexpected)
+    return LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, n_tensors, missing, unexpected)

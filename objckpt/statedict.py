@@ -13,22 +13,29 @@ import torch
 
 from .errors import UnsupportedValueError
 from .format.dtypes import dtype_name
+from .sharding import Shard, is_dtensor
 from .format.tree import _child_key, encode_tree, iter_leaves
 
 
 @dataclass
 class Collected:
     tree: Any
-    tensors: dict[str, torch.Tensor]  # every tensor leaf, by key
+    tensors: dict[str, Any]  # every tensor leaf (tensor, DTensor, Shard), by key
     alias_of: dict[str, str]  # key -> key of the first tensor with the same storage view
 
 
-def _check_tensor(key: str, t: torch.Tensor) -> None:
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        raise UnsupportedValueError(
-            f"tensor {key!r} is a {type(t).__module__}.{type(t).__qualname__}; this release saves plain tensors "
-            "(convert sharded tensors with .full_tensor() or save each rank's shard)"
-        )
+def _check_tensor(key: str, value: Any) -> None:
+    if isinstance(value, Shard):
+        t = value.local
+    elif is_dtensor(value):
+        t = value.to_local()
+    else:
+        t = value
+        if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+            raise UnsupportedValueError(
+                f"tensor {key!r} is a {type(t).__module__}.{type(t).__qualname__}; objckpt stores plain tensors, "
+                "DTensors and objckpt.Shard"
+            )
     if t.layout != torch.strided:
         raise UnsupportedValueError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored")
     if t.is_meta:
@@ -38,7 +45,9 @@ def _check_tensor(key: str, t: torch.Tensor) -> None:
     dtype_name(t.dtype, key)
 
 
-def _identity(t: torch.Tensor) -> Optional[tuple]:
+def _identity(t: Any) -> Optional[tuple]:
+    if not isinstance(t, torch.Tensor) or is_dtensor(t):
+        return None  # sharded values are never treated as tied
     try:
         ptr = t.untyped_storage().data_ptr()
     except Exception:
@@ -53,11 +62,11 @@ def collect(state: Any, *, allow_pickle: bool = False) -> Collected:
     the same storage (tied weights) are recorded as aliases and stored once."""
     if not isinstance(state, (Mapping, list, tuple)):
         raise UnsupportedValueError(f"state must be a dict (or list/tuple), got {type(state).__name__}")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
     alias_of: dict[str, str] = {}
     first: dict[tuple, str] = {}
 
-    def on_tensor(key: str, t: torch.Tensor) -> None:
+    def on_tensor(key: str, t: Any) -> None:
         _check_tensor(key, t)
         tensors[key] = t
         ident = _identity(t)
@@ -90,7 +99,7 @@ class Slot:
 
 
 def _has_tensor(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, (torch.Tensor, Shard)):
         return True
     if isinstance(x, Mapping):
         return any(_has_tensor(v) for v in x.values())
@@ -105,7 +114,7 @@ def template_slots(state: Any) -> Iterator[Slot]:
     def walk(x: Any, key: str, container: Any, index: Any) -> Iterator[Slot]:
         if key and not _has_tensor(x):
             yield Slot(key, x, container, index)
-        elif isinstance(x, torch.Tensor):
+        elif isinstance(x, (torch.Tensor, Shard)):
             yield Slot(key, x, container, index)
         elif isinstance(x, Mapping):
             for k, v in x.items():

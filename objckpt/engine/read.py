@@ -1,6 +1,6 @@
 """Fetch tensor chunks with concurrent ranged GETs, straight into place.
 
-Each wanted chunk is a span of a blob with a destination: a slice of host
+Each wanted byte range is a span of a blob with a destination: a slice of host
 memory (the caller's own CPU tensor when it is contiguous and of the stored
 dtype, else a temporary).  Spans become requests (merged across small gaps,
 split when large); a request that serves exactly one span reads directly into
@@ -25,16 +25,37 @@ from .tasks import gather_fail_fast
 
 
 @dataclass(frozen=True)
-class ChunkRead:
-    """Fetch ``chunk`` of tensor ``key`` into ``dest`` (exactly ``chunk.length`` bytes)."""
+class RangeRead:
+    """Fetch ``len(dest)`` bytes of ``blob_key`` from ``offset`` into ``dest``, then
+    check each ``(offset in dest, length, crc32c, what)`` of ``checks``."""
 
     key: str
-    chunk: Chunk
     blob_key: str
+    offset: int
     dest: memoryview
+    checks: tuple[tuple[int, int, int, str], ...] = ()
 
 
-def _scatter_views(req: Request, reads: Sequence[ChunkRead]) -> list[memoryview]:
+def chunk_checks(chunk: Chunk, start: int, end: int, block: int) -> tuple[tuple[int, int, int, str], ...]:
+    """The crc checks that cover bytes [start, end) of ``chunk`` (chunk-relative).
+
+    The whole chunk is checked against its crc; a partial range against the
+    crcs of the whole blocks it spans (ranges are planned block-aligned).
+    """
+    if start == 0 and end == chunk.length:
+        return ((0, chunk.length, chunk.crc32c, f"chunk at {list(chunk.offsets)}"),)
+    if not chunk.block_crc32c or block <= 0:
+        return ()
+    out = []
+    for k in range(start // block, -(-end // block)):
+        b0 = k * block
+        n = min(block, chunk.length - b0)
+        if b0 >= start and b0 + n <= end:
+            out.append((b0 - start, n, chunk.block_crc32c[k], f"block {k} of chunk at {list(chunk.offsets)}"))
+    return tuple(out)
+
+
+def _scatter_views(req: Request, reads: Sequence[RangeRead]) -> list[memoryview]:
     """Consecutive buffers covering ``req``: destinations, with scratch for the gaps."""
     views: list[memoryview] = []
     pos = 0
@@ -50,19 +71,18 @@ def _scatter_views(req: Request, reads: Sequence[ChunkRead]) -> list[memoryview]
     return views
 
 
-async def read_chunks(
+async def read_ranges(
     store: ObjectStore,
-    reads: Sequence[ChunkRead],
+    reads: Sequence[RangeRead],
     stats: IOStats,
     *,
-    verify: bool = True,
-    on_chunk_done: Optional[Callable[[ChunkRead], None]] = None,
+    on_chunk_done: Optional[Callable[[RangeRead], None]] = None,
     merge_gap: int = 256 << 10,
     max_request: int = 16 << 20,
     split_above: int = 16 << 20,
     split_into: int = 8 << 20,
 ) -> None:
-    spans = [Span(r.blob_key, r.chunk.offset, r.chunk.length, i) for i, r in enumerate(reads)]
+    spans = [Span(r.blob_key, r.offset, len(r.dest), i) for i, r in enumerate(reads)]
     requests = plan_requests(
         spans, merge_gap=merge_gap, max_request=max_request, split_above=split_above, split_into=split_into
     )
@@ -74,13 +94,12 @@ async def read_chunks(
 
     async def finish(i: int) -> None:
         r = reads[i]
-        if verify:
-            got = await _runtime.in_thread(crc32c, r.dest)
-            if got != r.chunk.crc32c:
+        for at, n, want, what in r.checks:
+            got = await _runtime.in_thread(crc32c, r.dest[at : at + n])
+            if got != want:
                 raise CorruptCheckpointError(
-                    f"tensor {r.key!r}: crc32c mismatch in blob {r.blob_key!r} at offset {r.chunk.offset} "
-                    f"(length {r.chunk.length}, chunk at {list(r.chunk.offsets)}): stored {r.chunk.crc32c:#010x}, "
-                    f"read {got:#010x}"
+                    f"tensor {r.key!r}: crc32c mismatch in blob {r.blob_key!r} at offset {r.offset + at} "
+                    f"(length {n}, {what}): stored {want:#010x}, read {got:#010x}"
                 )
         if on_chunk_done is not None:
             on_chunk_done(r)

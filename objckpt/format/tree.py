@@ -22,7 +22,7 @@ import torch
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 from .dtypes import dtype_from_name, dtype_name
 
-TensorSink = Callable[[str, torch.Tensor], None]
+TensorSink = Callable[[str, Any], None]  # a torch.Tensor (DTensor included) or an objckpt.Shard
 TensorSource = Callable[[str], Any]
 
 _SCALARS = (str, int, bool, type(None))
@@ -37,8 +37,10 @@ def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False) 
     """Encode ``obj``; ``on_tensor(key, tensor)`` is called for every tensor leaf."""
     seen_keys: set[str] = set()
 
+    from ..sharding import Shard
+
     def enc(x: Any, key: str) -> Any:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, (torch.Tensor, Shard)):
             if key in seen_keys:
                 raise UnsupportedValueError(f"two entries flatten to the same key {key!r}; rename one")
             seen_keys.add(key)

@@ -1,0 +1,109 @@
+"""Sharded values: what part of a global tensor each rank holds.
+
+Three kinds of tensor leaves are understood:
+
+* a plain ``torch.Tensor``: the whole tensor, identical on every rank
+  (replicated), so it is written once, its bytes spread over the replicas;
+* a ``DTensor`` (any DeviceMesh, Shard(d)/Replicate placements, uneven shards):
+  its local shard is the box torch computes for this rank;
+* :class:`Shard`: a local tensor plus its global shape and offsets, for
+  frameworks that shard by hand (Megatron style).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .errors import UnsupportedValueError
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass
+class Shard:
+    """``local`` is the box of a ``global_shape`` tensor starting at ``global_offsets``."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(d) for d in self.global_shape)
+        self.global_offsets = tuple(int(o) for o in self.global_offsets)
+        if not (len(self.global_shape) == len(self.global_offsets) == self.local.dim()):
+            raise ValueError(
+                f"Shard: local tensor has {self.local.dim()} dims, global_shape {list(self.global_shape)} and "
+                f"global_offsets {list(self.global_offsets)} must match it"
+            )
+        for o, n, d in zip(self.global_offsets, self.local.shape, self.global_shape):
+            if o < 0 or o + n > d:
+                raise ValueError(
+                    f"Shard of shape {list(self.local.shape)} at {list(self.global_offsets)} does not fit in "
+                    f"global shape {list(self.global_shape)}"
+                )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+
+def _dtensor_type() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor  # torch >= 2.5
+    except ImportError:
+        try:
+            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]  # torch 2.4
+        except ImportError:
+            return None
+    return DTensor
+
+
+def is_dtensor(x: Any) -> bool:
+    t = _dtensor_type()
+    return t is not None and isinstance(x, t)
+
+
+def is_tensor_leaf(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, Shard))
+
+
+def _dtensor_box(key: str, dt: Any) -> Optional[Box]:
+    placements = list(dt.placements)
+    for p in placements:
+        name = type(p).__name__
+        if name == "_StridedShard":
+            raise UnsupportedValueError(
+                f"tensor {key!r}: DTensor placement {p} (strided sharding, FSDP2 + TP) is not supported yet; "
+                "call .redistribute() to plain Shard/Replicate placements first"
+            )
+        if name == "Partial" or (hasattr(p, "is_partial") and p.is_partial()):
+            raise UnsupportedValueError(
+                f"tensor {key!r}: DTensor has a Partial placement (pending reduction); reduce it before saving"
+            )
+    mesh = dt.device_mesh
+    if mesh.get_coordinate() is None:  # this rank is not in the mesh
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset  # type: ignore
+    shape, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
+
+
+def local_part(key: str, x: Any) -> tuple[tuple[int, ...], torch.dtype, Optional[Box], Optional[torch.Tensor]]:
+    """(global shape, dtype, this rank's box or None, the local tensor holding that box)."""
+    if isinstance(x, Shard):
+        return x.global_shape, x.local.dtype, (x.global_offsets, tuple(x.local.shape)), x.local
+    if is_dtensor(x):
+        box = _dtensor_box(key, x)
+        local = x.to_local() if box is not None else None
+        if local is not None and tuple(local.shape) != box[1]:  # type: ignore[index]
+            raise UnsupportedValueError(
+                f"tensor {key!r}: DTensor local shard has shape {list(local.shape)}, expected {list(box[1])}"  # type: ignore[index]
+            )
+        return tuple(int(d) for d in x.shape), x.dtype, box, local
+    t: torch.Tensor = x
+    return tuple(t.shape), t.dtype, (tuple(0 for _ in t.shape), tuple(t.shape)), t
