@@ -17,12 +17,14 @@ from .errors import (  # noqa: E402
     UnsupportedValueError,
 )
 from .api import LoadResult, SaveResult, inspect, load, read, save  # noqa: E402
+from .sharding import Shard  # noqa: E402
 
 __all__ = [
     "save",
     "load",
     "read",
     "inspect",
+    "Shard",
     "SaveResult",
     "LoadResult",
     "ObjckptError",

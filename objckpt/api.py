@@ -418,8 +418,9 @@ def _fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: list[tuple[s
             blob_key = layout.join(prefix, m.blobs[chunk.blob].name)
             piece = plan_piece(chunk, inter, isz, m.crc_block, verify)
             i_off, i_shape = inter
-            full_rows = tuple(i_shape[1:]) == tuple(d_shape[1:]) == tuple(chunk.shape[1:])
-            if piece.whole and dview is not None and full_rows:
+            # the whole chunk lies inside the target and spans its full rows: read in place
+            inside = tuple(i_shape) == tuple(chunk.shape) and tuple(i_shape[1:]) == tuple(d_shape[1:])
+            if inside and dview is not None:
                 start = (i_off[0] - d_off[0]) * d_row if d_shape else 0
                 checks = chunk_checks(chunk, 0, chunk.length, m.crc_block) if verify else ()
                 reads.append(RangeRead(key, blob_key, chunk.offset, dview[start : start + chunk.length], checks))
