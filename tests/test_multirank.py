@@ -203,3 +203,59 @@ def test_global_shape_mismatch_names_tensor(tmp_path: Any) -> None:
     objckpt.save({"w": full("big")}, uri)
     for msg in run_multiprocess(2, load_wrong_shape, uri):
         assert "'w'" in msg and "[2048, 255]" in msg and "[2048, 256]" in msg
+
+
+def _tp_model(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    parallelize_module(model, _mesh((world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, first: int, n: int) -> list[float]:
+    losses = []
+    for step in range(first, first + n):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def train_phase(rank: int, world: int, uri: str, phase: str) -> list[float]:
+    model, opt = _tp_model(world)
+    if phase == "reference":
+        return _steps(model, opt, 0, 4)
+    if phase == "first":
+        losses = _steps(model, opt, 0, 2)
+        objckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 2}, uri)
+        return losses
+    # resume: materialise the optimizer state (a zero-gradient step changes nothing), then load in place
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    opt.param_groups[0]["lr"] = lr
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}
+    objckpt.load(state, uri)
+    opt.load_state_dict(state["optim"])
+    return _steps(model, opt, state["step"], 2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_adam_resume_2_to_4(tmp_path: Any) -> None:
+    uri = str(tmp_path / "train")
+    reference = run_multiprocess(2, train_phase, uri, "reference")[0]
+    first = run_multiprocess(2, train_phase, uri, "first")[0]
+    resumed = run_multiprocess(4, train_phase, uri, "resume")
+    assert first == pytest.approx(reference[:2], rel=1e-6)
+    for losses in resumed:
+        assert losses == pytest.approx(reference[2:], rel=1e-5)
+    m = objckpt.inspect(uri)
+    assert any(k.startswith("optim.state.") for k in m.tensors)
