@@ -7,9 +7,12 @@ background loop (see :mod:`objckpt._runtime`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import pickle
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -34,7 +37,8 @@ from .format.manifest import Blob, Chunk, Manifest, TensorEntry, decode, encode
 from .format.tree import decode_tree, iter_leaves
 from .planning.pack import TensorSpec, plan_save
 from .planning.reshard import Box, ChunkIndex, plan_piece
-from .planning.shard import TensorMeta, assign_writes
+from .planning.pack import SavePlan
+from .planning.shard import TensorMeta, WriteItem, assign_writes
 from .sharding import Shard, is_dtensor, local_part
 from .staging.pool import default_pool
 from .statedict import collect, template_slots
@@ -175,20 +179,14 @@ def save(
         raise StateDictMismatchError("tied tensors differ between ranks; tie the same keys on every rank")
 
     # 2. who writes what (the same pure computation on every rank), then this rank's blobs
-    items = assign_writes([g[0] for g in gathered])[comm.rank]
+    items, plan = _plan_for_rank([g[0] for g in gathered], comm.rank, st, blob_size, part_size)
     pieces: dict[str, torch.Tensor] = {}
-    specs: list[TensorSpec] = []
     where: dict[str, tuple[str, tuple[int, ...]]] = {}
     for i, it in enumerate(items):
         (_, src) = local.sources[it.key]
-        view = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
         pk = f"{it.key}\x00{i}"
-        pieces[pk] = view
+        pieces[pk] = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
         where[pk] = (it.key, it.offsets)
-        specs.append(TensorSpec(pk, tuple(it.shape), src.element_size()))
-    part = max(part_size, st.min_part_size)
-    plan = plan_save(specs, blob_bytes=blob_size, part_bytes=part, chunk_bytes=part_size,
-                     max_part_bytes=st.max_part_size)
     names = [layout.blob_name(attempt, comm.rank, b.index) for b in plan.blobs]
     keys = [layout.join(prefix, n) for n in names]
     records: list[tuple] = []
@@ -233,6 +231,42 @@ def save(
         raise ObjckptError(message)
     return SaveResult(uri, sum(b.size for b in plan.blobs), time.perf_counter() - t0, stats.requests,
                       len(local.dtypes), len(plan.blobs), manifest_bytes)
+
+
+_PLAN_CACHE: "OrderedDict[bytes, tuple[list[WriteItem], SavePlan]]" = OrderedDict()
+PLAN_CACHE_STATS = {"hits": 0, "misses": 0}
+
+
+def _plan_for_rank(metas: list[dict[str, TensorMeta]], rank: int, st: ObjectStore, blob_size: int,
+                   part_size: int) -> tuple[list[WriteItem], SavePlan]:
+    """This rank's writes and their blob layout; cached, because a training job saves
+    the same layout again and again (the digest of the gathered metadata is the key)."""
+    limits = (rank, blob_size, part_size, st.min_part_size, st.max_part_size)
+    digest = hashlib.blake2b(pickle.dumps((metas, limits)), digest_size=20).digest()
+    hit = _PLAN_CACHE.get(digest)
+    if hit is not None:
+        _PLAN_CACHE.move_to_end(digest)
+        PLAN_CACHE_STATS["hits"] += 1
+        return hit
+    PLAN_CACHE_STATS["misses"] += 1
+    items = assign_writes(metas)[rank]
+    specs = []
+    for i, it in enumerate(items):
+        specs.append(TensorSpec(f"{it.key}\x00{i}", tuple(it.shape), metas_itemsize(metas, it.key)))
+    part = max(part_size, st.min_part_size)
+    plan = plan_save(specs, blob_bytes=blob_size, part_bytes=part, chunk_bytes=part_size,
+                     max_part_bytes=st.max_part_size)
+    _PLAN_CACHE[digest] = (items, plan)
+    while len(_PLAN_CACHE) > 8:
+        _PLAN_CACHE.popitem(last=False)
+    return items, plan
+
+
+def metas_itemsize(metas: list[dict[str, TensorMeta]], key: str) -> int:
+    for m in metas:
+        if key in m:
+            return m[key].itemsize
+    raise KeyError(key)
 
 
 def _build_manifest(gathered: list, results: list, attempt: str, meta: dict, crc_block: int, world: int) -> Manifest:

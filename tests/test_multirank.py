@@ -187,22 +187,32 @@ def test_failure_on_one_rank_fails_all(tmp_path: Any) -> None:
     assert torch.equal(objckpt.read(good)["w"], full("big"))
 
 
-def load_wrong_shape(rank: int, world: int, uri: str) -> str:
+def load_wrong_shape(rank: int, world: int, uri: str) -> tuple[str, str]:
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = _mesh((world,))
+    msgs = ["no error", "no error"]
     try:
         objckpt.load({"w": distribute_tensor(torch.zeros(2048, 255), mesh, [Shard(0)])}, uri)
     except objckpt.StateDictMismatchError as e:
-        return str(e)
-    return "no error"
+        msgs[0] = str(e)
+    strided = distribute_tensor(torch.zeros(8, 4), mesh, [_StridedShard(0, split_factor=2)])
+    try:
+        objckpt.save({"fsdp_tp": strided}, uri + "-strided")
+    except objckpt.ObjckptError as e:
+        msgs[1] = str(e)
+    return msgs[0], msgs[1]
 
 
-def test_global_shape_mismatch_names_tensor(tmp_path: Any) -> None:
+def test_global_shape_mismatch_and_strided_shard_name_tensor(tmp_path: Any) -> None:
     uri = str(tmp_path / "ck")
     objckpt.save({"w": full("big")}, uri)
-    for msg in run_multiprocess(2, load_wrong_shape, uri):
-        assert "'w'" in msg and "[2048, 255]" in msg and "[2048, 256]" in msg
+    for shape_msg, strided_msg in run_multiprocess(2, load_wrong_shape, uri):
+        assert "'w'" in shape_msg and "[2048, 255]" in shape_msg and "[2048, 256]" in shape_msg
+        assert "'fsdp_tp'" in strided_msg and "strided sharding" in strided_msg, strided_msg
+    with pytest.raises(objckpt.NotFoundError):
+        objckpt.inspect(uri + "-strided")
 
 
 def _tp_model(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

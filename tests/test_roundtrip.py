@@ -143,3 +143,17 @@ def test_s3_settings_from_standard_aws_environment(moto_s3: tuple[str, dict[str,
     objckpt.save(sd, f"s3://{bucket}/env/ck")  # no storage_options at all
     assert torch.equal(objckpt.read(f"s3://{bucket}/env/ck")["w"], sd["w"])
     assert torch.equal(objckpt.read(f"s3://{bucket}/env/ck", storage_options=opts)["w"], sd["w"])
+
+
+def test_second_save_with_same_layout_reuses_plan(tmp_path: Any) -> None:
+    from objckpt import api
+
+    sd = {"a": torch.randn(300, 7), "b": torch.randn(5)}
+    objckpt.save(sd, str(tmp_path / "s1"))
+    before = dict(api.PLAN_CACHE_STATS)
+    sd["a"].add_(1)  # same layout, new values
+    objckpt.save(sd, str(tmp_path / "s2"))
+    assert api.PLAN_CACHE_STATS["hits"] == before["hits"] + 1
+    assert torch.equal(objckpt.read(str(tmp_path / "s2"))["a"], sd["a"])
+    objckpt.save({"a": torch.randn(301, 7)}, str(tmp_path / "s3"))  # new layout: planned afresh
+    assert api.PLAN_CACHE_STATS["misses"] == before["misses"] + 1
