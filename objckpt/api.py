@@ -151,6 +151,7 @@ def save(
 
     # 1. local checks, then one exchange of metadata (and of any local error)
     err: Optional[str] = None
+    local_exc: Optional[BaseException] = None
     local: Optional[_Local] = None
     exists = False
     try:
@@ -162,14 +163,18 @@ def save(
     except Exception as e:
         if comm.world_size == 1:
             raise
-        err = f"{type(e).__name__}: {e}"
+        local_exc, err = e, f"{type(e).__name__}: {e}"
     attempt = layout.new_attempt_id() if comm.rank == 0 else ""
-    gathered = comm.all_gather_object(
-        None if local is None else (local.metas, local.tree, local.aliases, local.dtypes, exists, attempt, err)
-    ) if comm.world_size > 1 else [(local.metas, local.tree, local.aliases, local.dtypes, exists, attempt, None)]  # type: ignore[union-attr]
-    failed = [(r, g[6] if g else "could not describe its state") for r, g in enumerate(gathered) if g is None or g[6]]
+    if local is None:
+        payload: tuple = (None, None, None, None, exists, attempt, err)
+    else:
+        payload = (local.metas, local.tree, local.aliases, local.dtypes, exists, attempt, None)
+    gathered = comm.all_gather_object(payload) if comm.world_size > 1 else [payload]
+    failed = [(r, g[6]) for r, g in enumerate(gathered) if g[6]]
     if failed:
-        raise ObjckptError(f"save to {uri!r} not started: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
+        raise ObjckptError(
+            f"save to {uri!r} not started: " + "; ".join(f"rank {r}: {m}" for r, m in failed)
+        ) from local_exc
     assert local is not None
     if gathered[0][4] and not overwrite:
         raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
@@ -201,7 +206,7 @@ def save(
     except Exception as e:
         if comm.world_size == 1:
             raise
-        werr = f"{type(e).__name__}: {e}"
+        local_exc, werr = e, f"{type(e).__name__}: {e}"
     mine = (records, [(n, b.size) for n, b in zip(names, plan.blobs)], werr)
     results = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
     failed = [(r, res[2]) for r, res in enumerate(results) if res[2]]
@@ -210,7 +215,7 @@ def save(
         raise ObjckptError(
             f"save to {uri!r} failed on {len(failed)} of {comm.world_size} rank(s), nothing committed: "
             + "; ".join(f"rank {r}: {m}" for r, m in failed)
-        )
+        ) from local_exc
 
     # 3. rank 0 builds and commits the manifest; everyone learns the outcome
     outcome: tuple[str, str, int] = ("ok", "", 0)
