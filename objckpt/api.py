@@ -7,20 +7,17 @@ background loop (see :mod:`objckpt._runtime`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-import pickle
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 import torch
 
-from . import __version__, _runtime
-from .dist import Comm, get_comm
-from .engine.read import RangeRead, chunk_checks, read_ranges
+from . import _runtime
+from .dist import get_comm
+from .engine.commit import build_manifest, commit, delete_quietly
+from .engine.fill import fill_boxes
 from .engine.stats import IOStats
 from .engine.write import write_plan
 from .errors import (
@@ -28,18 +25,16 @@ from .errors import (
     MissingKeyError,
     NotFoundError,
     ObjckptError,
-    PreconditionFailed,
     StateDictMismatchError,
 )
 from .format import layout
 from .format.dtypes import dtype_from_name, dtype_name, itemsize
-from .format.manifest import Blob, Chunk, Manifest, TensorEntry, decode, encode
+from .format.manifest import Manifest, decode
 from .format.tree import decode_tree, iter_leaves
-from .planning.pack import TensorSpec, plan_save
-from .planning.reshard import Box, ChunkIndex, plan_piece
-from .planning.pack import SavePlan
-from .planning.shard import TensorMeta, WriteItem, assign_writes
-from .sharding import Shard, is_dtensor, local_part
+from .planning.rank_plan import plan_for_rank
+from .planning.reshard import Box
+from .planning.shard import TensorMeta
+from .sharding import Shard, local_part
 from .staging.pool import default_pool
 from .statedict import collect, template_slots
 from .storage import ObjectStore, open_store, split_uri
@@ -184,7 +179,7 @@ def save(
         raise StateDictMismatchError("tied tensors differ between ranks; tie the same keys on every rank")
 
     # 2. who writes what (the same pure computation on every rank), then this rank's blobs
-    items, plan = _plan_for_rank([g[0] for g in gathered], comm.rank, st, blob_size, part_size)
+    items, plan = plan_for_rank([g[0] for g in gathered], comm.rank, st, blob_size, part_size)
     pieces: dict[str, torch.Tensor] = {}
     where: dict[str, tuple[str, tuple[int, ...]]] = {}
     for i, it in enumerate(items):
@@ -211,7 +206,7 @@ def save(
     results = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
     failed = [(r, res[2]) for r, res in enumerate(results) if res[2]]
     if failed:
-        _delete_quietly(st, keys)
+        delete_quietly(st, keys)
         raise ObjckptError(
             f"save to {uri!r} failed on {len(failed)} of {comm.world_size} rank(s), nothing committed: "
             + "; ".join(f"rank {r}: {m}" for r, m in failed)
@@ -221,14 +216,14 @@ def save(
     outcome: tuple[str, str, int] = ("ok", "", 0)
     commit_errors: list[BaseException] = []
     if comm.rank == 0:
-        m = _build_manifest(gathered, results, attempt, meta, crc_block, comm.world_size)
-        outcome = _commit(st, prefix, mkey, m, overwrite, uri, keys, stats, commit_errors)
+        m = build_manifest(gathered, results, attempt, meta, crc_block, comm.world_size)
+        outcome = commit(st, prefix, mkey, m, overwrite, uri, keys, stats, commit_errors)
     if comm.world_size > 1:
         outcome = comm.broadcast_object(outcome)
     status, message, manifest_bytes = outcome
     if status != "ok":
         if comm.rank != 0 and status == "failed-clean":
-            _delete_quietly(st, keys)
+            delete_quietly(st, keys)
         if status.startswith("exists"):
             raise CheckpointExistsError(message)
         if commit_errors and comm.world_size == 1:
@@ -236,134 +231,6 @@ def save(
         raise ObjckptError(message)
     return SaveResult(uri, sum(b.size for b in plan.blobs), time.perf_counter() - t0, stats.requests,
                       len(local.dtypes), len(plan.blobs), manifest_bytes)
-
-
-_PLAN_CACHE: "OrderedDict[bytes, tuple[list[WriteItem], SavePlan]]" = OrderedDict()
-PLAN_CACHE_STATS = {"hits": 0, "misses": 0}
-
-
-def _plan_for_rank(metas: list[dict[str, TensorMeta]], rank: int, st: ObjectStore, blob_size: int,
-                   part_size: int) -> tuple[list[WriteItem], SavePlan]:
-    """This rank's writes and their blob layout; cached, because a training job saves
-    the same layout again and again (the digest of the gathered metadata is the key)."""
-    limits = (rank, blob_size, part_size, st.min_part_size, st.max_part_size)
-    digest = hashlib.blake2b(pickle.dumps((metas, limits)), digest_size=20).digest()
-    hit = _PLAN_CACHE.get(digest)
-    if hit is not None:
-        _PLAN_CACHE.move_to_end(digest)
-        PLAN_CACHE_STATS["hits"] += 1
-        return hit
-    PLAN_CACHE_STATS["misses"] += 1
-    items = assign_writes(metas)[rank]
-    specs = []
-    for i, it in enumerate(items):
-        specs.append(TensorSpec(f"{it.key}\x00{i}", tuple(it.shape), metas_itemsize(metas, it.key)))
-    part = max(part_size, st.min_part_size)
-    plan = plan_save(specs, blob_bytes=blob_size, part_bytes=part, chunk_bytes=part_size,
-                     max_part_bytes=st.max_part_size)
-    _PLAN_CACHE[digest] = (items, plan)
-    while len(_PLAN_CACHE) > 8:
-        _PLAN_CACHE.popitem(last=False)
-    return items, plan
-
-
-def metas_itemsize(metas: list[dict[str, TensorMeta]], key: str) -> int:
-    for m in metas:
-        if key in m:
-            return m[key].itemsize
-    raise KeyError(key)
-
-
-def _build_manifest(gathered: list, results: list, attempt: str, meta: dict, crc_block: int, world: int) -> Manifest:
-    metas0: dict[str, TensorMeta] = {}
-    for g in gathered:
-        for k, t in g[0].items():
-            metas0.setdefault(k, t)
-    dtypes: dict[str, str] = {}
-    for g in gathered:
-        for k, d in g[3].items():
-            dtypes.setdefault(k, d)
-    aliases = gathered[0][2]
-    blobs: list[Blob] = []
-    entries: dict[str, TensorEntry] = {}
-    for k in dtypes:
-        if k in aliases:
-            target = metas0[aliases[k]]
-            entries[k] = TensorEntry(k, target.dtype, target.shape, alias_of=aliases[k])
-        else:
-            t = metas0[k]
-            entries[k] = TensorEntry(k, t.dtype, t.shape)
-    for rank, (records, rblobs, _) in enumerate(results):
-        base = len(blobs)
-        blobs.extend(Blob(n, size, rank) for n, size in rblobs)
-        for key, offs, shape, b, off, length, total, blocks in records:
-            entries[key].chunks.append(Chunk(tuple(offs), tuple(shape), base + b, off, length, total, tuple(blocks)))
-    for e in entries.values():
-        e.chunks.sort(key=lambda c: c.offsets)
-    trees = [g[1] for g in gathered]
-    same = all(json.dumps(t, sort_keys=True) == json.dumps(trees[0], sort_keys=True) for t in trees)
-    return Manifest(
-        tensors=entries, blobs=blobs, tree=trees[0], metadata=meta, attempt=attempt, world_size=world,
-        writer=f"objckpt {__version__}", crc_block=crc_block, rank_trees=None if same else trees,
-    )
-
-
-def _commit(st: ObjectStore, prefix: str, mkey: str, m: Manifest, overwrite: bool, uri: str,
-            keys: list[str], stats: IOStats, errors: list[BaseException]) -> tuple[str, str, int]:
-    """Write the manifest (rank 0).  Returns (status, message, manifest bytes);
-    the exception behind a failure is appended to ``errors``."""
-    data = encode(m)
-
-    async def go() -> tuple[str, str, int]:
-        old: Optional[Manifest] = None
-        if overwrite:
-            try:
-                old = decode(await st.get(mkey), mkey)
-            except Exception:
-                old = None  # absent or unreadable: nothing of it to clean up
-        try:
-            await st.put(mkey, data, if_absent=not overwrite)
-        except BaseException as e:
-            # The PUT may have landed even though we saw an error (a lost reply,
-            # then a retry answered 412): look before deleting anything.
-            committed = await _committed_attempt(st, mkey)
-            if committed != m.attempt:
-                errors.append(e)
-                if committed != "?":  # ours is certainly not referenced
-                    await _delete_async(st, keys)
-                if isinstance(e, PreconditionFailed):
-                    return ("exists-clean", f"another writer committed a checkpoint at {uri!r} first", 0)
-                return ("failed-clean" if committed != "?" else "failed",
-                        f"committing {uri!r} failed: {type(e).__name__}: {e}", 0)
-        stats.add(len(data))
-        if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
-            live = {b.name for b in m.blobs}
-            await _delete_async(st, [layout.join(prefix, b.name) for b in old.blobs if b.name not in live])
-        return ("ok", "", len(data))
-
-    return _runtime.run(go())
-
-
-async def _committed_attempt(store: ObjectStore, mkey: str) -> Optional[str]:
-    """The attempt id of the manifest now at ``mkey``; None if absent, "?" if unknown."""
-    try:
-        return decode(await store.get(mkey), mkey).attempt
-    except NotFoundError:
-        return None
-    except Exception:
-        return "?"
-
-
-async def _delete_async(store: ObjectStore, keys: list[str]) -> None:
-    try:
-        await store.delete(keys)
-    except Exception:
-        pass  # unreferenced: gc sweeps them
-
-
-def _delete_quietly(store: ObjectStore, keys: list[str]) -> None:
-    if keys:
-        _runtime.run(_delete_async(store, keys))
 
 
 def _check_metadata(metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
@@ -401,87 +268,6 @@ def inspect(
 
 
 # --------------------------------------------------------------------------- reading boxes
-
-
-def _check_coverage(entry: TensorEntry) -> None:
-    """The chunks hold exactly the tensor's elements (each once, inside it)."""
-    from .errors import CorruptCheckpointError
-
-    isz = itemsize(dtype_from_name(entry.dtype, entry.key))
-    ok = all(c.length == math.prod(c.shape) * isz for c in entry.chunks)  # as_strided stays in bounds
-    if entry.shape:
-        ok = ok and sum(math.prod(c.shape) for c in entry.chunks) == entry.numel
-    else:
-        ok = ok and len(entry.chunks) == 1
-    if not ok:
-        raise CorruptCheckpointError(
-            f"tensor {entry.key!r}: its chunks do not cover shape {list(entry.shape)} exactly once"
-        )
-
-
-def _direct_ok(t: torch.Tensor) -> bool:
-    return (
-        t.device.type == "cpu"
-        and t.is_contiguous()
-        and not t.is_conj()
-        and not t.is_neg()
-        and type(t) in (torch.Tensor, torch.nn.Parameter)
-    )
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(bytearray(0))
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def _fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: list[tuple[str, Box, torch.Tensor]],
-                stats: IOStats, verify: bool = True) -> None:
-    """Fill each target (stored key, global box, destination tensor of the box's shape)."""
-    reads: list[RangeRead] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, source view)
-    indexes: dict[str, ChunkIndex] = {}
-    for key, box, dest in targets:
-        entry = m.tensors[key]
-        if key not in indexes:
-            _check_coverage(entry)
-            indexes[key] = ChunkIndex(entry.chunks)
-        dt = dtype_from_name(entry.dtype, key)
-        isz = itemsize(dt)
-        direct = _direct_ok(dest) and dest.dtype == dt
-        dview = _byte_view(dest) if direct else None
-        d_off, d_shape = box
-        d_row = int(torch.Size(d_shape[1:]).numel()) * isz if d_shape else isz
-        for chunk, inter in indexes[key].overlapping(box):
-            blob_key = layout.join(prefix, m.blobs[chunk.blob].name)
-            piece = plan_piece(chunk, inter, isz, m.crc_block, verify)
-            i_off, i_shape = inter
-            # the whole chunk lies inside the target and spans its full rows: read in place
-            inside = tuple(i_shape) == tuple(chunk.shape) and tuple(i_shape[1:]) == tuple(d_shape[1:])
-            if inside and dview is not None:
-                start = (i_off[0] - d_off[0]) * d_row if d_shape else 0
-                checks = chunk_checks(chunk, 0, chunk.length, m.crc_block) if verify else ()
-                reads.append(RangeRead(key, blob_key, chunk.offset, dview[start : start + chunk.length], checks))
-                continue
-            temp = torch.empty(piece.hi - piece.lo, dtype=torch.uint8)
-            tview = memoryview(temp.numpy()) if temp.numel() else memoryview(bytearray(0))
-            for s, e in piece.ranges:
-                checks = chunk_checks(chunk, s, e, m.crc_block) if verify else ()
-                reads.append(RangeRead(key, blob_key, chunk.offset + s, tview[s - piece.lo : e - piece.lo], checks))
-            if not i_shape:
-                src = temp.view(dt).reshape(())
-                dst = dest
-            else:
-                src = temp.view(dt).as_strided(i_shape, piece.strides, piece.elem_offset)
-                dst = dest[tuple(slice(o - d, o - d + n) for o, d, n in zip(i_off, d_off, i_shape))]
-            copies.append((dst, src))
-    _runtime.run(read_ranges(st, reads, stats))
-    with torch.no_grad():
-        for dst, src in copies:
-            dst.copy_(src, non_blocking=dst.is_cuda)
-        if any(d.is_cuda for d, _ in copies):
-            torch.cuda.synchronize()
 
 
 def _stored_key(m: Manifest, key: str) -> str:
@@ -527,7 +313,7 @@ def read(
         if sk not in bufs:
             e = m.tensors[sk]
             bufs[sk] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype, sk))
-    _fill_boxes(st, prefix, m, [(k, _whole(m, k), t) for k, t in bufs.items()], stats)
+    fill_boxes(st, prefix, m, [(k, _whole(m, k), t) for k, t in bufs.items()], stats)
 
     def get_tensor(k: str) -> torch.Tensor:
         return bufs[_stored_key(m, k)]
@@ -611,7 +397,7 @@ def load(
         targets.append((sk, box, local))
     if problems:
         raise StateDictMismatchError(f"cannot load {uri!r}: " + "; ".join(problems[:20]))
-    _fill_boxes(st, prefix, m, targets, stats)
+    fill_boxes(st, prefix, m, targets, stats)
     for s in value_slots:
         if s.container is not None and not isinstance(s.container, tuple):
             s.container[s.index] = decode_tree(leaves[s.key], lambda k: None, allow_pickle=allow_pickle, where=repr(uri))

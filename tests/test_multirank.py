@@ -1,7 +1,6 @@
 """Multi-rank saves and resharded loads over real gloo process groups (CPU)."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest

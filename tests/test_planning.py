@@ -1,7 +1,6 @@
 """Property tests of the pure planners: packing and range coalescing."""
 from __future__ import annotations
 
-import math
 
 from hypothesis import given, settings, strategies as st
 

@@ -146,7 +146,7 @@ def test_s3_settings_from_standard_aws_environment(moto_s3: tuple[str, dict[str,
 
 
 def test_second_save_with_same_layout_reuses_plan(tmp_path: Any) -> None:
-    from objckpt import api
+    from objckpt.planning import rank_plan as api
 
     sd = {"a": torch.randn(300, 7), "b": torch.randn(5)}
     objckpt.save(sd, str(tmp_path / "s1"))

@@ -11,7 +11,6 @@ stale pages to the uploader).
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from typing import Optional

@@ -9,7 +9,6 @@ overwrite.  Readers thus see either no manifest or a whole one.
 """
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import secrets
@@ -17,7 +16,7 @@ from typing import Optional, Sequence
 
 from .. import _runtime
 from ..errors import PreconditionFailed, StorageError
-from .base import BlobWriter, ObjectInfo, ObjectStore, not_found, MiB
+from .base import BlobWriter, ObjectInfo, ObjectStore, not_found
 
 
 def _fsync_dir(path: str) -> None:

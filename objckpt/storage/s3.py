@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 from .. import _runtime
 from ..errors import CorruptCheckpointError, PreconditionFailed, StorageError
 from . import http_body
-from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found, MiB
+from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _RETRYABLE_STREAM = (ConnectionError, asyncio.TimeoutError, OSError)
