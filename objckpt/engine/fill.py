@@ -53,12 +53,31 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+def _flush(st: ObjectStore, reads: list[RangeRead], copies: list[tuple[torch.Tensor, torch.Tensor]],
+           stats: IOStats) -> None:
+    if reads:
+        _runtime.run(read_ranges(st, reads, stats))
+    with torch.no_grad():
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=dst.is_cuda)
+        if any(d.is_cuda for d, _ in copies):
+            torch.cuda.synchronize()
+    reads.clear()
+    copies.clear()
+
+
 def fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: list[tuple[str, Box, torch.Tensor]],
-                stats: IOStats, verify: bool = True) -> None:
-    """Fill each target (stored key, global box, destination tensor of the box's shape)."""
+               stats: IOStats, verify: bool = True, temp_budget: int = 256 << 20) -> None:
+    """Fill each target (stored key, global box, destination tensor of the box's shape).
+
+    Temporaries (for GPU or strided destinations and partial chunks) are capped
+    near ``temp_budget`` bytes: reads run in batches, each copied out before the
+    next, so host memory stays bounded whatever the layout.
+    """
     reads: list[RangeRead] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, source view)
     indexes: dict[str, ChunkIndex] = {}
+    temp_bytes = 0
     for key, box, dest in targets:
         entry = m.tensors[key]
         if key not in indexes:
@@ -81,7 +100,11 @@ def fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: list[tuple[st
                 checks = chunk_checks(chunk, 0, chunk.length, m.crc_block) if verify else ()
                 reads.append(RangeRead(key, blob_key, chunk.offset, dview[start : start + chunk.length], checks))
                 continue
-            temp = torch.empty(piece.hi - piece.lo, dtype=torch.uint8)
+            if temp_bytes + piece.hi - piece.lo > temp_budget and copies:
+                _flush(st, reads, copies, stats)
+                temp_bytes = 0
+            temp = torch.empty(piece.hi - piece.lo, dtype=torch.uint8, pin_memory=dest.is_cuda)
+            temp_bytes += piece.hi - piece.lo
             tview = memoryview(temp.numpy()) if temp.numel() else memoryview(bytearray(0))
             for s, e in piece.ranges:
                 checks = chunk_checks(chunk, s, e, m.crc_block) if verify else ()
@@ -93,11 +116,6 @@ def fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: list[tuple[st
                 src = temp.view(dt).as_strided(i_shape, piece.strides, piece.elem_offset)
                 dst = dest[tuple(slice(o - d, o - d + n) for o, d, n in zip(i_off, d_off, i_shape))]
             copies.append((dst, src))
-    _runtime.run(read_ranges(st, reads, stats))
-    with torch.no_grad():
-        for dst, src in copies:
-            dst.copy_(src, non_blocking=dst.is_cuda)
-        if any(d.is_cuda for d, _ in copies):
-            torch.cuda.synchronize()
+    _flush(st, reads, copies, stats)
 
 
