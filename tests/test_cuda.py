@@ -1,0 +1,44 @@
+"""CUDA paths: saving from and loading into GPU tensors (skipped without a GPU).
+
+The CPU paths they mirror are covered by test_roundtrip.py and test_partial_read.py.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import objckpt
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_save_from_gpu_load_into_gpu(tmp_path: Any) -> None:
+    uri = str(tmp_path / "gpu")
+    sd = {
+        "w": torch.randn(1024, 512, device="cuda"),
+        "h": torch.randn(300, 7, device="cuda", dtype=torch.bfloat16),
+        "t": torch.randn(64, 32, device="cuda").t(),  # strided on the device
+        "cpu": torch.arange(10),
+    }
+    objckpt.save(sd, uri, part_size=1 << 20)
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    objckpt.load(target, uri)
+    for k in sd:
+        assert target[k].device == sd[k].device
+        assert torch.equal(target[k].cpu(), sd[k].cpu()), k
+    back = objckpt.read(uri)
+    assert torch.equal(back["w"], sd["w"].cpu())
+
+
+def test_partial_chunk_into_gpu_shard(tmp_path: Any) -> None:
+    uri = str(tmp_path / "gpu-shard")
+    full = torch.randn(100, 64)
+    objckpt.save({"w": full}, uri, crc_block=4096)
+    shard = objckpt.Shard(torch.zeros(30, 64, device="cuda"), (100, 64), (35, 0))
+    objckpt.load({"w": shard}, uri)
+    assert torch.equal(shard.local.cpu(), full[35:65])
