@@ -16,45 +16,22 @@ import torch
 
 from . import _runtime
 from .dist import get_comm
-from .engine.commit import build_manifest, commit, delete_quietly
 from .engine.fill import fill_boxes
 from .engine.stats import IOStats
-from .engine.write import write_plan
-from .errors import (
-    CheckpointExistsError,
-    MissingKeyError,
-    NotFoundError,
-    ObjckptError,
-    StateDictMismatchError,
-)
+from .errors import MissingKeyError, NotFoundError, StateDictMismatchError
 from .format import layout
-from .format.dtypes import dtype_from_name, dtype_name, itemsize
+from .format.dtypes import dtype_from_name
 from .format.manifest import Manifest, decode
 from .format.tree import decode_tree, iter_leaves
-from .planning.rank_plan import plan_for_rank
 from .planning.reshard import Box
-from .planning.shard import TensorMeta
 from .sharding import Shard, local_part
 from .staging.pool import default_pool
-from .statedict import collect, template_slots
+from .statedict import template_slots
 from .storage import ObjectStore, open_store, split_uri
+from . import saving
+from .saving import SaveResult
 
 MiB = 1 << 20
-
-
-@dataclass
-class SaveResult:
-    uri: str
-    bytes: int  # tensor bytes this rank uploaded (blob sizes, padding included)
-    seconds: float
-    requests: int  # requests this rank made
-    tensors: int
-    blobs: int  # blobs this rank wrote
-    manifest_bytes: int = 0
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
 @dataclass
@@ -79,34 +56,6 @@ def _open(uri: str, storage_options: Optional[dict[str, Any]], store: Optional[O
 
 
 # --------------------------------------------------------------------------- save
-
-
-@dataclass
-class _Local:
-    """What one rank brings to a save."""
-
-    tree: Any
-    metas: dict[str, TensorMeta]
-    sources: dict[str, tuple[Box, torch.Tensor]]  # key -> (box, local tensor)
-    aliases: dict[str, str]
-    dtypes: dict[str, str]
-
-
-def _collect_local(state: Any, allow_pickle: bool) -> _Local:
-    col = collect(state, allow_pickle=allow_pickle)
-    metas: dict[str, TensorMeta] = {}
-    sources: dict[str, tuple[Box, torch.Tensor]] = {}
-    dtypes: dict[str, str] = {}
-    for key, value in col.tensors.items():
-        shape, dt, box, local = local_part(key, value)
-        dtypes[key] = dtype_name(dt, key)
-        if key in col.alias_of:
-            continue
-        boxes = (box,) if box is not None else ()
-        metas[key] = TensorMeta(dtypes[key], shape, itemsize(dt), boxes)
-        if box is not None and local is not None:
-            sources[key] = (box, local)
-    return _Local(col.tree, metas, sources, dict(col.alias_of), dtypes)
 
 
 def save(
@@ -138,99 +87,13 @@ def save(
     JSON stored in the manifest.  ``store`` replaces the backend the URI would
     open (custom backends, wrappers); the URI's path is then the prefix.
     """
-    t0 = time.perf_counter()
     comm = get_comm(process_group)
     st, prefix = _open(uri, storage_options, store)
-    mkey = layout.manifest_key(prefix)
-    stats = IOStats()
-
-    # 1. local checks, then one exchange of metadata (and of any local error)
-    err: Optional[str] = None
-    local_exc: Optional[BaseException] = None
-    local: Optional[_Local] = None
-    exists = False
-    try:
-        meta = _check_metadata(metadata)
-        local = _collect_local(state_dict, allow_pickle)
-        if comm.rank == 0:
-            exists = _runtime.run(st.head(mkey)) is not None
-            stats.add(0)
-    except Exception as e:
-        if comm.world_size == 1:
-            raise
-        local_exc, err = e, f"{type(e).__name__}: {e}"
-    attempt = layout.new_attempt_id() if comm.rank == 0 else ""
-    if local is None:
-        payload: tuple = (None, None, None, None, exists, attempt, err)
-    else:
-        payload = (local.metas, local.tree, local.aliases, local.dtypes, exists, attempt, None)
-    gathered = comm.all_gather_object(payload) if comm.world_size > 1 else [payload]
-    failed = [(r, g[6]) for r, g in enumerate(gathered) if g[6]]
-    if failed:
-        raise ObjckptError(
-            f"save to {uri!r} not started: " + "; ".join(f"rank {r}: {m}" for r, m in failed)
-        ) from local_exc
-    assert local is not None
-    if gathered[0][4] and not overwrite:
-        raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
-    attempt = gathered[0][5]
-    alias_maps = [g[2] for g in gathered]
-    if any(a != alias_maps[0] for a in alias_maps):
-        raise StateDictMismatchError("tied tensors differ between ranks; tie the same keys on every rank")
-
-    # 2. who writes what (the same pure computation on every rank), then this rank's blobs
-    items, plan = plan_for_rank([g[0] for g in gathered], comm.rank, st, blob_size, part_size)
-    pieces: dict[str, torch.Tensor] = {}
-    where: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for i, it in enumerate(items):
-        (_, src) = local.sources[it.key]
-        pk = f"{it.key}\x00{i}"
-        pieces[pk] = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
-        where[pk] = (it.key, it.offsets)
-    names = [layout.blob_name(attempt, comm.rank, b.index) for b in plan.blobs]
-    keys = [layout.join(prefix, n) for n in names]
-    records: list[tuple] = []
-    werr: Optional[str] = None
-    try:
-        crcs = _runtime.run(write_plan(st, keys, plan, pieces, default_pool(staging_bytes), stats, crc_block=crc_block))
-        for c in plan.chunks:
-            key, base = where[c.key]
-            offs = tuple(b + o for b, o in zip(base, c.offsets))
-            total, blocks = crcs[c]
-            records.append((key, offs, c.shape, c.blob, c.offset, c.length, total, blocks))
-    except Exception as e:
-        if comm.world_size == 1:
-            raise
-        local_exc, werr = e, f"{type(e).__name__}: {e}"
-    mine = (records, [(n, b.size) for n, b in zip(names, plan.blobs)], werr)
-    results = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
-    failed = [(r, res[2]) for r, res in enumerate(results) if res[2]]
-    if failed:
-        delete_quietly(st, keys)
-        raise ObjckptError(
-            f"save to {uri!r} failed on {len(failed)} of {comm.world_size} rank(s), nothing committed: "
-            + "; ".join(f"rank {r}: {m}" for r, m in failed)
-        ) from local_exc
-
-    # 3. rank 0 builds and commits the manifest; everyone learns the outcome
-    outcome: tuple[str, str, int] = ("ok", "", 0)
-    commit_errors: list[BaseException] = []
-    if comm.rank == 0:
-        m = build_manifest(gathered, results, attempt, meta, crc_block, comm.world_size)
-        outcome = commit(st, prefix, mkey, m, overwrite, uri, keys, stats, commit_errors)
-    if comm.world_size > 1:
-        outcome = comm.broadcast_object(outcome)
-    status, message, manifest_bytes = outcome
-    if status != "ok":
-        if comm.rank != 0 and status == "failed-clean":
-            delete_quietly(st, keys)
-        if status.startswith("exists"):
-            raise CheckpointExistsError(message)
-        if commit_errors and comm.world_size == 1:
-            raise commit_errors[0]
-        raise ObjckptError(message)
-    return SaveResult(uri, sum(b.size for b in plan.blobs), time.perf_counter() - t0, stats.requests,
-                      len(local.dtypes), len(plan.blobs), manifest_bytes)
+    prep = saving.prepare(state_dict, uri, st, prefix, comm, overwrite=overwrite, metadata=metadata,
+                          allow_pickle=allow_pickle, blob_size=blob_size, part_size=part_size,
+                          crc_block=crc_block, check_metadata=_check_metadata)
+    outcome = _runtime.run(saving.upload(prep, default_pool(staging_bytes), zero_copy=True))
+    return saving.finish(prep, comm, outcome)
 
 
 def _check_metadata(metadata: Optional[dict[str, Any]]) -> dict[str, Any]:

@@ -12,7 +12,8 @@ nothing of a failed attempt stays visible (``gc`` sweeps what a crash leaves).
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping
+import contextlib
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -34,28 +35,48 @@ def _chunk_source(t: torch.Tensor, c: ChunkPlan) -> torch.Tensor:
 Crc = tuple[int, tuple[int, ...]]  # whole-chunk crc32c, per-block crc32c
 
 
-def stage_part(part: PartPlan, tensors: Mapping[str, torch.Tensor], buf: torch.Tensor, block: int = 0) -> list[Crc]:
+def stage_part(
+    part: PartPlan,
+    tensors: Mapping[str, torch.Tensor],
+    buf: torch.Tensor,
+    block: int = 0,
+    stream: Optional["torch.cuda.Stream"] = None,
+) -> list[Crc]:
     """Copy ``part``'s chunks into ``buf`` and return their crc32c, in order.
 
+    Device tensors are copied on ``stream`` (a side stream, so training kernels on
+    the default stream keep running) into the pinned buffer, and the copy is
+    waited for before any byte is checksummed or handed to the uploader.
     Alignment padding is zeroed so blob bytes are deterministic.
     """
-    crcs: list[Crc] = []
-    pos = 0
     flat = buf[: part.size]
     host = flat.numpy()
-    for c in part.chunks:
-        rel = c.offset - part.offset
-        if rel > pos:
-            flat[pos:rel].zero_()
-        if c.length:
-            src = _chunk_source(tensors[c.key], c)
-            dst = flat[rel : rel + c.length].view(src.dtype).view(src.shape)
-            dst.copy_(src)
-        total, blocks = block_crcs(memoryview(host)[rel : rel + c.length], block)
-        crcs.append((total, tuple(blocks)))
-        pos = rel + c.length
+    pos = 0
+    on_device = False
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with ctx:
+        for c in part.chunks:
+            rel = c.offset - part.offset
+            if rel > pos:
+                flat[pos:rel].zero_()
+            if c.length:
+                src = _chunk_source(tensors[c.key], c)
+                dst = flat[rel : rel + c.length].view(src.dtype).view(src.shape)
+                on_device = on_device or src.is_cuda
+                dst.copy_(src, non_blocking=src.is_cuda)
+            pos = rel + c.length
     if pos < part.size:
         flat[pos:].zero_()
+    if on_device:
+        if stream is not None:
+            stream.synchronize()
+        else:
+            torch.cuda.synchronize()
+    crcs: list[Crc] = []
+    for c in part.chunks:
+        rel = c.offset - part.offset
+        total, blocks = block_crcs(memoryview(host)[rel : rel + c.length], block)
+        crcs.append((total, tuple(blocks)))
     return crcs
 
 
@@ -111,21 +132,29 @@ async def write_plan(
     *,
     zero_copy: bool = True,
     crc_block: int = 0,
+    on_staged: Optional[Callable[[], None]] = None,
+    stream: Optional["torch.cuda.Stream"] = None,
 ) -> dict[ChunkPlan, Crc]:
     """Upload every blob of ``plan``; returns the crc32c of each chunk.
 
     With ``zero_copy`` (sync saves), parts made only of contiguous CPU tensors
     are uploaded from the tensors' own memory: the caller is blocked until the
     upload ends, so the bytes cannot change under us.  Everything else (GPU
-    tensors, strided views) is staged through the buffer pool.
+    tensors, strided views, and every part of an async save) is staged through
+    the buffer pool: a buffer is taken, filled, checksummed, uploaded, given
+    back.  Staging runs ahead of uploads as far as the pool's budget allows;
+    ``on_staged`` is called once every part has been staged (from then on the
+    caller's tensors are no longer read).
     """
     crcs: dict[ChunkPlan, Crc] = {}
     writers: dict[int, BlobWriter] = {}
     remaining: dict[int, int] = {}
     completed: list[int] = []
     max_part = max(plan.max_part, 1)
-    slots = asyncio.Semaphore(max(1, min(pool.slots(max_part), store.concurrency)))
-    has_cuda = any(t.is_cuda for t in tensors.values())
+    buffers = asyncio.Semaphore(pool.slots(max_part))
+    uploads = asyncio.Semaphore(store.concurrency)
+    parts = [p for b in plan.blobs for p in b.parts]
+    to_stage = [0]
 
     for b in plan.blobs:
         writers[b.index] = store.open_writer(blob_keys[b.index], b.size, len(b.parts))
@@ -133,9 +162,14 @@ async def write_plan(
 
     direct = {k: _is_direct(t) for k, t in tensors.items()} if zero_copy else {}
 
+    def staged_one() -> None:
+        to_stage[0] -= 1
+        if to_stage[0] == 0 and on_staged is not None:
+            on_staged()
+
     async def job(part: PartPlan) -> None:
         if zero_copy and all(direct[c.key] for c in part.chunks):
-            async with slots:
+            async with uploads:
                 views, part_crcs = await _runtime.in_thread(direct_views, part, tensors, crc_block)
                 for c, v in zip(part.chunks, part_crcs):
                     crcs[c] = v
@@ -151,25 +185,27 @@ async def write_plan(
             completed.append(part.blob)
 
     async def staged(part: PartPlan) -> None:
-        async with slots:
+        async with buffers:
             buf = pool.take(part.size)
             try:
-                part_crcs = await _runtime.in_thread(_stage, part, buf)
+                part_crcs = await _runtime.in_thread(stage_part, part, tensors, buf, crc_block, stream)
+                staged_one()
                 for c, v in zip(part.chunks, part_crcs):
                     crcs[c] = v
-                data = memoryview(buf.numpy())[: part.size]
-                await writers[part.blob].write_part(part.index, part.offset, data)
+                async with uploads:
+                    data = memoryview(buf.numpy())[: part.size]
+                    await writers[part.blob].write_part(part.index, part.offset, data)
                 stats.add(part.size)
             finally:
                 pool.give(buf)
 
-    def _stage(part: PartPlan, buf: torch.Tensor) -> list[Crc]:
-        out = stage_part(part, tensors, buf, crc_block)
-        if has_cuda:
-            torch.cuda.current_stream().synchronize()
-        return out
-
-    tasks = [asyncio.ensure_future(job(p)) for b in plan.blobs for p in b.parts]
+    if zero_copy:
+        to_stage[0] = sum(1 for p in parts if not all(direct[c.key] for c in p.chunks))
+    else:
+        to_stage[0] = len(parts)
+    if to_stage[0] == 0 and on_staged is not None:
+        on_staged()
+    tasks = [asyncio.ensure_future(job(p)) for p in parts]
     try:
         await gather_fail_fast(tasks)
     except BaseException:
