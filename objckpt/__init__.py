@@ -18,9 +18,12 @@ from .errors import (  # noqa: E402
 )
 from .api import LoadResult, SaveResult, inspect, load, read, save  # noqa: E402
 from .sharding import Shard  # noqa: E402
+from .async_save import SaveHandle, async_save  # noqa: E402
 
 __all__ = [
     "save",
+    "async_save",
+    "SaveHandle",
     "load",
     "read",
     "inspect",

@@ -72,16 +72,16 @@ class BufferPool:
             self.allocated = 0
 
 
-_default: Optional[BufferPool] = None
-_default_lock = threading.Lock()
+_pools: dict[int, BufferPool] = {}
+_pools_lock = threading.Lock()
 
 
 def default_pool(budget: int) -> BufferPool:
-    """The process-wide pool, grown to ``budget`` if asked for more."""
-    global _default
-    with _default_lock:
-        if _default is None or _default._pid != os.getpid():
-            _default = BufferPool(budget)
-        elif _default.budget < budget:
-            _default.budget = budget
-        return _default
+    """The process-wide pool for ``budget`` bytes, reused by every save that asks for
+    the same budget (a training job checkpointing every N steps allocates, and pins,
+    its staging memory once)."""
+    with _pools_lock:
+        pool = _pools.get(budget)
+        if pool is None or pool._pid != os.getpid():
+            pool = _pools[budget] = BufferPool(budget)
+        return pool
