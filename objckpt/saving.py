@@ -189,6 +189,7 @@ def finish(prep: Prepared, comm: Comm, outcome: tuple) -> SaveResult:
     """Phase 3: exchange outcomes; rank 0 commits; every rank returns or raises alike."""
     local_exc: Optional[BaseException] = outcome[3]
     if prep.world_size == 1 and local_exc is not None:
+        delete_quietly(prep.store, prep.blob_keys)  # e.g. blobs of an abandoned lazy save
         raise local_exc
     mine = outcome[:3]
     results = comm.all_gather_object(mine) if prep.world_size > 1 else [mine]

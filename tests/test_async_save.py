@@ -87,6 +87,7 @@ def test_lazy_violation_is_reported_and_commits_nothing(tmp_path: Any) -> None:
         h.result(timeout=60)
     with pytest.raises(objckpt.NotFoundError):
         objckpt.inspect(str(tmp_path / "bad"))
+    assert not any(p.is_file() for p in (tmp_path / "bad").rglob("*"))  # its blobs are gone too
 
 
 @pytest.mark.parametrize("k", [2, 3])
