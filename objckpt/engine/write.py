@@ -35,22 +35,20 @@ def _chunk_source(t: torch.Tensor, c: ChunkPlan) -> torch.Tensor:
 Crc = tuple[int, tuple[int, ...]]  # whole-chunk crc32c, per-block crc32c
 
 
-def stage_part(
+def copy_part(
     part: PartPlan,
     tensors: Mapping[str, torch.Tensor],
     buf: torch.Tensor,
-    block: int = 0,
     stream: Optional["torch.cuda.Stream"] = None,
-) -> list[Crc]:
-    """Copy ``part``'s chunks into ``buf`` and return their crc32c, in order.
+) -> None:
+    """Copy ``part``'s chunks into ``buf`` (zeroing alignment padding).
 
     Device tensors are copied on ``stream`` (a side stream, so training kernels on
     the default stream keep running) into the pinned buffer, and the copy is
-    waited for before any byte is checksummed or handed to the uploader.
-    Alignment padding is zeroed so blob bytes are deterministic.
+    waited for before returning: no byte is checksummed or handed to the
+    uploader before its copy completed.
     """
     flat = buf[: part.size]
-    host = flat.numpy()
     pos = 0
     on_device = False
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -72,12 +70,29 @@ def stage_part(
             stream.synchronize()
         else:
             torch.cuda.synchronize()
-    crcs: list[Crc] = []
+
+
+def part_crcs(part: PartPlan, buf: torch.Tensor, block: int = 0) -> list[Crc]:
+    """crc32c of each chunk of a staged part (and of its blocks), on the staged bytes."""
+    host = buf[: part.size].numpy()
+    out: list[Crc] = []
     for c in part.chunks:
         rel = c.offset - part.offset
         total, blocks = block_crcs(memoryview(host)[rel : rel + c.length], block)
-        crcs.append((total, tuple(blocks)))
-    return crcs
+        out.append((total, tuple(blocks)))
+    return out
+
+
+def stage_part(
+    part: PartPlan,
+    tensors: Mapping[str, torch.Tensor],
+    buf: torch.Tensor,
+    block: int = 0,
+    stream: Optional["torch.cuda.Stream"] = None,
+) -> list[Crc]:
+    """Copy ``part`` into ``buf`` and return its chunks' crc32c, in order."""
+    copy_part(part, tensors, buf, stream)
+    return part_crcs(part, buf, block)
 
 
 _ZEROS = memoryview(bytes(4096))
@@ -162,10 +177,14 @@ async def write_plan(
 
     direct = {k: _is_direct(t) for k, t in tensors.items()} if zero_copy else {}
 
+    all_staged = asyncio.Event()
+
     def staged_one() -> None:
         to_stage[0] -= 1
-        if to_stage[0] == 0 and on_staged is not None:
-            on_staged()
+        if to_stage[0] == 0:
+            all_staged.set()
+            if on_staged is not None:
+                on_staged()
 
     async def job(part: PartPlan) -> None:
         if zero_copy and all(direct[c.key] for c in part.chunks):
@@ -188,9 +207,12 @@ async def write_plan(
         async with buffers:
             buf = pool.take(part.size)
             try:
-                part_crcs = await _runtime.in_thread(stage_part, part, tensors, buf, crc_block, stream)
+                await _runtime.in_thread(copy_part, part, tensors, buf, stream)
                 staged_one()
-                for c, v in zip(part.chunks, part_crcs):
+                if hold_uploads:  # all of it fits: stage everything first, the caller is waiting
+                    await all_staged.wait()
+                found = await _runtime.in_thread(part_crcs, part, buf, crc_block)
+                for c, v in zip(part.chunks, found):
                     crcs[c] = v
                 async with uploads:
                     data = memoryview(buf.numpy())[: part.size]
@@ -203,8 +225,13 @@ async def write_plan(
         to_stage[0] = sum(1 for p in parts if not all(direct[c.key] for c in p.chunks))
     else:
         to_stage[0] = len(parts)
-    if to_stage[0] == 0 and on_staged is not None:
-        on_staged()
+    # With a waiting caller (on_staged) and room for every staged part, uploads start
+    # only once staging is done: on a busy host they would otherwise slow the copy.
+    hold_uploads = on_staged is not None and to_stage[0] <= pool.slots(max_part)
+    if to_stage[0] == 0:
+        all_staged.set()
+        if on_staged is not None:
+            on_staged()
     tasks = [asyncio.ensure_future(job(p)) for p in parts]
     try:
         await gather_fail_fast(tasks)
