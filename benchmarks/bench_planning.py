@@ -31,7 +31,7 @@ save
     DeviceMesh, as ``objckpt.sharding.local_part`` does, and with this file's
     pure-Python equivalent), pickled bytes per rank, total, and the unpickle
     time of all ranks' payloads (what every rank does after the gather);
-  * what ``api._plan_for_rank`` does on a cache miss, in pieces: the cache key
+  * what ``planning.rank_plan.plan_for_rank`` (formerly ``api._plan_for_rank``) does on a cache miss, in pieces: the cache key
     (pickle + blake2b of all gathered metas, paid on hits too),
     ``assign_writes(metas)`` (``check_consistent`` separately) and
     ``plan_save`` of one rank's items (rank 0 and a middle rank);
@@ -39,15 +39,19 @@ save
     per-MiB block crcs for chunks over ``crc_block``), then the manifest JSON
     bytes and zstd bytes (``manifest.encode`` for small worlds; above
     ``--full-manifest-max-chunks`` the same JSON is streamed tensor by tensor,
-    checked byte for byte against ``encode`` at the small worlds),
-    ``_build_manifest`` / ``encode`` / ``decode`` times where the whole
-    manifest fits.
+    checked byte for byte against ``encode`` at the small worlds, then
+    compressed as ``encode`` does), ``build_manifest`` + ``encode`` times where
+    the whole manifest fits next to the gathered metadata; the records'
+    pickled size and unpickle time (``save()``'s second ``all_gather_object``
+    sends every rank's records to every rank).
 
 load (target layout: ``--load-tp`` x (world * ``--load-ratio`` / load-tp))
-  * per target rank (rank 0 and a middle rank): ``_check_coverage`` and
-    ``ChunkIndex`` of every tensor (``api._fill_boxes`` builds both for every
-    tensor a rank touches, i.e. all of them), ``ChunkIndex.overlapping`` for
-    each of its boxes and ``plan_piece`` for each overlap.
+  * ``manifest.decode`` of the compressed manifest (every loading rank does it);
+  * per target rank (rank 0 and a middle rank), on the decoded manifest:
+    ``check_coverage`` and ``ChunkIndex`` of every tensor
+    (``engine.fill.fill_boxes`` builds both for every tensor a rank touches,
+    i.e. all of them), ``ChunkIndex.overlapping`` for each of its boxes and
+    ``plan_piece`` for each overlap.
 
 dcp (``--dcp``, separate subprocess per world)
   * torch.distributed.checkpoint's ``DefaultSavePlanner.create_global_plan``
@@ -373,9 +377,28 @@ class _Store:
     max_part_size = MAX_PART
 
 
+def _objckpt_fns() -> dict[str, Any]:
+    """The objckpt functions measured, wherever this version keeps them."""
+    try:  # since the split of api.py
+        from objckpt.engine.commit import build_manifest
+        from objckpt.engine.fill import check_coverage
+        from objckpt.planning import rank_plan
+
+        return {"build_manifest": build_manifest, "check_coverage": check_coverage,
+                "plan_for_rank": rank_plan.plan_for_rank, "plan_cache": rank_plan._PLAN_CACHE,
+                "metas_itemsize": rank_plan.metas_itemsize}
+    except ImportError:
+        from objckpt import api
+
+        return {"build_manifest": api._build_manifest, "check_coverage": api._check_coverage,
+                "plan_for_rank": api._plan_for_rank, "plan_cache": api._PLAN_CACHE,
+                "metas_itemsize": api.metas_itemsize}
+
+
 def specs_for(items: list, metas: list) -> list:
-    from objckpt.api import metas_itemsize
     from objckpt.planning.pack import TensorSpec
+
+    metas_itemsize = _objckpt_fns()["metas_itemsize"]
 
     return [TensorSpec(f"{it.key}\x00{i}", tuple(it.shape), metas_itemsize(metas, it.key)) for i, it in enumerate(items)]
 
@@ -430,12 +453,12 @@ def stream_manifest(header: dict[str, Any], tensors: Any, tree: Any, crc_block: 
 def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
     import zstandard
 
-    from objckpt import api
+    from objckpt import __version__ as objckpt_version
     from objckpt.format import layout
-    from objckpt.format.manifest import Chunk, TensorEntry, _chunk_to_json, decode, encode
-    from objckpt.planning.reshard import ChunkIndex, plan_piece
+    from objckpt.format.manifest import Chunk, _chunk_to_json, decode, encode
     from objckpt.planning.shard import assign_writes, check_consistent
 
+    fns = _objckpt_fns()
     res: dict[str, Any] = {"world": world}
     defs, state = llama_defs()
     tp = args.tp
@@ -507,48 +530,58 @@ def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
     save["per_rank_s"] = t_assign.t + max(v["specs_s"] + v["plan_save_s"] for v in save["ranks"].values())
     save["per_rank_s_with_cache_key"] = save["per_rank_s"] + t_digest.t
     if world <= args.plan_for_rank_max_world:  # the real function, once, cache cleared
-        api._PLAN_CACHE.clear()
+        fns["plan_cache"].clear()
         with Timer() as t_pfr:
-            items, plan = api._plan_for_rank(metas, 0, _Store(), BLOB_SIZE, PART_SIZE)
+            items, plan = fns["plan_for_rank"](metas, 0, _Store(), BLOB_SIZE, PART_SIZE)
         save["plan_for_rank_miss_s"] = t_pfr.t
         with Timer() as t_hit:
-            api._plan_for_rank(metas, 0, _Store(), BLOB_SIZE, PART_SIZE)
+            fns["plan_for_rank"](metas, 0, _Store(), BLOB_SIZE, PART_SIZE)
         save["plan_for_rank_hit_s"] = t_hit.t
-        api._PLAN_CACHE.clear()
+        fns["plan_cache"].clear()
         del items, plan
     save["rss_after_assign"] = _rss()
     res["save"] = save
     _log(f"world {world}: assign_writes {t_assign.t:.2f}s (check {t_check.t:.2f}s, key {t_digest.t:.2f}s), "
          f"rss {_rss() / GiB:.2f} GiB")
 
-    # -- 3. every rank's chunk records -> manifest
+    # -- 3. every rank's chunk records (the second all_gather_object) -> manifest
     rng = random.Random(world)
+    t_rpickle, t_runpickle = Timer(), Timer()
+    rec_sizes = []
     with Timer() as t_all_pack:
         results = []
         for r in range(world):
             plan = plan_rank(out[r], metas)
             recs = chunk_records(out[r], plan, rng)
             names = [layout.blob_name(attempt, r, b.index) for b in plan.blobs]
-            results.append((recs, [(n, b.size) for n, b in zip(names, plan.blobs)], None))
+            mine = (recs, [(n, b.size) for n, b in zip(names, plan.blobs)], None)
+            with t_rpickle:
+                blob = pickle.dumps(mine)
+            rec_sizes.append(len(blob))
+            with t_runpickle:
+                results.append(pickle.loads(blob))
+            del blob, mine, recs
             out[r] = None  # type: ignore[call-overload]
     del out
     n_chunks = sum(len(x[0]) for x in results)
     man: dict[str, Any] = {"chunks": n_chunks, "blobs": sum(len(x[1]) for x in results),
-                           "plan_save_all_ranks_s": t_all_pack.t,
+                           "plan_save_all_ranks_s": t_all_pack.t - t_rpickle.t - t_runpickle.t,
                            "chunks_with_block_crcs": sum(1 for x in results for c in x[0] if c[7]),
                            "block_crcs": sum(len(c[7]) for x in results for c in x[0]),
-                           "empty_chunks": sum(1 for x in results for c in x[0] if c[5] == 0)}
-    # the (rank 0) outcome gather: each rank's records pickled
-    rec_sizes = [len(pickle.dumps(results[r])) for r in sample]
-    man["records_pickled_bytes_sample"] = dict(zip(map(str, sample), rec_sizes))
+                           "empty_chunks": sum(1 for x in results for c in x[0] if c[5] == 0),
+                           "records_pickled_bytes_per_rank_mean": sum(rec_sizes) / world,
+                           "records_pickled_bytes_total": sum(rec_sizes),
+                           "records_unpickle_s_all_ranks": t_runpickle.t}
     _log(f"world {world}: {n_chunks} chunks, rss {_rss() / GiB:.2f} GiB")
 
     full = n_chunks <= args.full_manifest_max_chunks
+    want_decode = n_chunks <= args.decode_max_chunks
     m = None
+    data = b""
     if full:
         gathered = [(metas[r], tree, {}, dtypes, False, attempt, None) for r in range(world)]
         with Timer() as t_bm:
-            m = api._build_manifest(gathered, results, attempt, {}, CRC_BLOCK, world)
+            m = fns["build_manifest"](gathered, results, attempt, {}, CRC_BLOCK, world)
         del gathered
         man["build_manifest_s"] = t_bm.t
         with Timer() as t_enc:
@@ -561,9 +594,8 @@ def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
     del metas
     gc.collect()
 
-    # tensors in manifest order, chunks sorted as _build_manifest sorts them; built
-    # tensor by tensor (Chunk objects as decode makes them), indexed, queried for the
-    # load sample, then dropped -- so the large worlds need not hold the whole manifest
+    # The same JSON streamed tensor by tensor (exact: checked against encode() when both
+    # run), so the large worlds need not hold metas, Chunk objects and JSON dicts at once.
     by_key: dict[str, list] = {d.key: [] for d in defs}
     blobs_meta = []
     for rank, (recs, rblobs, _) in enumerate(results):
@@ -574,85 +606,132 @@ def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
         results[rank] = None  # type: ignore[call-overload]
     del results
     gc.collect()
-    header = {"format": "objckpt", "format_version": 1, "writer": m.writer if m else "objckpt x",
+    header = {"format": "objckpt", "format_version": 1, "writer": m.writer if m else f"objckpt {objckpt_version}",
               "created": m.created if m else time.time(), "attempt": attempt, "world_size": world,
               "metadata": {}, "blobs": blobs_meta}
-
-    # load side
-    ltp = args.load_tp
-    lworld = max(ltp, int(world * args.load_ratio))
-    lmesh = (lworld // ltp, ltp)
-    lsample = [0, lworld // 2 + ltp // 2]
-    load = {"world": lworld, "mesh": list(lmesh), "ranks": {r: {"boxes": 0, "overlaps": 0, "overlapping_s": 0.0,
-                                                                "plan_piece_s": 0.0, "ranges": 0,
-                                                                "fetch_bytes": 0, "want_bytes": 0}
-                                                            for r in lsample}}
-    t_cov, t_index, t_chunkobj = Timer(), Timer(), Timer()
     dtype_of = {d.key: d for d in defs}
+    keep = want_decode and not full
+    pieces: list[bytes] = []
+
+    class _Keep:  # streamed zstd, and the raw pieces when they are decoded afterwards
+        def __init__(self) -> None:
+            self.z = zstandard.ZstdCompressor(level=3).compressobj()
+
+        def compress(self, b: bytes) -> bytes:
+            if keep:
+                pieces.append(b)
+            return self.z.compress(b)
+
+        def flush(self) -> bytes:
+            return self.z.flush()
 
     def entries():
         for key in by_key:
             d = dtype_of[key]
             recs = by_key[key]
             recs.sort(key=lambda c: c[0])
-            with t_chunkobj:
-                chunks = [Chunk(*c) for c in recs]
-            entry = TensorEntry(key, d.dtype, d.shape, chunks)
-            with t_cov:
-                api._check_coverage(entry)
-            with t_index:
-                index = ChunkIndex(chunks)
-            pl = PLACEMENTS[d.kind]
-            for r in lsample:
-                box = ((tuple(0 for _ in d.shape), tuple(d.shape)) if pl is None
-                       else local_box(d.shape, lmesh, (r // ltp, r % ltp), pl))
-                st = load["ranks"][r]
-                st["boxes"] += 1
-                t0 = time.perf_counter()
-                ov = index.overlapping(box)
-                t1 = time.perf_counter()
-                pieces = [plan_piece(c, inter, d.itemsize, CRC_BLOCK, True) for c, inter in ov]
-                t2 = time.perf_counter()
-                st["overlapping_s"] += t1 - t0
-                st["plan_piece_s"] += t2 - t1
-                st["overlaps"] += len(ov)
-                st["ranges"] += sum(len(p.ranges) for p in pieces)
-                st["fetch_bytes"] += sum(e - s for p in pieces for s, e in p.ranges)
-                st["want_bytes"] += math.prod(box[1]) * d.itemsize
-            yield key, {"dtype": d.dtype, "shape": list(d.shape), "chunks": [_chunk_to_json(c) for c in chunks]}
-            by_key[key] = []  # drop
+            yield key, {"dtype": d.dtype, "shape": list(d.shape),
+                        "chunks": [_chunk_to_json(Chunk(*c)) for c in recs]}
+            by_key[key] = []
 
-    zc = zstandard.ZstdCompressor(level=3).compressobj()
     with Timer() as t_stream:
-        raw, comp = stream_manifest(header, entries(), tree, CRC_BLOCK, zc)
+        raw, comp = stream_manifest(header, entries(), tree, CRC_BLOCK, _Keep())
+    by_key.clear()
     man["json_bytes"] = raw
-    man["zstd_bytes"] = comp
-    man["zstd_bytes_note"] = "streamed zstd level 3" + ("; encode() one-shot in zstd_bytes_encode" if full else "")
+    man["zstd_bytes_streamed"] = comp
     if full:
         assert raw == man["json_bytes_encode"], (raw, man["json_bytes_encode"])
+        man["zstd_bytes"] = man["zstd_bytes_encode"]
     man["json_bytes_per_chunk"] = raw / max(n_chunks, 1)
-    man["stream_s"] = t_stream.t - t_cov.t - t_index.t - t_chunkobj.t
-    for r in lsample:
-        st = load["ranks"][r]
-        st["index_all_s"] = t_index.t
-        st["check_coverage_all_s"] = t_cov.t
-        st["per_rank_s"] = t_index.t + t_cov.t + st["overlapping_s"] + st["plan_piece_s"]
-    load["chunk_objects_s"] = t_chunkobj.t
-    load["per_rank_s"] = max(v["per_rank_s"] for v in load["ranks"].values())
-    load["per_rank_queries_only_s"] = max(v["overlapping_s"] + v["plan_piece_s"] for v in load["ranks"].values())
-    del by_key
+    man["stream_s"] = t_stream.t
+    if keep:  # encode()'s compression of exactly this JSON, then decode it as a loader would
+        raw_json = b"".join(pieces)
+        pieces.clear()
+        assert len(raw_json) == raw
+        with Timer() as t_z:
+            data = zstandard.ZstdCompressor(level=3).compress(raw_json)
+        man["zstd_bytes"] = len(data)
+        man["zstd_compress_s"] = t_z.t
+        with Timer() as t_parse:
+            json.loads(raw_json)
+        man["json_loads_s"] = t_parse.t
+        del raw_json
+    elif full:
+        with Timer() as t_parse:
+            json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34))
+        man["json_loads_s"] = t_parse.t
+    else:
+        man["zstd_bytes"] = comp
+    del m
     gc.collect()
-    if m is not None:
+    _log(f"world {world}: manifest {raw / 1e6:.1f} MB JSON, {man['zstd_bytes'] / 1e6:.1f} MB zstd, "
+         f"rss {_rss() / GiB:.2f} GiB")
+
+    # -- 4. load: decode (every loading rank does), then what fill_boxes plans per rank
+    ltp = args.load_tp
+    lworld = max(ltp, int(world * args.load_ratio))
+    lmesh = (lworld // ltp, ltp)
+    lsample = [0, lworld // 2 + ltp // 2]
+    load: dict[str, Any] = {"world": lworld, "mesh": list(lmesh), "ranks": {}}
+    if data:
+        gc0 = sum(s["collections"] for s in gc.get_stats())
         with Timer() as t_dec:
             m2 = decode(data)
         man["decode_s"] = t_dec.t
+        man["decode_gc_collections"] = sum(s["collections"] for s in gc.get_stats()) - gc0
+        man["rss_after_decode"] = _rss()
+        del data
         assert len(m2.tensors) == len(defs)
-        del m2, m, data
+        for r in lsample:
+            load["ranks"][r] = plan_load_rank(m2, defs, lmesh, r, fns["check_coverage"])
+        del m2
         gc.collect()
+        load["per_rank_s"] = max(v["per_rank_s"] for v in load["ranks"].values())
+        load["per_rank_queries_only_s"] = max(v["overlapping_s"] + v["plan_piece_s"] for v in load["ranks"].values())
+        load["per_rank_with_decode_s"] = load["per_rank_s"] + man["decode_s"]
     res["manifest"] = man
     res["load"] = load
     res["peak_rss"] = _hwm()
     return res
+
+
+def plan_load_rank(m: Any, defs: list[TDef], lmesh: tuple[int, int], rank: int, check_coverage: Any) -> dict[str, Any]:
+    """What ``engine.fill.fill_boxes`` computes before any read, for one target rank
+    holding one box of every tensor: per tensor check_coverage + ChunkIndex (built for
+    every key the rank touches), overlapping(box), plan_piece per overlap."""
+    from objckpt.planning.reshard import ChunkIndex, plan_piece
+
+    ltp = lmesh[1]
+    coord = (rank // ltp, rank % ltp)
+    st = {"boxes": 0, "overlaps": 0, "ranges": 0, "fetch_bytes": 0, "want_bytes": 0}
+    t_cov = t_idx = t_ov = t_pp = 0.0
+    gc0 = sum(s["collections"] for s in gc.get_stats())
+    for d in defs:
+        pl = PLACEMENTS[d.kind]
+        box = (tuple(0 for _ in d.shape), tuple(d.shape)) if pl is None else local_box(d.shape, lmesh, coord, pl)
+        entry = m.tensors[d.key]
+        t0 = time.perf_counter()
+        check_coverage(entry)
+        t1 = time.perf_counter()
+        index = ChunkIndex(entry.chunks)
+        t2 = time.perf_counter()
+        ov = index.overlapping(box)
+        t3 = time.perf_counter()
+        pieces = [plan_piece(c, inter, d.itemsize, m.crc_block, True) for c, inter in ov]
+        t4 = time.perf_counter()
+        t_cov += t1 - t0
+        t_idx += t2 - t1
+        t_ov += t3 - t2
+        t_pp += t4 - t3
+        st["boxes"] += 1
+        st["overlaps"] += len(ov)
+        st["ranges"] += sum(len(p.ranges) for p in pieces)
+        st["fetch_bytes"] += sum(e - s for p in pieces for s, e in p.ranges)
+        st["want_bytes"] += math.prod(box[1]) * d.itemsize
+    st.update({"check_coverage_all_s": t_cov, "index_all_s": t_idx, "overlapping_s": t_ov, "plan_piece_s": t_pp,
+               "per_rank_s": t_cov + t_idx + t_ov + t_pp,
+               "gc_collections": sum(s["collections"] for s in gc.get_stats()) - gc0})
+    return st
 
 
 # --------------------------------------------------------------------------- DCP
@@ -770,6 +849,7 @@ def _spawn(kind: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
            "--tp", str(args.tp), "--load-tp", str(args.load_tp), "--load-ratio", str(args.load_ratio),
            "--max-rss-gib", str(args.max_rss_gib),
            "--full-manifest-max-chunks", str(args.full_manifest_max_chunks),
+           "--decode-max-chunks", str(args.decode_max_chunks),
            "--plan-for-rank-max-world", str(args.plan_for_rank_max_world)]
     _log(f"{kind} world {world}: {' '.join(cmd[1:])}")
     t0 = time.perf_counter()
@@ -791,33 +871,34 @@ def _fmt_s(x: Optional[float]) -> str:
 
 
 def table(rows: list[dict[str, Any]], dcp: dict[int, dict[str, Any]]) -> str:
-    hdr = ("| world (dp x tp) | tensors | boxes total | write items | chunks | save plan s/rank "
-           "(assign_writes + plan_save) | cache key s | metadata B/rank (pickled) | metadata total MB | "
-           "manifest JSON MB | zstd MB | load world | load plan s/rank (index + queries) | peak RSS GiB | "
-           "DCP create_global_plan s (rank 0) | DCP load s/rank |")
-    sep = "|" + "---|" * hdr.count("|")[:-1] if False else "|" + "---|" * (hdr.count("|") - 1)
-    out = [hdr, sep]
+    cols = ["world (dp x tp)", "tensors", "boxes gathered", "chunks", "save plan s/rank: assign_writes + plan_save",
+            "cache key s/rank", "unpickle gathered metadata s/rank", "metadata kB/rank (pickled)",
+            "metadata MB total (each rank receives)", "manifest JSON MB", "zstd MB", "build_manifest + encode s (rank 0)",
+            "load world (dp x tp)", "decode s/rank", "load plan s/rank: coverage+index + queries", "peak RSS GiB",
+            "DCP create_global_plan s (rank 0 only)", "DCP load plan s/rank"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         w = r["world"]
         d = dcp.get(w, {})
         if "error" in r:
-            out.append(f"| {w} | {r['error']} |")
+            out.append(f"| {w} | {r['error']} |" + " |" * (len(cols) - 2))
             continue
         s, m, ld, mt = r["save"], r["manifest"], r["load"], r["meta"]
-        ass = s["assign_writes_s"]
         pk = max(v["specs_s"] + v["plan_save_s"] for v in s["ranks"].values())
-        dl = d.get("load", {}).get("per_rank_s")
-        idx = ld["ranks"][str(0)]["index_all_s"] + ld["ranks"][str(0)]["check_coverage_all_s"] \
-            if "0" in ld["ranks"] else None
-        out.append(
-            f"| {w} ({r['mesh'][0]}x{r['mesh'][1]}) | {r['tensors']} | {mt['boxes_total']:,} | "
-            f"{s['write_items_total']:,} | {m['chunks']:,} | {_fmt_s(s['per_rank_s'])} ({_fmt_s(ass)} + {pk:.3f}) | "
-            f"{_fmt_s(s['cache_key_s'])} | {mt['bytes_per_rank_mean'] / 1e3:.0f} kB | "
-            f"{mt['bytes_total'] / 1e6:.0f} | {m['json_bytes'] / 1e6:.1f} | {m['zstd_bytes'] / 1e6:.1f} | "
-            f"{ld['world']} ({ld['mesh'][0]}x{ld['mesh'][1]}) | {_fmt_s(ld['per_rank_s'])} "
-            f"({_fmt_s(idx)} + {ld['per_rank_queries_only_s']:.3f}) | {r['peak_rss'] / GiB:.1f} | "
-            f"{_fmt_s(d.get('create_global_plan_s'))} | {_fmt_s(dl)} |"
-        )
+        lr = max(ld.get("ranks", {}).values(), key=lambda v: v["per_rank_s"], default=None)
+        enc = (f"{_fmt_s(m['build_manifest_s'])} + {_fmt_s(m['encode_s'])}" if "encode_s" in m else "-")
+        cells = [
+            f"{w} ({r['mesh'][0]}x{r['mesh'][1]})", str(r["tensors"]), f"{mt['boxes_total']:,}", f"{m['chunks']:,}",
+            f"{_fmt_s(s['per_rank_s'])} ({_fmt_s(s['assign_writes_s'])} + {pk:.3f})", _fmt_s(s["cache_key_s"]),
+            _fmt_s(mt["unpickle_s_all_ranks"]), f"{mt['bytes_per_rank_mean'] / 1e3:.0f}",
+            f"{mt['bytes_total'] / 1e6:.0f}", f"{m['json_bytes'] / 1e6:.1f}", f"{m['zstd_bytes'] / 1e6:.1f}", enc,
+            f"{ld['world']} ({ld['mesh'][0]}x{ld['mesh'][1]})", _fmt_s(m.get("decode_s")),
+            "-" if lr is None else (f"{_fmt_s(lr['per_rank_s'])} ({_fmt_s(lr['check_coverage_all_s'] + lr['index_all_s'])}"
+                                    f" + {lr['overlapping_s'] + lr['plan_piece_s']:.3f})"),
+            f"{r['peak_rss'] / GiB:.1f}", _fmt_s(d.get("create_global_plan_s")),
+            _fmt_s(d.get("load", {}).get("per_rank_s")),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -832,8 +913,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world subprocess")
     ap.add_argument("--full-manifest-max-chunks", type=int, default=2_000_000,
                     help="above this, the manifest is streamed instead of built whole (encode/decode not timed)")
+    ap.add_argument("--decode-max-chunks", type=int, default=8_000_000,
+                    help="above this, the manifest is not decoded and the load side not measured")
     ap.add_argument("--plan-for-rank-max-world", type=int, default=1024,
-                    help="also time api._plan_for_rank itself (miss and hit) up to this world")
+                    help="also time plan_for_rank itself (miss and hit) up to this world")
     ap.add_argument("--no-verify", dest="verify", action="store_false", help="skip the box check against torch")
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     ap.add_argument("--child", choices=["objckpt", "dcp"], help=argparse.SUPPRESS)

@@ -180,7 +180,10 @@ def async_save(
                           allow_pickle=allow_pickle, blob_size=blob_size, part_size=part_size,
                           crc_block=crc_block, check_metadata=_check_metadata)
     max_part = max(prep.plan.max_part, 1)
-    budget = staging_bytes if staging_bytes is not None else max(prep.nbytes, max_part)
+    nparts = sum(len(b.parts) for b in prep.plan.blobs)
+    # the budget buys slots of the largest part; by default one per part (buffers are
+    # allocated at each part's own size, so memory is this rank's share of the state)
+    budget = staging_bytes if staging_bytes is not None else max(max_part * nparts, max_part)
     pool = default_pool(max(budget, max_part))
     handle = SaveHandle(uri)
 
