@@ -17,6 +17,7 @@ import torch
 from . import _runtime
 from .dist import get_comm
 from .engine.fill import fill_boxes
+from .engine.resolve import ChunkResolver
 from .engine.stats import IOStats
 from .errors import MissingKeyError, NotFoundError, StateDictMismatchError
 from .format import layout
@@ -123,11 +124,23 @@ async def _fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Opti
 
 
 def inspect(
-    uri: str, *, storage_options: Optional[dict[str, Any]] = None, store: Optional[ObjectStore] = None
+    uri: str, *, storage_options: Optional[dict[str, Any]] = None, store: Optional[ObjectStore] = None,
+    chunks: bool = True,
 ) -> Manifest:
-    """The checkpoint's manifest: keys, dtypes, shapes, chunks, blobs, metadata."""
+    """The checkpoint's manifest: keys, dtypes, shapes, chunks, blobs, metadata.
+
+    A multi-rank checkpoint in format v2 keeps its chunk records in one index
+    object per rank; ``chunks=True`` fetches them all so every tensor lists its
+    chunks, ``chunks=False`` returns the manifest alone (one GET)."""
     st, prefix = _open(uri, storage_options, store)
-    return _runtime.run(_fetch_manifest(st, prefix, uri))
+
+    async def go() -> Manifest:
+        m = await _fetch_manifest(st, prefix, uri)
+        if chunks and m.rank_indexes:
+            await ChunkResolver(m, st, prefix).resolve_all()
+        return m
+
+    return _runtime.run(go())
 
 
 # --------------------------------------------------------------------------- reading boxes

@@ -107,3 +107,25 @@ def local_part(key: str, x: Any) -> tuple[tuple[int, ...], torch.dtype, Optional
         return tuple(int(d) for d in x.shape), x.dtype, box, local
     t: torch.Tensor = x
     return tuple(t.shape), t.dtype, (tuple(0 for _ in t.shape), tuple(t.shape)), t
+
+
+def dtensor_placements(x: Any) -> Optional[tuple[str, ...]]:
+    """A DTensor's placements as layout strings ("S<dim>", "R"); None when one
+    of them has no symbolic form (the save then lists its chunks)."""
+    out = []
+    for p in x.placements:
+        name = type(p).__name__
+        if name == "Shard":
+            out.append(f"S{int(p.dim)}")
+        elif name == "Replicate":
+            out.append("R")
+        else:
+            return None
+    return tuple(out)
+
+
+def mesh_global_ranks(x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, global ranks row-major) of a DTensor's DeviceMesh."""
+    mesh = x.device_mesh
+    m = mesh.mesh
+    return tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist())

@@ -265,8 +265,8 @@ def _small_manifest(**kw: Any) -> Manifest:
 
 def test_newer_version_is_rejected_clearly() -> None:
     obj = mf.to_json_obj(_small_manifest())
-    obj["format_version"] = 2
-    with pytest.raises(UnsupportedFormatError, match="format_version 2.*version 1"):
+    obj["format_version"] = 3
+    with pytest.raises(UnsupportedFormatError, match="format_version 3.*versions 1 to 2"):
         decode(json.dumps(obj).encode())
     obj["format_version"] = 1
     obj["format"] = "safetensors"

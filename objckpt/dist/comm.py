@@ -23,6 +23,8 @@ class Comm(Protocol):
 
     def barrier(self) -> None: ...
 
+    def group_rank(self, global_rank: int) -> "int | None": ...
+
 
 class LocalComm:
     """One process, no process group."""
@@ -38,6 +40,9 @@ class LocalComm:
 
     def barrier(self) -> None:
         pass
+
+    def group_rank(self, global_rank: int) -> Optional[int]:
+        return 0 if global_rank == 0 else None
 
 
 class TorchComm:
@@ -64,6 +69,16 @@ class TorchComm:
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
+
+    def group_rank(self, global_rank: int) -> Optional[int]:
+        """This group's rank of a global rank (None when it is not a member)."""
+        if self.group is None:
+            return global_rank if 0 <= global_rank < self.world_size else None
+        try:
+            r = self._dist.get_group_rank(self.group, global_rank)
+        except (ValueError, RuntimeError):
+            return None
+        return r if 0 <= r < self.world_size else None
 
 
 def get_comm(process_group: Optional[Any] = None) -> Comm:

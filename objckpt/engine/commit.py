@@ -8,12 +8,13 @@ because a PUT can land even when its reply is lost.
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Any, Optional
 
 from .. import __version__, _runtime
 from ..errors import NotFoundError, PreconditionFailed
 from ..format import layout
-from ..format.manifest import Blob, Chunk, Manifest, TensorEntry, decode, encode
+from ..format.manifest import Blob, Chunk, Layout, Manifest, Mesh, RankIndexRef, TensorEntry, decode, encode
+from ..planning.layout import TensorDesc
 from ..planning.shard import TensorMeta
 from ..storage import ObjectStore
 from .stats import IOStats
@@ -53,6 +54,31 @@ def build_manifest(gathered: list, results: list, attempt: str, meta: dict, crc_
     )
 
 
+def build_manifest_v2(descs: list[TensorDesc], meshes: list[Mesh], layouts: dict[str, Layout],
+                      dtypes: dict[str, str], aliases: dict[str, str], tree: Any, rank_trees: Optional[list],
+                      results: list, attempt: str, meta: dict, crc_block: int) -> Manifest:
+    """The manifest of a symbolic save: layouts instead of chunks, one index object per rank."""
+    by_key = {d.key: d for d in descs}
+    entries: dict[str, TensorEntry] = {}
+    for k, dt in dtypes.items():
+        if k in aliases:
+            d = by_key[aliases[k]]
+            entries[k] = TensorEntry(k, dt, d.shape, alias_of=aliases[k])
+        else:
+            d = by_key[k]
+            entries[k] = TensorEntry(k, dt, d.shape, layout=layouts[k])
+    blobs: list[Blob] = []
+    refs: list[RankIndexRef] = []
+    for rank, ((size, crc), rblobs, _) in enumerate(results):
+        blobs.extend(Blob(n, sz, rank) for n, sz in rblobs)
+        refs.append(RankIndexRef(layout.index_name(attempt, rank), size, crc))
+    return Manifest(
+        tensors=entries, blobs=blobs, tree=tree, metadata=meta, attempt=attempt, world_size=len(results),
+        writer=f"objckpt {__version__}", crc_block=crc_block, rank_trees=rank_trees, format_version=2,
+        meshes=list(meshes), rank_indexes=refs,
+    )
+
+
 def commit(st: ObjectStore, prefix: str, mkey: str, m: Manifest, overwrite: bool, uri: str,
             keys: list[str], stats: IOStats, errors: list[BaseException]) -> tuple[str, str, int]:
     """Write the manifest (rank 0).  Returns (status, message, manifest bytes);
@@ -82,8 +108,9 @@ def commit(st: ObjectStore, prefix: str, mkey: str, m: Manifest, overwrite: bool
                         f"committing {uri!r} failed: {type(e).__name__}: {e}", 0)
         stats.add(len(data))
         if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
-            live = {b.name for b in m.blobs}
-            await _delete_async(st, [layout.join(prefix, b.name) for b in old.blobs if b.name not in live])
+            live = {b.name for b in m.blobs} | {r.name for r in m.rank_indexes}
+            dead = [b.name for b in old.blobs] + [r.name for r in old.rank_indexes]
+            await _delete_async(st, [layout.join(prefix, n) for n in dead if n not in live])
         return ("ok", "", len(data))
 
     return _runtime.run(go())

@@ -7,33 +7,19 @@ the planned, block-aligned byte ranges, then one strided copy per overlap.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import _runtime
-from ..errors import CorruptCheckpointError
 from ..format import layout
 from ..format.dtypes import dtype_from_name, itemsize
-from ..format.manifest import Manifest, TensorEntry
-from ..planning.reshard import Box, ChunkIndex, plan_piece
+from ..format.manifest import Manifest
+from ..planning.reshard import Box, plan_piece
 from ..storage import ObjectStore
 from .read import RangeRead, chunk_checks, read_ranges
+from .resolve import ChunkResolver, check_coverage
 from .stats import IOStats
 
-
-def check_coverage(entry: TensorEntry) -> None:
-    """The chunks hold exactly the tensor's elements (each once, inside it)."""
-    isz = itemsize(dtype_from_name(entry.dtype, entry.key))
-    ok = all(c.length == math.prod(c.shape) * isz for c in entry.chunks)  # as_strided stays in bounds
-    if entry.shape:
-        ok = ok and sum(math.prod(c.shape) for c in entry.chunks) == entry.numel
-    else:
-        ok = ok and len(entry.chunks) == 1
-    if not ok:
-        raise CorruptCheckpointError(
-            f"tensor {entry.key!r}: its chunks do not cover shape {list(entry.shape)} exactly once"
-        )
+__all__ = ["fill_boxes", "check_coverage", "direct_ok", "byte_view"]
 
 
 def direct_ok(t: torch.Tensor) -> bool:
@@ -76,20 +62,18 @@ def fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: list[tuple[st
     """
     reads: list[RangeRead] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, source view)
-    indexes: dict[str, ChunkIndex] = {}
+    resolver = ChunkResolver(m, st, prefix)
+    _runtime.run(resolver.prefetch(((key, box) for key, box, _ in targets), stats))
     temp_bytes = 0
     for key, box, dest in targets:
         entry = m.tensors[key]
-        if key not in indexes:
-            check_coverage(entry)
-            indexes[key] = ChunkIndex(entry.chunks)
         dt = dtype_from_name(entry.dtype, key)
         isz = itemsize(dt)
         direct = direct_ok(dest) and dest.dtype == dt
         dview = byte_view(dest) if direct else None
         d_off, d_shape = box
         d_row = int(torch.Size(d_shape[1:]).numel()) * isz if d_shape else isz
-        for chunk, inter in indexes[key].overlapping(box):
+        for chunk, inter in resolver.overlapping(key, box):
             blob_key = layout.join(prefix, m.blobs[chunk.blob].name)
             piece = plan_piece(chunk, inter, isz, m.crc_block, verify)
             i_off, i_shape = inter

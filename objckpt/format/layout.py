@@ -2,6 +2,7 @@
 
 ``<prefix>/manifest.json``            the commit: present <=> checkpoint exists
 ``<prefix>/blobs/<attempt>/r<rank>-<n>.bin``  tensor bytes of one save attempt
+``<prefix>/blobs/<attempt>/r<rank>.index.json``  a rank's chunk records (format v2)
 
 The attempt id is unique per save call, so a retry or an overwrite never
 rewrites bytes that a committed manifest points to.
@@ -34,6 +35,11 @@ def new_attempt_id() -> str:
 def blob_name(attempt: str, rank: int, index: int) -> str:
     """Blob path relative to the checkpoint prefix (what the manifest stores)."""
     return f"{BLOB_DIR}/{attempt}/r{rank:05d}-{index:04d}.bin"
+
+
+def index_name(attempt: str, rank: int) -> str:
+    """A rank's index object (format v2), relative to the checkpoint prefix."""
+    return f"{BLOB_DIR}/{attempt}/r{rank:05d}.index.json"
 
 
 def attempt_of(blob_rel: str) -> str:

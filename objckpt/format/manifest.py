@@ -1,10 +1,18 @@
-"""Format v1 manifest: typed objects, JSON encode/decode, version check.
+"""The manifest (format v1 and v2): typed objects, JSON encode/decode, version check.
 
 The manifest is the only metadata object of a checkpoint and its commit
 record.  It is plain JSON (zstd-compressed when large, detected by magic), so
 any language can read a checkpoint with one GET and a JSON parser; it is never
 pickled.  ``docs/format.md`` is the normative spec, ``manifest.schema.json``
 its JSON Schema.
+
+Version 1 lists every chunk of every tensor.  Version 2 (multi-rank saves
+whose layout every rank can compute) stores a tensor's *layout* instead (mesh,
+placements, split, rot: see :mod:`objckpt.planning.layout`), and each rank's
+chunk records go to that rank's index object, fetched only by readers that
+need that rank's pieces: the manifest stays small at any world size.  A
+writer emits version 1 whenever it lists chunks inline, so older readers keep
+reading single-process checkpoints.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ import zstandard
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 
 FORMAT_NAME = "objckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this release reads and writes
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 COMPRESS_ABOVE = 1 << 20  # manifests larger than this are stored zstd-compressed
 
@@ -39,6 +47,49 @@ class Chunk:
     block_crc32c: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class Mesh:
+    """A device mesh: its shape and the ranks (of the saving group) at its points, row-major."""
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def coordinate(self, rank: int) -> Optional[tuple[int, ...]]:
+        pos = self.__dict__.get("_pos")
+        if pos is None:
+            pos = {r: i for i, r in enumerate(self.ranks)}
+            object.__setattr__(self, "_pos", pos)
+        flat = pos.get(rank)
+        if flat is None:
+            return None
+        out = []
+        for n in reversed(self.shape):
+            out.append(flat % n)
+            flat //= n
+        return tuple(reversed(out))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor's layout (v2): ``mesh`` indexes ``Manifest.meshes``; placements are
+    "R" or "S<dim>" per mesh dim; each cell is stored as ``split`` pieces along
+    dim 0, piece i written by replica slot (i + ``rot``) mod group size."""
+
+    mesh: int
+    placements: tuple[str, ...]
+    split: int = 1
+    rot: int = 0
+
+
+@dataclass(frozen=True)
+class RankIndexRef:
+    """One rank's index object (v2): its chunk records."""
+
+    name: str  # path relative to the checkpoint prefix
+    size: int
+    crc32c: int
+
+
 @dataclass
 class TensorEntry:
     key: str
@@ -47,6 +98,8 @@ class TensorEntry:
     chunks: list[Chunk] = field(default_factory=list)
     #: key of the tensor this one shares storage with (bytes stored once)
     alias_of: Optional[str] = None
+    #: v2: the chunks are described by this layout and listed in the rank indexes
+    layout: Optional[Layout] = None
 
     @property
     def numel(self) -> int:
@@ -70,11 +123,19 @@ class Manifest:
     world_size: int = 1
     created: float = field(default_factory=time.time)
     writer: str = ""
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
     #: block size of Chunk.block_crc32c (0: chunks carry only their whole crc)
     crc_block: int = 0
     #: non-tensor values per rank, when ranks saved different ones (else None)
     rank_trees: Optional[list[Any]] = None
+    #: v2: meshes that layouts refer to, and one index object per rank
+    meshes: list[Mesh] = field(default_factory=list)
+    rank_indexes: list[RankIndexRef] = field(default_factory=list)
+
+    @property
+    def chunks_resolved(self) -> bool:
+        """Whether every stored tensor lists its chunks (v1, or v2 after resolving)."""
+        return all(t.layout is None or t.chunks for t in self.tensors.values() if t.alias_of is None)
 
     # -- convenience for inspect() users -----------------------------------
     @property
@@ -112,12 +173,16 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
         d: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
         if t.alias_of is not None:
             d["alias_of"] = t.alias_of
+        elif t.layout is not None:
+            lay = t.layout
+            d["layout"] = {"mesh": lay.mesh, "placements": list(lay.placements), "split": lay.split, "rot": lay.rot}
         else:
             d["chunks"] = [_chunk_to_json(c) for c in t.chunks]
         tensors[k] = d
+    v2 = any(t.layout is not None for t in m.tensors.values())
     out = {
         "format": FORMAT_NAME,
-        "format_version": m.format_version,
+        "format_version": 2 if v2 else 1,
         "writer": m.writer,
         "created": m.created,
         "attempt": m.attempt,
@@ -131,6 +196,9 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
         out["crc_block"] = m.crc_block
     if m.rank_trees is not None:
         out["rank_trees"] = m.rank_trees
+    if v2:
+        out["meshes"] = [{"shape": list(me.shape), "ranks": list(me.ranks)} for me in m.meshes]
+        out["rank_indexes"] = [{"name": r.name, "size": r.size, "crc32c": r.crc32c} for r in m.rank_indexes]
     return out
 
 
@@ -179,7 +247,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     if version > FORMAT_VERSION or version < 1:
         raise UnsupportedFormatError(
             f"manifest {where} has format_version {version}; this objckpt release reads "
-            f"version {FORMAT_VERSION} — upgrade objckpt to read it"
+            f"versions 1 to {FORMAT_VERSION} — upgrade objckpt to read it"
         )
     for name in ("blobs", "tensors"):
         _need(name in obj, where, f"required field '{name}' missing")
@@ -187,6 +255,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     _need(_int(crc_block), where, "'crc_block' malformed")
     rank_trees = obj.get("rank_trees")
     _need(rank_trees is None or isinstance(rank_trees, list), where, "'rank_trees' malformed")
+    meshes, rank_indexes = _v2_tables(obj, version, where)
     blobs_raw = obj["blobs"]
     _need(isinstance(blobs_raw, list), where, "'blobs' is not a list")
     blobs = []
@@ -206,7 +275,10 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
         _need(alias is None or isinstance(alias, str), where, f"tensor {k!r}: alias_of malformed")
         _need(alias is None or "chunks" not in t, where, f"tensor {k!r}: has both chunks and alias_of")
         entry = TensorEntry(k, t["dtype"], tuple(t["shape"]), alias_of=alias)
-        if alias is None:
+        if alias is None and "layout" in t:
+            _need(version >= 2 and "chunks" not in t, where, f"tensor {k!r}: 'layout' needs format v2 and no chunks")
+            entry.layout = _layout(t["layout"], entry.shape, meshes, where, k)
+        elif alias is None:
             _need(isinstance(t.get("chunks"), list), where, f"tensor {k!r}: chunks missing")
             for j, c in enumerate(t["chunks"]):
                 ok = (
@@ -241,6 +313,9 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     _need(isinstance(meta, dict), where, "'metadata' is not an object")
     world = obj.get("world_size", 1)
     _need(_int(world, lo=1), where, "'world_size' malformed")
+    if version >= 2:
+        _need(len(rank_indexes) == world, where, f"{len(rank_indexes)} rank indexes for world size {world}")
+        _need(all(r < world for me in meshes for r in me.ranks), where, "a mesh names a rank >= world_size")
     created = obj.get("created", 0.0)
     _need(isinstance(created, (int, float)) and not isinstance(created, bool), where, "'created' malformed")
     return Manifest(
@@ -255,4 +330,39 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
         format_version=version,
         crc_block=crc_block,
         rank_trees=rank_trees,
+        meshes=meshes,
+        rank_indexes=rank_indexes,
     )
+
+
+def _v2_tables(obj: dict, version: int, where: str) -> tuple[list[Mesh], list[RankIndexRef]]:
+    if version < 2:
+        _need("meshes" not in obj and "rank_indexes" not in obj, where, "v2 tables in a v1 manifest")
+        return [], []
+    meshes_raw, idx_raw = obj.get("meshes"), obj.get("rank_indexes")
+    _need(isinstance(meshes_raw, list) and isinstance(idx_raw, list), where, "'meshes' or 'rank_indexes' missing")
+    meshes = []
+    for i, me in enumerate(meshes_raw):
+        ok = isinstance(me, dict) and _int_list(me.get("shape")) and _int_list(me.get("ranks"))
+        ok = ok and all(n >= 1 for n in me["shape"]) and math.prod(me["shape"]) == len(me["ranks"])
+        ok = ok and len(set(me["ranks"])) == len(me["ranks"])
+        _need(ok, where, f"mesh #{i} malformed")
+        meshes.append(Mesh(tuple(me["shape"]), tuple(me["ranks"])))
+    refs = []
+    for i, r in enumerate(idx_raw):
+        ok = isinstance(r, dict) and isinstance(r.get("name"), str) and r["name"] and _int(r.get("size"))
+        _need(ok and _int(r.get("crc32c"), 0, 2**32 - 1), where, f"rank index #{i} malformed")
+        refs.append(RankIndexRef(r["name"], r["size"], r["crc32c"]))
+    return meshes, refs
+
+
+def _layout(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, key: str) -> Layout:
+    ok = isinstance(raw, dict) and _int(raw.get("mesh"), 0, len(meshes) - 1)
+    ok = ok and isinstance(raw.get("placements"), list) and _int(raw.get("split", 1), 1) and _int(raw.get("rot", 0))
+    _need(ok, where, f"tensor {key!r}: layout malformed")
+    pl = raw["placements"]
+    _need(len(pl) == len(meshes[raw["mesh"]].shape), where, f"tensor {key!r}: placements do not match mesh")
+    for p in pl:
+        ok = p == "R" or (isinstance(p, str) and len(p) >= 2 and p[0] == "S" and p[1:].isdigit() and int(p[1:]) < len(shape))
+        _need(ok, where, f"tensor {key!r}: placement {p!r} malformed")
+    return Layout(raw["mesh"], tuple(pl), raw.get("split", 1), raw.get("rot", 0))

@@ -25,14 +25,17 @@ class CountingStore(ObjectStore):
         self.bytes_read = 0
         self.bytes_written = 0
         self.ranges: list[tuple[str, int, int]] = []
+        self.keys_read: list[str] = []  # whole-object GETs
 
     def reset(self) -> None:
         self.ops.clear()
         self.bytes_read = self.bytes_written = 0
         self.ranges.clear()
+        self.keys_read.clear()
 
     async def get(self, key: str) -> bytes:
         self.ops["get"] += 1
+        self.keys_read.append(key)
         data = await self.inner.get(key)
         self.bytes_read += len(data)
         return data

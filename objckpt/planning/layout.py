@@ -1,0 +1,267 @@
+"""Symbolic tensor layouts: who holds and who wrote which box, computed, not listed (pure).
+
+A DTensor's placements on a DeviceMesh (or "replicated on every rank" for a
+plain tensor) determine every rank's box.  When every rank of a save describes
+its state the same way, the ranks only need to agree on a digest of that
+description: each one derives the global write assignment from it, and the
+manifest stores the description instead of one record per rank and tensor.
+That is what keeps planning and the manifest small at thousands of ranks
+(format v2, ``docs/format.md``).
+
+Rules (normative for format v2):
+
+* ``Shard(d)`` on mesh dims m1 < m2 < ... splits tensor dim d left to right,
+  each level like ``torch.chunk``: pieces of ceil(n / k), the last ones smaller
+  or empty.  The piece of a rank along dim d is the row-major index of its
+  coordinates on (m1, m2, ...).  This is torch's own DTensor rule.
+* A *cell* is the box a mesh coordinate holds; the ranks that differ only on
+  ``Replicate`` mesh dims hold the same cell (its replica group, ordered
+  row-major over the Replicate dims: the *slot*).
+* A cell is stored as ``split`` pieces along dim 0: piece i holds rows
+  [r*i // split, r*(i+1) // split) of the cell's r rows (0-d: one piece); empty
+  pieces are not stored.  Piece i is written by the replica in slot
+  (i + rot) mod g, g being the group's size.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterator, Optional, Sequence
+
+from ..format.manifest import Layout, Mesh
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+REPLICATE = "R"
+__all__ = ["Layout", "Mesh", "TensorDesc", "assign_layouts", "cell_box", "my_pieces", "overlapping_pieces"]
+
+
+def parse_placement(p: str) -> Optional[int]:
+    """The sharded tensor dim of a placement string, None for Replicate."""
+    if p == REPLICATE:
+        return None
+    if len(p) >= 2 and p[0] == "S" and p[1:].isdigit():
+        return int(p[1:])
+    raise ValueError(f"unknown placement {p!r}")
+
+
+def unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(shape):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+def ravel(coord: Sequence[int], shape: Sequence[int]) -> int:
+    flat = 0
+    for c, n in zip(coord, shape):
+        flat = flat * n + c
+    return flat
+
+
+def chunk_piece(n: int, k: int, i: int) -> tuple[int, int]:
+    """(start, length) of piece i when ``torch.chunk`` cuts n into k (may be empty)."""
+    full = -(-n // k) if k else n
+    start = min(n, full * i)
+    return start, max(0, min(n, start + full) - start)
+
+
+@lru_cache(maxsize=4096)
+def dim_intervals(n: int, ks: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Starts and lengths of the pieces of a dim of size n split by nested
+    ``torch.chunk`` levels of sizes ``ks``, in row-major piece order."""
+    pieces = [(0, n)]
+    for k in ks:
+        nxt = []
+        for s, m in pieces:
+            for i in range(k):
+                a, ln = chunk_piece(m, k, i)
+                nxt.append((s + a, ln))
+        pieces = nxt
+    return tuple(p[0] for p in pieces), tuple(p[1] for p in pieces)
+
+
+def _sharding(ndim: int, placements: Sequence[str]) -> tuple[list[list[int]], list[int]]:
+    """Per tensor dim, the mesh dims sharding it (in order); and the Replicate mesh dims."""
+    per_dim: list[list[int]] = [[] for _ in range(ndim)]
+    rep = []
+    for md, p in enumerate(placements):
+        d = parse_placement(p)
+        if d is None:
+            rep.append(md)
+        else:
+            if d >= ndim:
+                raise ValueError(f"placement {p} on a {ndim}-d tensor")
+            per_dim[d].append(md)
+    return per_dim, rep
+
+
+def cell_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[str],
+             coord: Sequence[int]) -> Box:
+    """The box the mesh point ``coord`` holds."""
+    per_dim, _ = _sharding(len(shape), placements)
+    offs, lens = [], []
+    for d, n in enumerate(shape):
+        mds = per_dim[d]
+        if not mds:
+            offs.append(0)
+            lens.append(n)
+            continue
+        s, m = 0, n
+        for md in mds:
+            a, m = chunk_piece(m, mesh_shape[md], coord[md])
+            s += a
+        offs.append(s)
+        lens.append(m)
+    return tuple(offs), tuple(lens)
+
+
+def group_size(mesh_shape: Sequence[int], placements: Sequence[str]) -> int:
+    return math.prod(mesh_shape[md] for md, p in enumerate(placements) if p == REPLICATE)
+
+
+def slot_of(mesh_shape: Sequence[int], placements: Sequence[str], coord: Sequence[int]) -> int:
+    rep = [md for md, p in enumerate(placements) if p == REPLICATE]
+    return ravel([coord[md] for md in rep], [mesh_shape[md] for md in rep])
+
+
+def piece_rows(rows: int, split: int, i: int) -> tuple[int, int]:
+    return rows * i // split, rows * (i + 1) // split
+
+
+def cell_pieces(box: Box, split: int) -> Iterator[tuple[int, Box]]:
+    """(piece index, piece box) of a cell's stored pieces (empty ones skipped)."""
+    offs, shp = box
+    if any(n == 0 for n in shp):
+        return
+    if not shp:
+        yield 0, box
+        return
+    for i in range(split):
+        a, b = piece_rows(shp[0], split, i)
+        if b > a:
+            yield i, ((offs[0] + a,) + offs[1:], (b - a,) + shp[1:])
+
+
+def my_pieces(shape: Sequence[int], mesh: Mesh, lay: Layout, rank: int) -> list[Box]:
+    """The pieces ``rank`` writes of a tensor (possibly none)."""
+    coord = mesh.coordinate(rank)
+    if coord is None:
+        return []
+    g = group_size(mesh.shape, lay.placements)
+    slot = slot_of(mesh.shape, lay.placements, coord)
+    box = cell_box(shape, mesh.shape, lay.placements, coord)
+    return [p for i, p in cell_pieces(box, lay.split) if (i + lay.rot) % g == slot]
+
+
+def _intersect(a: Box, b: Box) -> Optional[Box]:
+    offs, shp = [], []
+    for x0, xs, y0, ys in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(x0, y0), min(x0 + xs, y0 + ys)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        shp.append(hi - lo)
+    return tuple(offs), tuple(shp)
+
+
+def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: Layout, box: Box) -> list[tuple[int, Box, Box]]:
+    """(writer rank, stored piece box, intersection with ``box``) of every stored
+    piece overlapping ``box``: per dim a binary search over the cut points, so
+    the cost is the number of overlapping pieces, not of ranks."""
+    ndim = len(shape)
+    per_dim, rep = _sharding(ndim, lay.placements)
+    mshape = mesh.shape
+    g = math.prod(mshape[md] for md in rep)
+    if any(n == 0 for n in box[1]):
+        return []
+    choices: list[list[tuple[tuple[int, ...], int, int]]] = []  # per dim: (coords on its mesh dims, start, len)
+    for d in range(ndim):
+        mds = per_dim[d]
+        ks = tuple(mshape[md] for md in mds)
+        starts, lens = dim_intervals(shape[d], ks)
+        a, b = box[0][d], box[0][d] + box[1][d]
+        j = bisect.bisect_right(starts, a) - 1
+        opts = []
+        j = max(j, 0)
+        while j < len(starts) and starts[j] < b:
+            if lens[j] and starts[j] + lens[j] > a:
+                opts.append((unravel(j, ks), starts[j], lens[j]))
+            j += 1
+        if not opts:
+            return []
+        choices.append(opts)
+    rep_shape = [mshape[md] for md in rep]
+    out: list[tuple[int, Box, Box]] = []
+    for combo in itertools.product(*choices):
+        coord = [0] * len(mshape)
+        for d, (sub, _, _) in enumerate(combo):
+            for md, c in zip(per_dim[d], sub):
+                coord[md] = c
+        cell = (tuple(c[1] for c in combo), tuple(c[2] for c in combo))
+        for i, piece in cell_pieces(cell, lay.split):
+            inter = _intersect(piece, box) if ndim else ((), ())
+            if inter is None:
+                continue
+            rcoord = unravel((i + lay.rot) % g, rep_shape)
+            for md, c in zip(rep, rcoord):
+                coord[md] = c
+            out.append((mesh.ranks[ravel(coord, mshape)], piece, inter))
+    return out
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """What every rank knows of a tensor in a symbolic save."""
+
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+    mesh: int
+    placements: tuple[str, ...]
+
+
+def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
+                   split_bytes: int = 4 << 20) -> dict[str, Layout]:
+    """``split`` and ``rot`` of every tensor, the same on every rank.
+
+    A cell of at least ``split_bytes`` is split over its replicas (replica-
+    parallel save); a smaller one goes whole to the replica slot that has the
+    fewest bytes so far (per group size), so small replicated tensors spread
+    over the replicas instead of piling onto the first one.
+    """
+    heaps: dict[int, list[tuple[int, int]]] = {}
+    loads: dict[int, list[int]] = {}
+    out: dict[str, Layout] = {}
+    for t in descs:
+        mesh = meshes[t.mesh]
+        g = group_size(mesh.shape, t.placements)
+        if g == 1:
+            out[t.key] = Layout(t.mesh, t.placements)
+            continue
+        per_dim, _ = _sharding(len(t.shape), t.placements)
+        ncells = math.prod(mesh.shape[md] for mds in per_dim for md in mds)
+        big = cell_box(t.shape, mesh.shape, t.placements, [0] * len(mesh.shape))[1]  # the first cell is the largest
+        nbytes = math.prod(big) * t.itemsize
+        rows = big[0] if big else 1
+        if g not in loads:
+            loads[g] = [0] * g
+            heaps[g] = [(0, s) for s in range(g)]
+        load, heap = loads[g], heaps[g]
+        while True:  # lazy heap: skip stale entries
+            ld, rot = heap[0]
+            if ld == load[rot]:
+                break
+            heapq.heappop(heap)
+        split = max(1, min(g, rows)) if nbytes >= split_bytes and t.shape else 1
+        for i in range(split):
+            a, b = piece_rows(rows, split, i)
+            s = (i + rot) % g
+            load[s] += nbytes * (b - a) // max(rows, 1) * ncells
+            heapq.heappush(heap, (load[s], s))
+        out[t.key] = Layout(t.mesh, t.placements, split, rot)
+    return out
