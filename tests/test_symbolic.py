@@ -74,16 +74,18 @@ def test_pieces_tile_once_and_overlap_query_matches_brute_force(case: Any, split
 
 
 def test_assign_layouts_splits_big_replicated_and_spreads_small() -> None:
-    world = Mesh((4,), (0, 1, 2, 3))
-    descs = [TensorDesc("big", (1024, 1024), 4, 0, ("R",))] + [
-        TensorDesc(f"small{i}", (10,), 4, 0, ("R",)) for i in range(8)
-    ]
+    world = Mesh((16,), tuple(range(16)))
+    descs = [TensorDesc("big", (1024, 1024), 4, 0, ("R",))]
+    descs += [TensorDesc(f"small{i}", (100, 256), 4, 0, ("R",)) for i in range(16)]  # 100 KiB: spread
+    descs += [TensorDesc(f"tiny{i}", (10,), 4, 0, ("R",)) for i in range(5)]  # all on slot 0
     lays = assign_layouts(descs, [world])
-    assert lays["big"].split == 4
-    assert sorted(lays[f"small{i}"].rot for i in range(8)) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert lays["big"].split == 16
+    assert sorted(lays[f"small{i}"].rot for i in range(16)) == sorted(list(range(8)) * 2)  # first 8 slots
+    assert all(lays[f"tiny{i}"].rot == 0 for i in range(5))
     per_rank = {r: sum(math.prod(p[1]) for d in descs for p in my_pieces(d.shape, world, lays[d.key], r))
-                for r in range(4)}
-    assert sum(per_rank.values()) == 1024 * 1024 + 80 and max(per_rank.values()) - min(per_rank.values()) <= 20
+                for r in range(16)}
+    assert sum(per_rank.values()) == 1024 * 1024 + 16 * 25600 + 50  # each element written once
+    assert max(per_rank.values()) <= 1024 * 1024 // 16 + 2 * 25600 + 50
 
 
 def _v2_manifest() -> mf.Manifest:
@@ -115,6 +117,24 @@ def test_manifest_v2_round_trip_and_checks() -> None:
         bad(o)
         with pytest.raises(CorruptCheckpointError, match=what):
             mf.decode(json.dumps(o).encode())
+
+
+def test_rank_index_round_trip_and_checks() -> None:
+    from objckpt.format import rank_index
+
+    recs = [("w", (0, 0), (4, 4), 0, 0, 64, 7, ()), ("w", (4, 0), (4, 4), 1, 0, 64, 8, (1, 2)),
+            ("b", (), (), 0, 64, 4, 9, ())]
+    data = rank_index.encode("a", 3, recs)
+    kw = dict(attempt="a", rank=3, blobs=[5, 6], blob_sizes=[0, 0, 0, 0, 0, 128, 64], crc_block=32)
+    got = rank_index.decode(data, "idx", **kw)  # type: ignore[arg-type]
+    assert got["w"][(4, 0)].blob == 6 and got["w"][(4, 0)].block_crc32c == (1, 2) and got["b"][()].offset == 64
+    with pytest.raises(CorruptCheckpointError, match="idx.*rank 3"):
+        rank_index.decode(data, "idx", **{**kw, "rank": 2})  # type: ignore[arg-type]
+    with pytest.raises(CorruptCheckpointError, match="'w': chunk record #1"):
+        rank_index.decode(data, "idx", **{**kw, "blob_sizes": [0, 0, 0, 0, 0, 128, 32]})  # type: ignore[arg-type]
+    bad = [("w", (0, 0), (4, 4), 2, 0, 64, 7, ())]  # the rank has only two blobs
+    with pytest.raises(CorruptCheckpointError, match="chunk record #0"):
+        rank_index.decode(rank_index.encode("a", 3, bad), "idx", **kw)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- real ranks
@@ -208,8 +228,8 @@ def test_symbolic_save_is_v2_loads_anywhere_and_checks_indexes(moto_s3: Any) -> 
     s3 = boto3.client("s3", **opts)
     key = f"sym/ck/{m.rank_indexes[2].name}"
     body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-    s3.put_object(Bucket=bucket, Key=key, Body=body.replace(b'"rank":2', b'"rank":3'))
-    with pytest.raises(CorruptCheckpointError, match="r00002.index.json"):
+    s3.put_object(Bucket=bucket, Key=key, Body=body[:-1] + bytes([body[-1] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match="r00002.index.json.*crc32c differs"):
         objckpt.read(uri, storage_options=opts)
     s3.delete_object(Bucket=bucket, Key=key)
     with pytest.raises(CorruptCheckpointError, match="r00002.index.json.*missing"):

@@ -2,10 +2,10 @@
 
 Written by each rank next to its blobs before the commit, referenced from the
 manifest by name, size and crc32c, and fetched only by readers that need a
-piece that rank wrote.  JSON like the manifest (zstd above 1 MiB):
+piece that rank wrote.  JSON, zstd-compressed (detected by magic, like the manifest):
 
     {"format": "objckpt-rank-index", "attempt": "...", "rank": 3,
-     "chunks": [[key, offsets, shape, blob, offset, length, crc32c, block_crc32c], ...]}
+     "chunks": {key: [[offsets, shape, blob, offset, length, crc32c, block_crc32c], ...], ...}}
 
 ``blob`` numbers the rank's own blobs in manifest order (its n-th blob).
 """
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from .manifest import COMPRESS_ABOVE, ZSTD_MAGIC, Chunk, _int, _int_list
+from .manifest import ZSTD_MAGIC, Chunk
 
 INDEX_FORMAT = "objckpt-rank-index"
 
@@ -25,16 +25,23 @@ Record = tuple[str, tuple[int, ...], tuple[int, ...], int, int, int, int, tuple[
 
 
 def encode(attempt: str, rank: int, records: Sequence[Record]) -> bytes:
-    chunks = [[k, list(o), list(s), b, off, ln, crc, list(blk)] for k, o, s, b, off, ln, crc, blk in records]
-    raw = json.dumps({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": chunks},
+    by_key: dict[str, list] = {}
+    for k, o, s, b, off, ln, crc, blk in records:
+        by_key.setdefault(k, []).append([list(o), list(s), b, off, ln, crc, list(blk)])
+    raw = json.dumps({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": by_key},
                      separators=(",", ":")).encode()
-    return zstandard.ZstdCompressor(level=3).compress(raw) if len(raw) > COMPRESS_ABOVE else raw
+    return zstandard.ZstdCompressor(level=3).compress(raw)  # internal: always compressed
+
+
+def _nat(v: Any) -> bool:
+    return type(v) is int and v >= 0
 
 
 def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[int], blob_sizes: Sequence[int],
            crc_block: int) -> dict[str, dict[tuple[int, ...], Chunk]]:
     """Chunks by tensor key and global offsets; ``blobs`` maps the rank's n-th
-    blob to its index in the manifest.  Everything is checked like the manifest."""
+    blob to its index in the manifest.  Everything is checked like the manifest
+    (a reader of thousands of records per index: the checks are kept cheap)."""
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"rank index {where}: {what}")
 
@@ -52,19 +59,30 @@ def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[
     if obj.get("attempt") != attempt or obj.get("rank") != rank:
         raise bad(f"belongs to attempt {obj.get('attempt')!r} rank {obj.get('rank')!r}, "
                   f"the manifest expects {attempt!r} rank {rank}")
-    out: dict[str, dict[tuple[int, ...], Chunk]] = {}
-    recs = obj.get("chunks")
-    if not isinstance(recs, list):
+    by_key = obj.get("chunks")
+    if not isinstance(by_key, dict):
         raise bad("'chunks' missing")
-    for j, r in enumerate(recs):
-        ok = isinstance(r, list) and len(r) == 8 and isinstance(r[0], str) and _int_list(r[1]) and _int_list(r[2])
-        ok = ok and len(r[1]) == len(r[2]) and _int(r[3], 0, len(blobs) - 1) and _int(r[4]) and _int(r[5])
-        ok = ok and _int(r[6], 0, 2**32 - 1) and isinstance(r[7], list) and all(_int(x, 0, 2**32 - 1) for x in r[7])
-        if ok:
-            b = blobs[r[3]]
-            ok = r[4] + r[5] <= blob_sizes[b] and (not r[7] or (crc_block > 0 and len(r[7]) == -(-r[5] // crc_block)))
-        if not ok:
-            raise bad(f"chunk record #{j} malformed")
-        offs = tuple(r[1])
-        out.setdefault(r[0], {})[offs] = Chunk(offs, tuple(r[2]), b, r[4], r[5], r[6], tuple(r[7]))
+    nblobs = len(blobs)
+    out: dict[str, dict[tuple[int, ...], Chunk]] = {}
+    for key, recs in by_key.items():
+        mine: dict[tuple[int, ...], Chunk] = {}
+        if not isinstance(recs, list):
+            raise bad(f"tensor {key!r}: records malformed")
+        for j, r in enumerate(recs):
+            try:
+                o, s, b, off, ln, crc, blk = r
+                ok = (type(o) is list and type(s) is list and len(o) == len(s) and all(map(_nat, o))
+                      and all(map(_nat, s)) and _nat(b) and b < nblobs and _nat(off) and _nat(ln)
+                      and _nat(crc) and crc < 1 << 32 and type(blk) is list)
+                if ok and blk:
+                    ok = (crc_block > 0 and len(blk) == -(-ln // crc_block)
+                          and all(type(x) is int and 0 <= x < 1 << 32 for x in blk))
+                ok = ok and off + ln <= blob_sizes[blobs[b]]
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise bad(f"tensor {key!r}: chunk record #{j} malformed")
+            offs = tuple(o)
+            mine[offs] = Chunk(offs, tuple(s), blobs[b], off, ln, crc, tuple(blk))
+        out[key] = mine
     return out

@@ -226,13 +226,19 @@ class TensorDesc:
 
 
 def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
-                   split_bytes: int = 4 << 20) -> dict[str, Layout]:
+                   split_bytes: int = 4 << 20, small_spread: int = 8, tiny_bytes: int = 64 << 10) -> dict[str, Layout]:
     """``split`` and ``rot`` of every tensor, the same on every rank.
 
     A cell of at least ``split_bytes`` is split over its replicas (replica-
     parallel save); a smaller one goes whole to the replica slot that has the
     fewest bytes so far (per group size), so small replicated tensors spread
-    over the replicas instead of piling onto the first one.
+    over the replicas instead of piling onto the first one -- but only over
+    the first ``small_spread`` slots: a reader fetches the index object of
+    every rank that wrote a piece it needs, and hundreds of tiny replicated
+    tensors (optimizer steps, norms) spread over a thousand ranks would make
+    every reader fetch a thousand index objects for a few kilobytes.  Cells
+    under ``tiny_bytes`` (optimizer steps, norm weights) all go to slot 0:
+    writing them costs nothing, and readers then find them in few indexes.
     """
     heaps: dict[int, list[tuple[int, int]]] = {}
     loads: dict[int, list[int]] = {}
@@ -252,12 +258,15 @@ def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
             loads[g] = [0] * g
             heaps[g] = [(0, s) for s in range(g)]
         load, heap = loads[g], heaps[g]
-        while True:  # lazy heap: skip stale entries
-            ld, rot = heap[0]
-            if ld == load[rot]:
-                break
-            heapq.heappop(heap)
         split = max(1, min(g, rows)) if nbytes >= split_bytes and t.shape else 1
+        if split == 1:
+            rot = 0 if nbytes < tiny_bytes else min(range(min(g, small_spread)), key=load.__getitem__)
+        else:
+            while True:  # lazy heap: skip stale entries
+                ld, rot = heap[0]
+                if ld == load[rot]:
+                    break
+                heapq.heappop(heap)
         for i in range(split):
             a, b = piece_rows(rows, split, i)
             s = (i + rot) % g
