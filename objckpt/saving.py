@@ -38,7 +38,7 @@ from .planning.pack import SavePlan
 from .planning.rank_plan import plan_for_rank, plan_for_rank_symbolic
 from .planning.reshard import Box
 from .planning.shard import TensorMeta
-from .sharding import dtensor_placements, is_dtensor, local_part, mesh_global_ranks
+from .sharding import dtensor_placements, is_dtensor, local_part, mesh_layout
 from .staging.pool import BufferPool
 from .statedict import collect
 from .storage import ObjectStore
@@ -118,10 +118,9 @@ def _describe(local: _Local, values: dict[str, Any], comm: Comm) -> Optional[_Sy
             pl = dtensor_placements(v)
             if pl is None:
                 return None
-            dm = v.device_mesh
-            mid = mesh_ids.get(id(dm), -1)
+            ident, mshape, granks, placements = mesh_layout(v, pl)
+            mid = mesh_ids.get(ident, -1)
             if mid < 0:
-                mshape, granks = mesh_global_ranks(v)
                 ranks = [comm.group_rank(r) for r in granks]
                 if any(r is None for r in ranks):
                     return None
@@ -129,8 +128,7 @@ def _describe(local: _Local, values: dict[str, Any], comm: Comm) -> Optional[_Sy
                 mid = meshes.index(mesh) if mesh in meshes else len(meshes)
                 if mid == len(meshes):
                     meshes.append(mesh)
-                mesh_ids[id(dm)] = mid
-            placements = pl
+                mesh_ids[ident] = mid
         else:
             return None
         coord = meshes[mid].coordinate(comm.rank)

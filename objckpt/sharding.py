@@ -124,8 +124,35 @@ def dtensor_placements(x: Any) -> Optional[tuple[str, ...]]:
     return tuple(out)
 
 
-def mesh_global_ranks(x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shape, global ranks row-major) of a DTensor's DeviceMesh."""
+def _root_mesh(mesh: Any) -> Any:
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    try:  # torch < 2.6
+        from torch.distributed.device_mesh import _mesh_resources
+
+        return _mesh_resources.get_root_mesh(mesh)
+    except (ImportError, AttributeError):
+        return None
+
+
+def mesh_layout(x: Any, placements: tuple[str, ...]) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """(mesh identity, shape, global ranks row-major, placements) of a DTensor.
+
+    A DTensor on a slice of a bigger mesh (tensor parallel on ``mesh["tp"]``
+    under data parallel) is described on the root mesh, Replicate on the
+    other dims: that description is the same on every rank, where the slice's
+    own rank list differs from one replica to the next."""
     mesh = x.device_mesh
+    root = _root_mesh(mesh)
+    names = getattr(mesh, "mesh_dim_names", None)
+    rnames = getattr(root, "mesh_dim_names", None) if root is not None else None
+    if root is not None and root is not mesh and names and rnames and set(names) <= set(rnames):
+        pos = [rnames.index(n) for n in names]
+        if pos == sorted(pos):
+            by_dim = dict(zip(pos, placements))
+            m = root.mesh
+            return (id(root), tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist()),
+                    tuple(by_dim.get(i, "R") for i in range(len(rnames))))
     m = mesh.mesh
-    return tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist())
+    return id(mesh), tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist()), placements

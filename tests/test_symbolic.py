@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,8 +98,12 @@ def _v2_manifest() -> mf.Manifest:
 
 
 def test_manifest_v2_round_trip_and_checks() -> None:
+    import jsonschema
+
     m = _v2_manifest()
     data = mf.encode(m)
+    schema = json.loads((Path(mf.__file__).with_name("manifest.schema.json")).read_text())
+    jsonschema.Draft202012Validator(schema).validate(json.loads(data))
     back = mf.decode(data)
     assert back.format_version == 2 and back.meshes == m.meshes and back.rank_indexes == m.rank_indexes
     assert back.tensors["w"].layout == m.tensors["w"].layout and not back.tensors["w"].chunks
@@ -151,8 +156,9 @@ def _state(rank: int, world: int, tag: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2, 2))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     return {
+        "tp_only": distribute_tensor(full("tp_only" + tag), mesh["tp"], [Shard(1)]),  # TP slice under DP
         "grid": distribute_tensor(full("grid" + tag), mesh, [Shard(0), Shard(1)]),
         "dp_tp": distribute_tensor(full("dp_tp" + tag), mesh, [Replicate(), Shard(0)]),
         "nested": distribute_tensor(full("nested" + tag, dtype=torch.bfloat16), mesh, [Shard(0), Shard(0)]),
@@ -180,6 +186,7 @@ def load_3(rank: int, world: int, uri: str, opts: dict) -> dict[str, Any]:
     tmpl = {
         "grid": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
         "dp_tp": torch.zeros(ROWS, COLS),
+        "tp_only": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
         "nested": distribute_tensor(torch.zeros(ROWS, COLS, dtype=torch.bfloat16), mesh, [Shard(0)]),
         "rep_big": distribute_tensor(torch.zeros(1024, 1100), mesh, [Shard(0)]),
         "rep_small": torch.zeros(3),
@@ -206,8 +213,9 @@ def test_symbolic_save_is_v2_loads_anywhere_and_checks_indexes(moto_s3: Any) -> 
     assert m.format_version == 2 and len(m.rank_indexes) == 4 and m.rank_trees is not None
     assert all(t.layout is not None for k, t in m.tensors.items())
     assert m.tensors["rep_big"].layout.split == 4  # type: ignore[union-attr]
+    assert m.tensors["tp_only"].layout.placements == ("R", "S1")  # type: ignore[union-attr]
     stored = sum(full(k, *a).numel() * full(k, *a).element_size() for k, a in [
-        ("grid", ()), ("dp_tp", ()), ("nested", ((ROWS, COLS), torch.bfloat16)), ("rep_big", ((1024, 1100),)),
+        ("grid", ()), ("dp_tp", ()), ("tp_only", ()), ("nested", ((ROWS, COLS), torch.bfloat16)), ("rep_big", ((1024, 1100),)),
         ("rep_small", ((3,),))]) + 4
     assert stored <= sum(written) <= stored + 64 * 64  # replicated tensors written once in total
     m_all = objckpt.inspect(uri, storage_options=opts)
