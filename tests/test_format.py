@@ -108,7 +108,9 @@ def test_schema_rejects_malformed(saved: tuple[str, dict[str, Any], dict[str, An
 
     chunk = lambda c: c["tensors"]["model.big"]["chunks"][0]  # noqa: E731
     assert _invalid(mutated(lambda c: c.pop("tensors")))
-    assert _invalid(mutated(lambda c: c.update(format_version=2)))
+    assert _invalid(mutated(lambda c: c.update(format_version=3)))
+    assert _invalid(mutated(lambda c: c.update(format_version=2)))  # v2 needs meshes and rank_indexes
+    assert _invalid(mutated(lambda c: c.update(meshes=[], rank_indexes=[])))  # ... which v1 must not have
     assert _invalid(mutated(lambda c: c.update(format="other")))
     assert _invalid(mutated(lambda c: chunk(c).pop("crc32c")))
     assert _invalid(mutated(lambda c: chunk(c).update(offset=-64)))

@@ -164,7 +164,7 @@ def save_failing(rank: int, world: int, uri: str) -> str:
     from objckpt.storage import open_store
     from objckpt.storage.wrappers import FaultyStore
 
-    state = {"w": full("big"), "x": full("rep")}
+    state = {"w": full("rep_big"), "x": full("rep")}  # 4 MiB replicated: both ranks write a half
     store = FaultyStore(open_store(uri)[0], "write_part", 1) if rank == 1 else None
     try:
         objckpt.save(state, uri, store=store, part_size=64 << 10)
