@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from ..format.manifest import Layout, Mesh
 from ..storage import ObjectStore
-from .layout import TensorDesc, assign_layouts, my_pieces
+from .layout import TensorDesc, assign_layouts, group_size, my_pieces
 from .pack import SavePlan, TensorSpec, plan_save
 from .shard import Box, TensorMeta, WriteItem, assign_writes
 
@@ -73,12 +73,18 @@ def plan_for_rank_symbolic(
 
     def build() -> tuple[dict[str, Layout], list[WriteItem], SavePlan]:
         layouts = assign_layouts(descs, meshes)
-        items: list[WriteItem] = []
+        own: list[WriteItem] = []
+        shared: list[WriteItem] = []  # pieces of replicated cells: many ranks read them
         for t in descs:
+            g = group_size(meshes[t.mesh].shape, t.placements)
             for p_off, p_shape in my_pieces(t.shape, meshes[t.mesh], layouts[t.key], rank):
                 box = boxes[t.key]
                 r0 = p_off[0] - box[0][0] if p_off else 0
-                items.append(WriteItem(t.key, box, r0, r0 + (p_shape[0] if p_shape else 1)))
+                (own if g == 1 else shared).append(WriteItem(t.key, box, r0, r0 + (p_shape[0] if p_shape else 1)))
+        # replicated pieces packed together after this rank's own shards, so a
+        # reader that needs them all (every rank, for plain tensors) gets them in
+        # one merged range instead of one small range per tensor
+        items = own + shared
         sizes = {t.key: t.itemsize for t in descs}
         return layouts, items, _pack(items, sizes, st, blob_size, part_size)
 
