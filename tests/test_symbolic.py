@@ -169,10 +169,13 @@ def _state(rank: int, world: int, tag: str) -> dict[str, Any]:
     }
 
 
-def save_v2(rank: int, world: int, uri: str, opts: dict, tag: str) -> int:
-    res = objckpt.save(_state(rank, world, tag), uri, storage_options=opts, overwrite=True,
-                       part_size=64 << 10, crc_block=4096)
-    return res.bytes
+def save_v2(rank: int, world: int, uri: str, opts: dict, tag: str, times: int = 1) -> tuple[int, int]:
+    from objckpt.planning.rank_plan import PLAN_CACHE_STATS
+
+    for _ in range(times):  # the same layout again: the plan comes from the cache
+        res = objckpt.save(_state(rank, world, tag), uri, storage_options=opts, overwrite=True,
+                           part_size=64 << 10, crc_block=4096)
+    return res.bytes, PLAN_CACHE_STATS["hits"]
 
 
 def load_3(rank: int, world: int, uri: str, opts: dict) -> dict[str, Any]:
@@ -208,7 +211,7 @@ def load_3(rank: int, world: int, uri: str, opts: dict) -> dict[str, Any]:
 def test_symbolic_save_is_v2_loads_anywhere_and_checks_indexes(moto_s3: Any) -> None:
     bucket, opts = moto_s3
     uri = f"s3://{bucket}/sym/ck"
-    written = run_multiprocess(4, save_v2, uri, opts, "")
+    written = [b for b, _ in run_multiprocess(4, save_v2, uri, opts, "")]
     m = objckpt.inspect(uri, storage_options=opts, chunks=False)
     assert m.format_version == 2 and len(m.rank_indexes) == 4 and m.rank_trees is not None
     assert all(t.layout is not None for k, t in m.tensors.items())
@@ -244,7 +247,7 @@ def test_symbolic_save_is_v2_loads_anywhere_and_checks_indexes(moto_s3: Any) -> 
         objckpt.read(uri, storage_options=opts)
 
     # overwriting removes the old attempt's blobs and index objects
-    run_multiprocess(4, save_v2, uri, opts, "b")
+    assert all(hits == 1 for _, hits in run_multiprocess(4, save_v2, uri, opts, "b", 2))
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="sym/ck/")["Contents"]]
     m2 = objckpt.inspect(uri, storage_options=opts, chunks=False)
     assert not any(m.attempt in k for k in keys) and all(m2.attempt in k for k in keys if "blobs/" in k)
