@@ -66,6 +66,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Delete unreferenced blobs and index objects, abort stale multipart uploads."""
+    from . import _runtime
+    from .gc import collect_garbage
+    from .storage import open_store
+
+    store, prefix = open_store(args.uri, _opts(args))
+    r = _runtime.run(collect_garbage(store, prefix, grace=args.grace_hours * 3600, dry_run=args.dry_run))
+    verb = "would delete" if args.dry_run else "deleted"
+    for k in r.deleted:
+        print(f"  {verb} {k}")
+    for k in r.aborted_uploads:
+        print(f"  {'would abort' if args.dry_run else 'aborted'} upload {k}")
+    for k in r.unreadable:
+        print(f"  left alone (manifest unreadable): {k}")
+    print(f"{r.checkpoints} checkpoint(s); {verb} {len(r.deleted)} object(s), {r.deleted_bytes / 1e6:.2f} MB; "
+          f"{len(r.aborted_uploads)} upload(s); {r.kept_young} younger than {args.grace_hours:g} h kept")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="objckpt", description="Fast, safe PyTorch checkpoints on object storage")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -80,11 +100,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ("info", cmd_info, "show a checkpoint's manifest"),
         ("ls", cmd_ls, "list checkpoints under a prefix"),
         ("verify", cmd_verify, "read every byte of a checkpoint and check its crc32c"),
+        ("gc", cmd_gc, "delete what failed or replaced saves left under a prefix"),
     ]:
         sp = sub.add_parser(name, help=helptext)
         sp.add_argument("uri")
         if name == "info":
             sp.add_argument("--json", action="store_true", help="print the raw manifest")
+        if name == "gc":
+            sp.add_argument("--grace-hours", type=float, default=6.0,
+                            help="leave garbage younger than this (saves in progress); default 6")
+            sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
         sp.set_defaults(fn=fn)
     for sp in sub.choices.values():
         sp.add_argument("--endpoint-url", help="S3 endpoint (default: AWS config / AWS_ENDPOINT_URL)")

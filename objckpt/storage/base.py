@@ -28,6 +28,7 @@ class ObjectInfo:
     key: str
     size: int
     etag: Optional[str] = None
+    mtime: Optional[float] = None  # last modified, seconds since the epoch (when the store says)
 
 
 @dataclass(frozen=True)

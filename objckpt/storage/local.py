@@ -202,7 +202,7 @@ class LocalStore(ObjectStore):
             st = os.stat(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        return ObjectInfo(key, st.st_size)
+        return ObjectInfo(key, st.st_size, mtime=st.st_mtime)
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         def walk() -> list[ObjectInfo]:
@@ -215,7 +215,8 @@ class LocalStore(ObjectStore):
                     key = os.path.relpath(full, self.root).replace(os.sep, "/")
                     if key.startswith(prefix):
                         try:
-                            out.append(ObjectInfo(key, os.path.getsize(full)))
+                            st = os.stat(full)
+                            out.append(ObjectInfo(key, st.st_size, mtime=st.st_mtime))
                         except FileNotFoundError:
                             pass
             return sorted(out, key=lambda o: o.key)

@@ -338,7 +338,9 @@ class S3Store(ObjectStore):
             if token:
                 kw["ContinuationToken"] = token
             r = await self.call(client.list_objects_v2, **kw)
-            out.extend(ObjectInfo(o["Key"], int(o["Size"]), o.get("ETag")) for o in r.get("Contents", []))
+            out.extend(ObjectInfo(o["Key"], int(o["Size"]), o.get("ETag"),
+                                  o["LastModified"].timestamp() if o.get("LastModified") else None)
+                       for o in r.get("Contents", []))
             if not r.get("IsTruncated"):
                 return out
             token = r["NextContinuationToken"]

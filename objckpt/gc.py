@@ -1,0 +1,120 @@
+"""Garbage collection under a prefix: what failed, crashed or replaced saves left.
+
+A failed save cleans up after itself, but a killed process cannot: its blobs,
+rank index objects, unfinished multipart uploads (which S3 bills for) and
+local ``manifest.json.tmp-*`` files stay behind.  ``collect_garbage`` removes
+them following the rules of docs/format.md §8:
+
+* only objects under a checkpoint's ``blobs/`` that its manifest does not
+  name (all of them when there is no manifest), unfinished multipart uploads
+  and stray manifest temporaries;
+* only once older than ``grace`` seconds, judged by the attempt id's
+  timestamp (else the object's modification time; unknown age = young), so a
+  save in progress or an overwrite about to commit is never touched;
+* the listing is taken before the manifests are read, so a blob listed for a
+  manifest that committed meanwhile is seen as referenced;
+* a checkpoint whose manifest cannot be read is left alone entirely.
+"""
+from __future__ import annotations
+
+import calendar
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .format import layout
+from .format.manifest import decode
+from .storage import ObjectStore
+from .storage.base import ObjectInfo
+
+TMP_MARK = f"{layout.MANIFEST_NAME}.tmp-"
+
+
+@dataclass
+class GcReport:
+    checkpoints: int = 0  # committed checkpoints seen
+    deleted: list[str] = field(default_factory=list)
+    deleted_bytes: int = 0
+    aborted_uploads: list[str] = field(default_factory=list)
+    kept_young: int = 0  # garbage still inside the grace period
+    unreadable: list[str] = field(default_factory=list)  # manifests that could not be read (left alone)
+
+
+def attempt_time(attempt: str) -> Optional[float]:
+    """The UTC time encoded in an attempt id (``YYYYMMDDTHHMMSS-<hex>``)."""
+    try:
+        return float(calendar.timegm(time.strptime(attempt.split("-", 1)[0], "%Y%m%dT%H%M%S")))
+    except (ValueError, IndexError):
+        return None
+
+
+def _split(key: str) -> Optional[tuple[str, str]]:
+    """(checkpoint prefix, path relative to it) of an object under a ``blobs/`` dir."""
+    parts = key.split("/")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] == layout.BLOB_DIR and i < len(parts) - 1:
+            return "/".join(parts[:i]), "/".join(parts[i:])
+    return None
+
+
+def _age(rel: str, info: Optional[ObjectInfo], now: float) -> Optional[float]:
+    t = attempt_time(layout.attempt_of(rel)) if rel else None
+    if t is None and info is not None:
+        t = info.mtime
+    return None if t is None else now - t
+
+
+async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 * 3600, dry_run: bool = False,
+                          now: Optional[float] = None) -> GcReport:
+    """Delete what no checkpoint under ``prefix`` references; see the module docstring."""
+    now = time.time() if now is None else now
+    report = GcReport()
+    base = prefix.strip("/")
+    listing = await store.list(base + "/" if base else "")
+    uploads = await store.list_uploads(base + "/" if base else "")
+    manifests = [o.key for o in listing if o.key == layout.MANIFEST_NAME or o.key.endswith("/" + layout.MANIFEST_NAME)]
+    referenced: dict[str, Optional[set[str]]] = {}  # checkpoint prefix -> names its manifest uses (None: unreadable)
+    for mkey in manifests:
+        ck = mkey[: -len(layout.MANIFEST_NAME)].rstrip("/")
+        try:
+            m = decode(await store.get(mkey), mkey)
+        except Exception:
+            referenced[ck] = None
+            report.unreadable.append(mkey)
+            continue
+        report.checkpoints += 1
+        referenced[ck] = {b.name for b in m.blobs} | {r.name for r in m.rank_indexes}
+
+    doomed: list[ObjectInfo] = []
+    for o in listing:
+        if TMP_MARK in o.key.rsplit("/", 1)[-1]:
+            rel = ""
+        else:
+            where = _split(o.key)
+            if where is None:
+                continue
+            ck, rel = where
+            names = referenced.get(ck, set())
+            if names is None or rel in names:
+                continue
+        age = _age(rel, o, now)
+        if age is None or age < grace:
+            report.kept_young += 1
+            continue
+        doomed.append(o)
+    if doomed and not dry_run:
+        await store.delete([o.key for o in doomed])
+    report.deleted = [o.key for o in doomed]
+    report.deleted_bytes = sum(o.size for o in doomed)
+    for u in uploads:
+        where = _split(u.key)
+        rel = where[1] if where else ""
+        t = attempt_time(layout.attempt_of(rel)) if rel else None
+        t = t if t is not None else u.initiated
+        if t is None or now - t < grace:
+            report.kept_young += 1
+            continue
+        if not dry_run:
+            await store.abort_upload(u)
+        report.aborted_uploads.append(u.key)
+    return report
