@@ -86,6 +86,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args.uri, _opts(args), args.size_mb, args.repeat)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="objckpt", description="Fast, safe PyTorch checkpoints on object storage")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -95,6 +101,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d.add_argument("--d-model", type=int, default=384)
     d.add_argument("--layers", type=int, default=4)
     d.set_defaults(fn=cmd_demo)
+
+    b = sub.add_parser("bench", help="measure save/load speed against a target (default: embedded moto S3)")
+    b.add_argument("uri", nargs="?", help="a prefix to write a scratch checkpoint under (deleted afterwards)")
+    b.add_argument("--size-mb", type=int, default=256)
+    b.add_argument("--repeat", type=int, default=3)
+    b.set_defaults(fn=cmd_bench)
 
     for name, fn, helptext in [
         ("info", cmd_info, "show a checkpoint's manifest"),

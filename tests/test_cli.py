@@ -51,3 +51,13 @@ def test_verify_reports_corruption(tmp_path: Any, capsys: pytest.CaptureFixture[
     assert "crc32c mismatch" in capsys.readouterr().err
     assert main(["info", str(tmp_path / "none")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_bench_measures_and_cleans_up(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", str(tmp_path / "scratch"), "--size-mb", "8", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    for op in ("save", "load", "read one tensor", "CPU-s/GB", "peak RSS"):
+        assert op in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("save", "load"))]
+    assert len(rows) == 2 and all(float(r[1]) > 0 for r in rows)
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))  # the scratch checkpoint is deleted
