@@ -16,6 +16,7 @@ import torch
 
 from . import _runtime
 from .dist import get_comm
+from .dist.fanout import Fanout
 from .engine.fill import fill_boxes
 from .engine.resolve import ChunkResolver
 from .engine.stats import IOStats
@@ -44,6 +45,8 @@ class LoadResult:
     tensors: int
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
+    received_bytes: int = 0  # bytes this rank received from other ranks (collective reads)
+    strategy: str = "direct"  # how replicated tensors were read: direct, broadcast, allgather ("+"-joined if mixed)
 
     @property
     def gbps(self) -> float:
@@ -211,6 +214,8 @@ def load(
     allow_pickle: bool = False,
     process_group: Any = None,
     store: Optional[ObjectStore] = None,
+    read_strategy: str = "auto",
+    collective_bytes: int = 256 * MiB,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place (any device) from the checkpoint.
 
@@ -222,9 +227,26 @@ def load(
     values).  Dtype and global shape must match exactly.  With ``strict`` (the
     default) keys missing from the checkpoint or not in ``state_dict`` are an
     error; otherwise they are reported in the result.
+
+    ``read_strategy`` says how ranks that need the same bytes (replicated
+    tensors, the DP groups of a DP x TP layout) read them: ``"direct"`` (each
+    rank from storage), ``"broadcast"`` (one member of each replica group
+    reads, then broadcasts), ``"allgather"`` (each member reads a disjoint
+    share, then all-gather) or ``"auto"`` (a cost model picks per group;
+    ``"direct"`` without a process group).  Every rank must pass the same
+    value.  Collectives run in batches of at most ``collective_bytes``; a
+    failed read on any rank makes every rank raise.  See
+    :mod:`objckpt.dist.fanout`.
     """
+    fan = Fanout(get_comm(process_group), read_strategy, collective_bytes)
+    with fan.failing_together():
+        return _load(state_dict, uri, fan, storage_options, strict, allow_pickle, store)
+
+
+def _load(state_dict: Any, uri: str, fan: Fanout, storage_options: Optional[dict[str, Any]], strict: bool,
+          allow_pickle: bool, store: Optional[ObjectStore]) -> LoadResult:
     t0 = time.perf_counter()
-    rank = get_comm(process_group).rank
+    rank = fan.comm.rank
     st, prefix = _open(uri, storage_options, store)
     stats = IOStats()
     m = _runtime.run(_fetch_manifest(st, prefix, uri, stats))
@@ -242,6 +264,7 @@ def load(
         )
     problems: list[str] = []
     targets: list[tuple[str, Box, torch.Tensor]] = []
+    sources: list[Any] = []  # the state-dict value of each target: its layout gives the replica group
     value_slots = []
     seen: set[tuple] = set()
     n_tensors = 0
@@ -271,10 +294,12 @@ def load(
             continue  # tied destination: fill once
         seen.add(ident)
         targets.append((sk, box, local))
+        sources.append(s.value)
     if problems:
         raise StateDictMismatchError(f"cannot load {uri!r}: " + "; ".join(problems[:20]))
-    fill_boxes(st, prefix, m, targets, stats)
+    fan.fill(st, prefix, m, targets, sources, stats, uri)
     for s in value_slots:
         if s.container is not None and not isinstance(s.container, tuple):
             s.container[s.index] = decode_tree(leaves[s.key], lambda k: None, allow_pickle=allow_pickle, where=repr(uri))
-    return LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, n_tensors, missing, unexpected)
+    return LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, n_tensors, missing, unexpected,
+                      fan.received_bytes, fan.strategy)
