@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
     CheckpointExistsError,
+    CollectiveLoadError,
     CorruptCheckpointError,
     NotFoundError,
     ObjckptError,
@@ -37,4 +38,5 @@ __all__ = [
     "UnsupportedFormatError",
     "StateDictMismatchError",
     "UnsupportedValueError",
+    "CollectiveLoadError",
 ]

@@ -48,3 +48,13 @@ class UnsupportedValueError(ObjckptError, TypeError):
 
 class StorageError(ObjckptError, OSError):
     """The storage backend failed after its retries."""
+
+
+class CollectiveLoadError(ObjckptError):
+    """A collective load failed on some rank; raised on every rank.
+
+    ``failures`` maps each failed rank (of the process group) to what failed there."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures

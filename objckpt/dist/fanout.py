@@ -62,7 +62,7 @@ import torch
 
 from ..engine.fill import fill_boxes
 from ..engine.stats import IOStats
-from ..errors import ObjckptError
+from ..errors import CollectiveLoadError
 from ..planning.fanout_plan import Batch, CostModel, ItemSize, plan_group
 from ..planning.reshard import Box
 from ..sharding import Shard, is_dtensor
@@ -80,14 +80,6 @@ Target = tuple[str, Box, torch.Tensor]
 Ranks = tuple[int, ...]
 
 
-class CollectiveLoadError(ObjckptError):
-    """A collective load failed on some rank; raised on every rank.
-
-    ``failures`` maps each failed rank (of the process group) to what failed there."""
-
-    def __init__(self, message: str, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
 
 
 # --------------------------------------------------------------------------- replica groups
