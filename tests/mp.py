@@ -14,12 +14,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, q: Any) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, q: Any, backend: str) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if backend == "nccl":
+            import torch
+
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             q.put((rank, "ok", fn(rank, world, *args)))
         finally:
@@ -28,15 +32,17 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_multiprocess(nproc: int, fn: Callable[..., Any], *args: Any, timeout: float = 180) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``nproc`` gloo ranks; returns the per-rank results.
+def run_multiprocess(nproc: int, fn: Callable[..., Any], *args: Any, timeout: float = 180,
+                     backend: str = "gloo") -> list[Any]:
+    """``fn(rank, world, *args)`` on ``nproc`` ranks (gloo, or nccl with one GPU per
+    rank); returns the per-rank results.
 
     Raises AssertionError with every failing rank's traceback; a hang is a
     failure after ``timeout`` seconds (processes are killed)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, nproc, port, fn, args, q), daemon=True) for r in range(nproc)]
+    procs = [ctx.Process(target=_entry, args=(r, nproc, port, fn, args, q, backend), daemon=True) for r in range(nproc)]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}

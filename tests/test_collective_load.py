@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-import multiprocessing as mp
 import os
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from hypothesis import strategies as st
 import objckpt
 from objckpt.planning.fanout_plan import ALIGN, HEADER, CostModel, ItemSize, batches, plan_group, split_shares
 
-from mp import _free_port, run_multiprocess
+from mp import run_multiprocess
 
 STRATEGIES = ("direct", "broadcast", "allgather", "auto")
 
@@ -380,42 +378,6 @@ def test_a_failed_read_on_one_rank_makes_every_rank_raise(tmp_path: Any) -> None
 # --------------------------------------------------------------------------- CUDA
 
 
-def _nccl_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, q: Any) -> None:
-    import torch.distributed as dist
-
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        try:
-            q.put((rank, "ok", fn(rank, world, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
-
-
-def _run_nccl(nproc: int, fn: Callable[..., Any], *args: Any, timeout: float = 120) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_nccl_entry, args=(r, nproc, port, fn, args, q), daemon=True) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(nproc):
-            r, status, value = q.get(timeout=timeout)
-            results[r] = (status, value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    errors = [v for s, v in results.values() if s != "ok"]
-    assert not errors, "\n".join(errors)
-    return [results[r][1] for r in range(nproc)]
-
-
 def load_on_gpu(rank: int, world: int, uri: str) -> dict[str, bool]:
     src = replicated_state()
     out = {}
@@ -435,7 +397,7 @@ def test_nccl_collective_load_into_gpu_tensors(tmp_path: Any) -> None:
     uri = str(tmp_path / "gpu")
     objckpt.save(replicated_state(), uri, part_size=256 << 10, crc_block=4096)
     world = min(torch.cuda.device_count(), 4)
-    for out in _run_nccl(world, load_on_gpu, uri):
+    for out in run_multiprocess(world, load_on_gpu, uri, timeout=120, backend="nccl"):
         assert all(v for k, v in out.items() if "/" not in k), out
         assert out["broadcast/strategy"] == "broadcast" and out["allgather/strategy"] == "allgather"
 

@@ -33,6 +33,7 @@ from functools import lru_cache
 from typing import Iterator, Optional, Sequence
 
 from ..format.manifest import Layout, Mesh
+from .reshard import intersect
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 REPLICATE = "R"
@@ -158,17 +159,6 @@ def my_pieces(shape: Sequence[int], mesh: Mesh, lay: Layout, rank: int) -> list[
     return [p for i, p in cell_pieces(box, lay.split) if (i + lay.rot) % g == slot]
 
 
-def _intersect(a: Box, b: Box) -> Optional[Box]:
-    offs, shp = [], []
-    for x0, xs, y0, ys in zip(a[0], a[1], b[0], b[1]):
-        lo, hi = max(x0, y0), min(x0 + xs, y0 + ys)
-        if hi <= lo:
-            return None
-        offs.append(lo)
-        shp.append(hi - lo)
-    return tuple(offs), tuple(shp)
-
-
 def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: Layout, box: Box) -> list[tuple[int, Box, Box]]:
     """(writer rank, stored piece box, intersection with ``box``) of every stored
     piece overlapping ``box``: per dim a binary search over the cut points, so
@@ -204,7 +194,7 @@ def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: Layout, box: Box) 
                 coord[md] = c
         cell = (tuple(c[1] for c in combo), tuple(c[2] for c in combo))
         for i, piece in cell_pieces(cell, lay.split):
-            inter = _intersect(piece, box) if ndim else ((), ())
+            inter = intersect(piece, box) if ndim else ((), ())
             if inter is None:
                 continue
             rcoord = unravel((i + lay.rot) % g, rep_shape)
