@@ -11,6 +11,7 @@ Three kinds of tensor leaves are understood:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -49,6 +50,7 @@ class Shard:
         return self.local.dtype
 
 
+@functools.lru_cache(maxsize=1)
 def _dtensor_type() -> Optional[type]:
     try:
         from torch.distributed.tensor import DTensor  # torch >= 2.5

@@ -6,6 +6,8 @@ little-endian, row-major.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..errors import UnsupportedFormatError, UnsupportedValueError
@@ -59,5 +61,6 @@ def dtype_from_name(name: str, key: str = "?") -> torch.dtype:
         ) from None
 
 
+@functools.lru_cache(maxsize=None)
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
