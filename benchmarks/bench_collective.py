@@ -64,10 +64,10 @@ from .bench_multirank import (
     FastS3Server,
     _DcpMethod,
     _environment,
-    _free_port,
     _med,
     _reset_stats,
     _server_cpu,
+    _spawn_world,
     _stats,
 )
 
@@ -362,26 +362,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def _spawn(world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     import multiprocessing
 
-    import torch.multiprocessing as tmp
-
     clock = multiprocessing.get_context("spawn").Value("d", 0.0)  # the shared storage limit's clock
-
-    fd, result_path = tempfile.mkstemp(prefix="collective-", suffix=".json")
-    os.close(fd)
-    try:
-        ctx = tmp.spawn(_rank_main, args=(world, _free_port(), cfg, result_path, clock), nprocs=world,
-                        join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"no result within {timeout:.0f} s (ranks killed)")
-        with open(result_path) as f:
-            return json.load(f)
-    finally:
-        os.remove(result_path)
+    return _spawn_world(world, cfg, timeout, _rank_main, (clock,))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -451,14 +451,17 @@ def _environment() -> dict[str, Any]:
     return env
 
 
-def _spawn_world(world: int, cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _spawn_world(world: int, cfg: dict[str, Any], timeout: float, rank_main: Any = None,
+                 extra: tuple = ()) -> dict[str, Any]:
+    """``world`` spawned ranks running ``rank_main(rank, world, port, cfg, result_path, *extra)``
+    (this file's ``_rank_main`` by default); rank 0's JSON result, or TimeoutError."""
     import torch.multiprocessing as tmp
 
-    fd, result_path = tempfile.mkstemp(prefix=f"multirank-w{world}-", suffix=".json")
+    fd, result_path = tempfile.mkstemp(prefix=f"bench-w{world}-", suffix=".json")
     os.close(fd)
     try:
-        ctx = tmp.spawn(_rank_main, args=(world, _free_port(), cfg, result_path), nprocs=world,
-                        join=False, start_method="spawn")
+        ctx = tmp.spawn(rank_main or _rank_main, args=(world, _free_port(), cfg, result_path) + extra,
+                        nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=2):  # raises ProcessRaisedException (and kills the rest) if a rank fails
             if time.monotonic() > deadline:
