@@ -1,9 +1,13 @@
 """async_save: training resumes once the state is staged in host memory.
 
-``async_save`` copies every part of this rank's share of the state into
-reusable host buffers (pinned when CUDA is present; device copies on a side
-stream), then returns; upload and commit continue in the background and the
-returned :class:`SaveHandle` reports the outcome.  With ``lazy=True`` it returns
+``async_save`` copies this rank's share of the state into reusable host
+memory (pinned when CUDA is present; device copies on a side stream), then
+returns; upload and commit continue in the background and the returned
+:class:`SaveHandle` reports the outcome.  By default each tensor's copy starts
+as soon as the walk of the state finds it, into a host mirror the upload then
+sends as is (:mod:`objckpt.staging.mirror`), so describing and planning overlap
+the copies; lazy saves, a ``staging_bytes`` cap, or a save overlapping the
+previous one's upload stage part by part through the buffer pool.  With ``lazy=True`` it returns
 at once and stages in the background while the caller runs forward/backward;
 the caller must call :meth:`SaveHandle.wait_staged` before it mutates the
 tensors (e.g. before ``optimizer.step()``).  A violation is detected through
@@ -25,6 +29,7 @@ import torch
 from . import _runtime, saving
 from .dist import Comm, LocalComm, TorchComm, get_comm
 from .saving import SaveResult
+from .staging.mirror import mirror_set
 from .staging.pool import default_pool
 from .storage import ObjectStore
 
@@ -141,6 +146,44 @@ def _wait_for_room(max_in_flight: int) -> None:
         concurrent.futures.wait([oldest._future])
 
 
+def _finish_mirrored(prep: saving.Prepared, mirrors: Any, bg_comm: Comm, uri: str) -> SaveHandle:
+    """The state is in its host mirrors once their copies complete: return then,
+    and upload straight from the mirrors (nothing else writes them meanwhile)."""
+    handle = SaveHandle(uri)
+    try:
+        mirrors.wait()
+    except BaseException:
+        mirrors.release()
+        raise
+    handle._staged.set()
+    pool = default_pool(max(prep.plan.max_part, 1))  # only for parts that are not plain host memory
+    upload = _runtime.submit(saving.upload(prep, pool, zero_copy=True))
+    upload.add_done_callback(lambda _: mirrors.release())
+    _start_finisher(handle, prep, bg_comm, upload)
+    return handle
+
+
+def _start_finisher(handle: SaveHandle, prep: saving.Prepared, bg_comm: Comm, upload: Any) -> None:
+    """Phase 3 in a thread of its own, after the previous save's commit (call order)."""
+    with _lock:
+        previous = _in_flight[-1] if _in_flight else None
+        _in_flight.append(handle)
+
+    def finisher() -> None:
+        try:
+            outcome = upload.result()
+            if handle._violation and outcome[2] is None:
+                err = RuntimeError(handle._violation)
+                outcome = ([], [], f"RuntimeError: {handle._violation}", err)
+            if previous is not None:  # commits happen in call order
+                concurrent.futures.wait([previous._future])
+            handle._future.set_result(saving.finish(prep, bg_comm, outcome))
+        except BaseException as e:  # surfaces from handle.result()
+            handle._future.set_exception(e)
+
+    threading.Thread(target=finisher, name="objckpt-async-save", daemon=False).start()
+
+
 def async_save(
     state_dict: Any,
     uri: str,
@@ -176,9 +219,24 @@ def async_save(
     comm = get_comm(process_group)
     bg_comm = _background_comm(comm, process_group)
     st, prefix = _open(uri, storage_options, store)
-    prep = saving.prepare(state_dict, uri, st, prefix, comm, overwrite=overwrite, metadata=metadata,
-                          allow_pickle=allow_pickle, blob_size=blob_size, part_size=part_size,
-                          crc_block=crc_block, check_metadata=_check_metadata)
+    # Default mode copies each tensor to its host mirror while the state is walked
+    # and planned (staging/mirror.py); lazy saves, a staging cap, or a second save
+    # while the mirrors still upload take the pooled part-by-part path below.
+    mirrors = mirror_set() if not lazy and staging_bytes is None else None
+    if mirrors is not None and not mirrors.acquire():
+        mirrors = None
+    try:
+        prep = saving.prepare(state_dict, uri, st, prefix, comm, overwrite=overwrite, metadata=metadata,
+                              allow_pickle=allow_pickle, blob_size=blob_size, part_size=part_size,
+                              crc_block=crc_block, check_metadata=_check_metadata,
+                              mirror=mirrors.mirror if mirrors is not None else None)
+    except BaseException:
+        if mirrors is not None:
+            mirrors.wait()
+            mirrors.release()
+        raise
+    if mirrors is not None:
+        return _finish_mirrored(prep, mirrors, bg_comm, uri)
     max_part = max(prep.plan.max_part, 1)
     nparts = sum(len(b.parts) for b in prep.plan.blobs)
     # the budget buys slots of the largest part; by default one per part (buffers are
@@ -207,23 +265,7 @@ def async_save(
 
     upload = _runtime.submit(saving.upload(prep, pool, zero_copy=False, on_staged=on_staged, stream=stream))
     upload.add_done_callback(lambda _: handle._staged.set())  # a failed staging releases waiters too
-    with _lock:
-        previous = _in_flight[-1] if _in_flight else None
-        _in_flight.append(handle)
-
-    def finisher() -> None:
-        try:
-            outcome = upload.result()
-            if handle._violation and outcome[2] is None:
-                err = RuntimeError(handle._violation)
-                outcome = ([], [], f"RuntimeError: {handle._violation}", err)
-            if previous is not None:  # commits happen in call order
-                concurrent.futures.wait([previous._future])
-            handle._future.set_result(saving.finish(prep, bg_comm, outcome))
-        except BaseException as e:  # surfaces from handle.result()
-            handle._future.set_exception(e)
-
-    threading.Thread(target=finisher, name="objckpt-async-save", daemon=False).start()
+    _start_finisher(handle, prep, bg_comm, upload)
     if not lazy:
         handle.wait_staged()
     return handle

@@ -38,7 +38,7 @@ from .planning.pack import SavePlan
 from .planning.rank_plan import plan_for_rank, plan_for_rank_symbolic
 from .planning.reshard import Box
 from .planning.shard import TensorMeta
-from .sharding import dtensor_placements, is_dtensor, local_part, mesh_layout
+from .sharding import Shard, dtensor_placements, is_dtensor, local_part, mesh_layout
 from .staging.pool import BufferPool
 from .statedict import collect
 from .storage import ObjectStore
@@ -80,8 +80,19 @@ class _Local:
     sym: Optional[_Symbolic] = None
 
 
-def _collect_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None) -> _Local:
-    col = collect(state, allow_pickle=allow_pickle)
+def _collect_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None,
+                   mirror: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None) -> _Local:
+    """This rank's state, described.  ``mirror(key, local)``, when given, starts a
+    copy of each local tensor as soon as it is found and returns the tensor the
+    save then reads from (see :mod:`objckpt.staging.mirror`)."""
+    early: dict[str, torch.Tensor] = {}
+
+    def start_copy(key: str, value: Any) -> None:  # each copy starts the moment its tensor is found
+        assert mirror is not None
+        local = value.local if isinstance(value, Shard) else value.to_local() if is_dtensor(value) else value
+        early[key] = mirror(key, local)
+
+    col = collect(state, allow_pickle=allow_pickle, on_new=start_copy if mirror is not None else None)
     metas: dict[str, TensorMeta] = {}
     sources: dict[str, tuple[Box, torch.Tensor]] = {}
     dtypes: dict[str, str] = {}
@@ -95,7 +106,7 @@ def _collect_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None) 
         metas[key] = TensorMeta(dtypes[key], shape, itemsize(dt), boxes)
         values[key] = value
         if box is not None and local is not None:
-            sources[key] = (box, local)
+            sources[key] = (box, early[key] if key in early else mirror(key, local) if mirror is not None else local)
     out = _Local(col.tree, metas, sources, dict(col.alias_of), dtypes)
     if comm is not None and comm.world_size > 1:
         out.sym = _describe(out, values, comm)
@@ -193,7 +204,8 @@ class Prepared:
 
 def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, *, overwrite: bool,
             metadata: Optional[dict[str, Any]], allow_pickle: bool, blob_size: int, part_size: int,
-            crc_block: int, check_metadata: Callable[[Any], dict[str, Any]]) -> Prepared:
+            crc_block: int, check_metadata: Callable[[Any], dict[str, Any]],
+            mirror: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None) -> Prepared:
     """Phase 1 (caller's thread): describe, exchange, plan.
 
     The exchange is one all_gather of a few small values per rank: the digest
@@ -214,7 +226,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, *, o
     world = comm.world_size
     try:
         meta = check_metadata(metadata)
-        local = _collect_local(state, allow_pickle, comm)
+        local = _collect_local(state, allow_pickle, comm, mirror)
         if comm.rank == 0:
             exists = _runtime.run(st.head(mkey)) is not None
             stats.add(0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -57,7 +57,8 @@ def _identity(t: Any) -> Optional[tuple]:
     return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def collect(state: Any, *, allow_pickle: bool = False) -> Collected:
+def collect(state: Any, *, allow_pickle: bool = False,
+            on_new: Optional[Callable[[str, Any], None]] = None) -> Collected:
     """Encode ``state`` and find its tensors; tensors that are the same view of
     the same storage (tied weights) are recorded as aliases and stored once."""
     if not isinstance(state, (Mapping, list, tuple)):
@@ -70,11 +71,13 @@ def collect(state: Any, *, allow_pickle: bool = False) -> Collected:
         _check_tensor(key, t)
         tensors[key] = t
         ident = _identity(t)
+        if ident is not None and ident in first:
+            alias_of[key] = first[ident]
+            return
         if ident is not None:
-            if ident in first:
-                alias_of[key] = first[ident]
-            else:
-                first[ident] = key
+            first[ident] = key
+        if on_new is not None:
+            on_new(key, t)
 
     tree = encode_tree(state, on_tensor, allow_pickle=allow_pickle)
     seen: set[str] = set()

@@ -186,3 +186,47 @@ def async_two_ranks(rank: int, world: int, uri: str) -> bool:
 def test_async_save_two_ranks(tmp_path: Any) -> None:
     assert all(run_multiprocess(2, async_two_ranks, str(tmp_path / "mr")))
     assert objckpt.inspect(str(tmp_path / "mr")).world_size == 2
+
+
+def test_mirror_set_reuses_copies_stays_busy_and_forgets_after_fork() -> None:
+    from objckpt.staging.mirror import MirrorSet
+
+    ms = MirrorSet()
+    t = torch.arange(12000.0).reshape(3000, 4)
+    assert ms.acquire() and not ms.acquire()  # one save at a time
+    m1 = ms.mirror("w", t)
+    ms.wait()
+    assert torch.equal(m1, t) and m1.data_ptr() != t.data_ptr()
+    ms.release()
+    assert ms.acquire()
+    t.add_(1)
+    m2 = ms.mirror("w", t)  # the same buffer, refreshed
+    assert m2.data_ptr() == m1.data_ptr() and torch.equal(m2, t)
+    ms.release()
+    assert ms.acquire()
+    ms.mirror("other", torch.zeros(10))  # a different, much smaller state: the unused "w" mirror goes
+    ms.release()
+    assert ms.nbytes == 10 * 4
+    ms._pid = -1  # as if this process were a fork of the one that made them
+    assert ms.acquire() and ms.nbytes == 0
+    ms.release()
+
+
+def test_default_async_save_copies_while_describing(tmp_path: Any) -> None:
+    """The default mode uploads from its own copies: the values as of the call, whatever
+    the caller does to its tensors afterwards; the next save reuses the copies."""
+    from objckpt.staging.mirror import mirror_set
+
+    state = {"a": torch.randn(64, 64), "b": torch.randn(10), "n": 3}
+    ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    h = objckpt.async_save(state, str(tmp_path / "m"))
+    state["a"].zero_()
+    state["b"].fill_(7)
+    h.result(timeout=60)
+    back = objckpt.read(str(tmp_path / "m"))
+    assert torch.equal(back["a"], ref["a"]) and torch.equal(back["b"], ref["b"]) and back["n"] == 3
+    held = mirror_set().nbytes
+    assert held >= (64 * 64 + 10) * 4
+    objckpt.async_save(state, str(tmp_path / "m2")).result(timeout=60)
+    assert mirror_set().nbytes == held  # reused, not grown
+    assert torch.equal(objckpt.read(str(tmp_path / "m2"))["b"], torch.full((10,), 7.0))
