@@ -80,6 +80,8 @@ import traceback
 import warnings
 from typing import Any, Callable, Optional
 
+from .run_one import _proc_status, _reset_peak_rss
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
 GiB = 1 << 30
@@ -102,26 +104,6 @@ METHODS = [
 
 
 # --------------------------------------------------------------------------- worker side
-
-
-def _proc_status(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class Timing:

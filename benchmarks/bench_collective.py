@@ -55,7 +55,6 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 from typing import Any, Optional
 
 from .bench_async import _proc_status, _reset_peak_rss
@@ -69,6 +68,7 @@ from .bench_multirank import (
     _server_cpu,
     _spawn_world,
     _stats,
+    in_gloo_group,
 )
 
 GiB = 1 << 30
@@ -193,23 +193,13 @@ def _held_bytes(state: dict[str, Any]) -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], result_path: str, clock: Any) -> None:
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(cfg["torch_threads"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg["pg_timeout"]))
-    try:
+    def body() -> None:
         out = {layout: _run_layout(rank, world, cfg, layout, clock) for layout in cfg["layouts"]}
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(out, f)
-    finally:
-        dist.destroy_process_group()
+
+    in_gloo_group(rank, world, port, cfg, body)
 
 
 def _run_layout(rank: int, world: int, cfg: dict[str, Any], layout: str, clock: Any) -> dict[str, Any]:

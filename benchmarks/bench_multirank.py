@@ -226,7 +226,8 @@ class _DcpMethod:
         return {}
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], result_path: str) -> None:
+def in_gloo_group(rank: int, world: int, port: int, cfg: dict[str, Any], body: Any) -> None:
+    """Run ``body()`` in this spawned rank's gloo group (test credentials for the S3 server)."""
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -238,9 +239,13 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], result_pat
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg["pg_timeout"]))
     try:
-        _run_rank(rank, world, cfg, result_path)
+        body()
     finally:
         dist.destroy_process_group()
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], result_path: str) -> None:
+    in_gloo_group(rank, world, port, cfg, lambda: _run_rank(rank, world, cfg, result_path))
 
 
 def _run_rank(rank: int, world: int, cfg: dict[str, Any], result_path: str) -> None:

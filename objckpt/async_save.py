@@ -29,7 +29,7 @@ import torch
 from . import _runtime, saving
 from .dist import Comm, LocalComm, TorchComm, get_comm
 from .saving import SaveResult
-from .staging.mirror import mirror_set
+from .staging.mirror import mirror_set, side_stream
 from .staging.pool import default_pool
 from .storage import ObjectStore
 
@@ -38,7 +38,6 @@ MiB = 1 << 20
 _lock = threading.Lock()
 _in_flight: list["SaveHandle"] = []
 _gloo_groups: dict[Any, Any] = {}
-_side_streams: dict[int, Any] = {}
 
 
 class SaveHandle:
@@ -90,13 +89,6 @@ def _background_comm(comm: Comm, process_group: Any) -> Comm:
         with _lock:
             _gloo_groups[key] = group
     return TorchComm(group)
-
-
-def _side_stream(device: torch.device) -> Any:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _side_streams:
-        _side_streams[idx] = torch.cuda.Stream(device=idx)
-    return _side_streams[idx]
 
 
 def wait_all(timeout: Optional[float] = None) -> None:
@@ -250,7 +242,7 @@ def async_save(
     stream = None
     cuda = [t for t in sources if t.is_cuda]
     if cuda:
-        stream = _side_stream(cuda[0].device)
+        stream = side_stream(cuda[0].device)
         stream.wait_stream(torch.cuda.current_stream(cuda[0].device))  # the values as of this call
 
     def on_staged() -> None:

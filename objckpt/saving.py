@@ -106,7 +106,7 @@ def _collect_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None,
         metas[key] = TensorMeta(dtypes[key], shape, itemsize(dt), boxes)
         values[key] = value
         if box is not None and local is not None:
-            sources[key] = (box, early[key] if key in early else mirror(key, local) if mirror is not None else local)
+            sources[key] = (box, early.get(key, local))
     out = _Local(col.tree, metas, sources, dict(col.alias_of), dtypes)
     if comm is not None and comm.world_size > 1:
         out.sym = _describe(out, values, comm)

@@ -48,6 +48,7 @@ class ChunkResolver:
         self._v1: dict[str, ChunkIndex] = {}
         self._ranks: dict[int, dict[str, dict[tuple[int, ...], Chunk]]] = {}
         self._blobs: Optional[list[list[int]]] = None
+        self._blob_sizes: list[int] = []
         self._pieces: dict[tuple[str, Box], list[tuple[int, Box, Box]]] = {}
         self._rank_idx: dict[tuple[int, str], ChunkIndex] = {}
 
@@ -88,9 +89,9 @@ class ChunkResolver:
             for i, b in enumerate(m.blobs):
                 if b.rank < len(per):
                     per[b.rank].append(i)
-            self._blobs = per
+            self._blobs, self._blob_sizes = per, [b.size for b in m.blobs]
         return rank_index.decode(data, where, attempt=m.attempt, rank=rank, blobs=self._blobs[rank],
-                                 blob_sizes=[b.size for b in m.blobs], crc_block=m.crc_block)
+                                 blob_sizes=self._blob_sizes, crc_block=m.crc_block)
 
     def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
         e = self.m.tensors[key]

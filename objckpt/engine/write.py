@@ -35,24 +35,6 @@ def _chunk_source(t: torch.Tensor, c: ChunkPlan) -> torch.Tensor:
 Crc = tuple[int, tuple[int, ...]]  # whole-chunk crc32c, per-block crc32c
 
 
-def copy_part(
-    part: PartPlan,
-    tensors: Mapping[str, torch.Tensor],
-    buf: torch.Tensor,
-    stream: Optional["torch.cuda.Stream"] = None,
-) -> None:
-    """Copy ``part``'s chunks into ``buf`` (zeroing alignment padding), and wait.
-
-    Device tensors are copied on ``stream`` (a side stream, so training kernels on
-    the default stream keep running) into the pinned buffer, and the copy is
-    waited for before returning: no byte is checksummed or handed to the
-    uploader before its copy completed.
-    """
-    ev = enqueue_part(part, tensors, buf, stream)
-    if ev is not None:
-        ev.synchronize()
-
-
 def enqueue_part(
     part: PartPlan,
     tensors: Mapping[str, torch.Tensor],
@@ -96,18 +78,6 @@ def part_crcs(part: PartPlan, buf: torch.Tensor, block: int = 0) -> list[Crc]:
         total, blocks = block_crcs(memoryview(host)[rel : rel + c.length], block)
         out.append((total, tuple(blocks)))
     return out
-
-
-def stage_part(
-    part: PartPlan,
-    tensors: Mapping[str, torch.Tensor],
-    buf: torch.Tensor,
-    block: int = 0,
-    stream: Optional["torch.cuda.Stream"] = None,
-) -> list[Crc]:
-    """Copy ``part`` into ``buf`` and return its chunks' crc32c, in order."""
-    copy_part(part, tensors, buf, stream)
-    return part_crcs(part, buf, block)
 
 
 _ZEROS = memoryview(bytes(4096))

@@ -224,6 +224,20 @@ def _int_list(v: Any) -> bool:
     return isinstance(v, list) and all(_int(x) for x in v)
 
 
+def load_json(data: bytes, bad: Any) -> Any:
+    """zstd-decompress (when it starts with the magic) and parse; ``bad(what)``
+    builds the error that names the object."""
+    if data[:4] == ZSTD_MAGIC:
+        try:
+            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
+        except zstandard.ZstdError as e:
+            raise bad(f"bad zstd stream ({e})") from None
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"not valid JSON: {e}") from None
+
+
 def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     """Parse and check a manifest.  ``where`` names it in errors.
 
@@ -231,15 +245,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     checked here, so a damaged or hostile manifest fails with
     :class:`CorruptCheckpointError` instead of reading the wrong bytes.
     """
-    if data[:4] == ZSTD_MAGIC:
-        try:
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
-        except zstandard.ZstdError as e:
-            raise CorruptCheckpointError(f"manifest {where}: bad zstd stream ({e})") from None
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {e}") from None
+    obj = load_json(data, lambda what: CorruptCheckpointError(f"manifest {where}: {what}"))
     _need(isinstance(obj, dict), where, "top level is not an object")
     _need(obj.get("format") == FORMAT_NAME, where, f"'format' is {obj.get('format')!r}, not {FORMAT_NAME!r}")
     version = obj.get("format_version")

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from .manifest import ZSTD_MAGIC, Chunk
+from .manifest import Chunk, load_json
 
 INDEX_FORMAT = "objckpt-rank-index"
 
@@ -45,15 +45,7 @@ def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"rank index {where}: {what}")
 
-    if data[:4] == ZSTD_MAGIC:
-        try:
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
-        except zstandard.ZstdError as e:
-            raise bad(f"bad zstd stream ({e})") from None
-    try:
-        obj: Any = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"not valid JSON: {e}") from None
+    obj: Any = load_json(data, bad)
     if not isinstance(obj, dict) or obj.get("format") != INDEX_FORMAT:
         raise bad("not an objckpt rank index")
     if obj.get("attempt") != attempt or obj.get("rank") != rank:

@@ -75,7 +75,7 @@ class MirrorSet:
             if t.is_cuda:
                 if self._stream is None:
                     self._device = t.device
-                    self._stream = _side_stream(t.device)
+                    self._stream = side_stream(t.device)
                     self._stream.wait_stream(torch.cuda.current_stream(t.device))  # values as of this call
                 with torch.cuda.stream(self._stream):
                     host.copy_(t, non_blocking=True)
@@ -93,7 +93,9 @@ _sets: dict[int, MirrorSet] = {}
 _streams: dict[int, Any] = {}
 
 
-def _side_stream(device: torch.device) -> Any:
+def side_stream(device: torch.device) -> Any:
+    """objckpt's copy stream on ``device`` (one per device, made once): staging
+    copies run there so the caller's kernels on its own stream keep running."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _streams:
         _streams[idx] = torch.cuda.Stream(device=idx)
