@@ -5,9 +5,10 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402
+from ._version import __version__
+from .api import async_save, inspect, load, read, save
+from .distributed.placements import Shard
+from .errors import (
     CheckpointExistsError,
     CollectiveLoadError,
     CorruptCheckpointError,
@@ -17,11 +18,11 @@ from .errors import (  # noqa: E402
     UnsupportedFormatError,
     UnsupportedValueError,
 )
-from .api import LoadResult, SaveResult, inspect, load, read, save  # noqa: E402
-from .sharding import Shard  # noqa: E402
-from .async_save import SaveHandle, async_save  # noqa: E402
+from .results import LoadResult, SaveResult
+from .save.background import SaveHandle
 
 __all__ = [
+    "__version__",
     "save",
     "async_save",
     "SaveHandle",

@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from typing import Any, Awaitable, Callable, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -81,6 +81,23 @@ def submit(coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
 async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run blocking CPU work (copies, checksums) off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(cpu_pool(), fn, *args)
+
+
+async def gather_fail_fast(tasks: Sequence["asyncio.Future[object]"]) -> None:
+    """Wait for every task; on the first error cancel the rest, wait for them, raise it."""
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for d in done:
+                exc = d.exception()
+                if exc is not None:
+                    raise exc
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def on_reset(fn: Callable[[], None]) -> None:

@@ -42,14 +42,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from . import _runtime
-    from .format import layout
+    from .format import keys
     from .storage import open_store, split_uri
 
     store, prefix = open_store(args.uri, _opts(args))
     scheme, root, _ = split_uri(args.uri)
     base = "/" if scheme == "file" else f"{scheme}://{root}/"
     objs = _runtime.run(store.list(prefix.rstrip("/") + "/" if prefix else ""))
-    found = sorted(o.key[: -len(layout.MANIFEST_NAME) - 1] for o in objs if o.key.endswith("/" + layout.MANIFEST_NAME))
+    found = sorted(o.key[: -len(keys.MANIFEST_NAME) - 1] for o in objs if o.key.endswith("/" + keys.MANIFEST_NAME))
     for p in found:
         print(base + p)
     return 0
@@ -69,7 +69,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Delete unreferenced blobs and index objects, abort stale multipart uploads."""
     from . import _runtime
-    from .gc import collect_garbage
+    from .garbage import collect_garbage
     from .storage import open_store
 
     store, prefix = open_store(args.uri, _opts(args))

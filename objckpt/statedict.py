@@ -13,7 +13,7 @@ import torch
 
 from .errors import UnsupportedValueError
 from .format.dtypes import dtype_name
-from .sharding import Shard, is_dtensor
+from .distributed.placements import Shard, is_dtensor
 from .format.tree import _child_key, encode_tree, iter_leaves
 
 
@@ -79,7 +79,7 @@ def collect(state: Any, *, allow_pickle: bool = False,
         if on_new is not None:
             on_new(key, t)
 
-    tree = encode_tree(state, on_tensor, allow_pickle=allow_pickle)
+    tree = encode_tree(state, on_tensor, allow_pickle=allow_pickle, is_tensor=is_stored_leaf)
     seen: set[str] = set()
     for key, _ in iter_leaves(tree):
         if key in seen or key == "":
@@ -89,6 +89,11 @@ def collect(state: Any, *, allow_pickle: bool = False,
             )
         seen.add(key)
     return Collected(tree, tensors, alias_of)
+
+
+def is_stored_leaf(x: Any) -> bool:
+    """A tensor (DTensor included) or an :class:`objckpt.Shard`: what the state walk stores as bytes."""
+    return isinstance(x, (torch.Tensor, Shard))
 
 
 @dataclass
@@ -102,7 +107,7 @@ class Slot:
 
 
 def _has_tensor(x: Any) -> bool:
-    if isinstance(x, (torch.Tensor, Shard)):
+    if is_stored_leaf(x):
         return True
     if isinstance(x, Mapping):
         return any(_has_tensor(v) for v in x.values())
@@ -117,7 +122,7 @@ def template_slots(state: Any) -> Iterator[Slot]:
     def walk(x: Any, key: str, container: Any, index: Any) -> Iterator[Slot]:
         if key and not _has_tensor(x):
             yield Slot(key, x, container, index)
-        elif isinstance(x, (torch.Tensor, Shard)):
+        elif is_stored_leaf(x):
             yield Slot(key, x, container, index)
         elif isinstance(x, Mapping):
             for k, v in x.items():

@@ -48,6 +48,15 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class ChunkRecord:
+    """A chunk a rank wrote, as it reports it: the tensor key and the chunk, whose
+    ``blob`` numbers the rank's own blobs (its n-th) until the manifest is built."""
+
+    key: str
+    chunk: Chunk
+
+
+@dataclass(frozen=True)
 class Mesh:
     """A device mesh: its shape and the ranks (of the saving group) at its points, row-major."""
 
@@ -70,7 +79,7 @@ class Mesh:
 
 
 @dataclass(frozen=True)
-class Layout:
+class TensorLayout:
     """A tensor's layout (v2): ``mesh`` indexes ``Manifest.meshes``; placements are
     "R" or "S<dim>" per mesh dim; each cell is stored as ``split`` pieces along
     dim 0, piece i written by replica slot (i + ``rot``) mod group size."""
@@ -99,7 +108,7 @@ class TensorEntry:
     #: key of the tensor this one shares storage with (bytes stored once)
     alias_of: Optional[str] = None
     #: v2: the chunks are described by this layout and listed in the rank indexes
-    layout: Optional[Layout] = None
+    layout: Optional[TensorLayout] = None
 
     @property
     def numel(self) -> int:
@@ -362,7 +371,7 @@ def _v2_tables(obj: dict, version: int, where: str) -> tuple[list[Mesh], list[Ra
     return meshes, refs
 
 
-def _layout(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, key: str) -> Layout:
+def _layout(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, key: str) -> TensorLayout:
     ok = isinstance(raw, dict) and _int(raw.get("mesh"), 0, len(meshes) - 1)
     ok = ok and isinstance(raw.get("placements"), list) and _int(raw.get("split", 1), 1) and _int(raw.get("rot", 0))
     _need(ok, where, f"tensor {key!r}: layout malformed")
@@ -371,4 +380,4 @@ def _layout(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, ke
     for p in pl:
         ok = p == "R" or (isinstance(p, str) and len(p) >= 2 and p[0] == "S" and p[1:].isdigit() and int(p[1:]) < len(shape))
         _need(ok, where, f"tensor {key!r}: placement {p!r} malformed")
-    return Layout(raw["mesh"], tuple(pl), raw.get("split", 1), raw.get("rot", 0))
+    return TensorLayout(raw["mesh"], tuple(pl), raw.get("split", 1), raw.get("rot", 0))

@@ -17,17 +17,17 @@ from typing import Any, Sequence
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from .manifest import Chunk, load_json
+from .manifest import Chunk, ChunkRecord, load_json
 
 INDEX_FORMAT = "objckpt-rank-index"
 
-Record = tuple[str, tuple[int, ...], tuple[int, ...], int, int, int, int, tuple[int, ...]]
 
-
-def encode(attempt: str, rank: int, records: Sequence[Record]) -> bytes:
+def encode(attempt: str, rank: int, records: Sequence[ChunkRecord]) -> bytes:
     by_key: dict[str, list] = {}
-    for k, o, s, b, off, ln, crc, blk in records:
-        by_key.setdefault(k, []).append([list(o), list(s), b, off, ln, crc, list(blk)])
+    for r in records:
+        c = r.chunk
+        by_key.setdefault(r.key, []).append([list(c.offsets), list(c.shape), c.blob, c.offset, c.length, c.crc32c,
+                                             list(c.block_crc32c)])
     raw = json.dumps({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": by_key},
                      separators=(",", ":")).encode()
     return zstandard.ZstdCompressor(level=3).compress(raw)  # internal: always compressed

@@ -33,14 +33,18 @@ def _child_key(prefix: str, k: Any) -> str:
     return f"{prefix}.{part}" if prefix else part
 
 
-def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False) -> Any:
-    """Encode ``obj``; ``on_tensor(key, tensor)`` is called for every tensor leaf."""
+def _plain_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False,
+                is_tensor: Callable[[Any], bool] = _plain_tensor) -> Any:
+    """Encode ``obj``; ``on_tensor(key, tensor)`` is called for every leaf
+    ``is_tensor`` accepts (the caller's notion of a tensor: objckpt.Shard too)."""
     seen_keys: set[str] = set()
 
-    from ..sharding import Shard
-
     def enc(x: Any, key: str) -> Any:
-        if isinstance(x, (torch.Tensor, Shard)):
+        if is_tensor(x):
             if key in seen_keys:
                 raise UnsupportedValueError(f"two entries flatten to the same key {key!r}; rename one")
             seen_keys.add(key)

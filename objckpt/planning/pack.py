@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from ..errors import UnsupportedValueError
 
@@ -27,6 +27,13 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
+
+
+class WriteItemLike(Protocol):
+    key: str
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -137,3 +144,20 @@ def plan_save(
             blob.size = start + length
             part.size = blob.size - part.offset
     return SavePlan(blobs)
+
+
+@dataclass(frozen=True)
+class PackLimits:
+    """Sizes a save packs to: its options and the store's part-size limits."""
+
+    blob_size: int
+    part_size: int
+    min_part: int
+    max_part: int
+
+
+def pack_items(items: Sequence["WriteItemLike"], itemsizes: dict[str, int], limits: PackLimits) -> SavePlan:
+    """Lay out write items (in order) in blobs and parts; item ``i`` packs under the key ``"<key>\\0<i>"``."""
+    specs = [TensorSpec(f"{it.key}\x00{i}", tuple(it.shape), itemsizes[it.key]) for i, it in enumerate(items)]
+    return plan_save(specs, blob_bytes=limits.blob_size, part_bytes=max(limits.part_size, limits.min_part),
+                     chunk_bytes=limits.part_size, max_part_bytes=limits.max_part)

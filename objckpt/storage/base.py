@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from ..errors import NotFoundError, CorruptCheckpointError
+from ..units import MiB
 
-MiB = 1 << 20
 GiB = 1 << 30
 
 
@@ -178,23 +178,3 @@ class ObjectStore(abc.ABC):
 
 def not_found(key: str) -> NotFoundError:
     return NotFoundError(f"object {key!r} does not exist")
-
-
-def part_size_for(size: int, store: ObjectStore, preferred: int) -> int:
-    """Part size for an object of ``size`` bytes: ``preferred`` unless the store's
-    part-count limit forces larger parts."""
-    part = max(preferred, store.min_part_size)
-    while size > part * store.max_parts:
-        part *= 2
-    return min(part, store.max_part_size)
-
-
-def chunks_of(items: Iterable, n: int):
-    buf = []
-    for it in items:
-        buf.append(it)
-        if len(buf) == n:
-            yield buf
-            buf = []
-    if buf:
-        yield buf

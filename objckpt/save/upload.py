@@ -19,11 +19,10 @@ import torch
 
 from .. import _runtime
 from ..checksum import block_crcs
+from ..memory import Budget, HostPool, host_bytes, plain_host
 from ..planning.pack import ChunkPlan, PartPlan, SavePlan
-from ..staging.pool import BufferPool
+from ..results import IOStats
 from ..storage.base import BlobWriter, ObjectStore
-from .stats import IOStats
-from .tasks import gather_fail_fast
 
 
 def _chunk_source(t: torch.Tensor, c: ChunkPlan) -> torch.Tensor:
@@ -83,18 +82,6 @@ def part_crcs(part: PartPlan, buf: torch.Tensor, block: int = 0) -> list[Crc]:
 _ZEROS = memoryview(bytes(4096))
 
 
-def _is_direct(t: torch.Tensor) -> bool:
-    """A tensor whose chunks can be uploaded from its own memory, without staging."""
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
 def direct_views(
     part: PartPlan, tensors: Mapping[str, torch.Tensor], block: int = 0
 ) -> tuple[list[memoryview], list[Crc]]:
@@ -106,7 +93,7 @@ def direct_views(
         if c.offset > pos:
             views.append(_ZEROS[: c.offset - pos])
         t = tensors[c.key]
-        whole = _tensor_bytes(t)
+        whole = host_bytes(t)
         if t.dim() == 0:
             v = whole
         else:
@@ -137,7 +124,8 @@ async def write_plan(
     blob_keys: list[str],
     plan: SavePlan,
     tensors: Mapping[str, torch.Tensor],
-    pool: BufferPool,
+    pool: HostPool,
+    budget: Budget,
     stats: IOStats,
     *,
     zero_copy: bool = True,
@@ -151,8 +139,8 @@ async def write_plan(
     are uploaded from the tensors' own memory: the caller is blocked until the
     upload ends, so the bytes cannot change under us.  Everything else (GPU
     tensors, strided views, and every part of an async save) is staged through
-    the buffer pool: a buffer is taken, filled, checksummed, uploaded, given
-    back.  Staging runs ahead of uploads as far as the pool's budget allows;
+    the host pool: a buffer is taken, filled, checksummed, uploaded, given
+    back.  Staging runs ahead of uploads as far as ``budget`` allows;
     ``on_staged`` is called once every part has been staged (from then on the
     caller's tensors are no longer read).
     """
@@ -161,7 +149,7 @@ async def write_plan(
     remaining: dict[int, int] = {}
     completed: list[int] = []
     max_part = max(plan.max_part, 1)
-    buffers = asyncio.Semaphore(pool.slots(max_part))
+    buffers = asyncio.Semaphore(budget.slots(max_part))
     uploads = asyncio.Semaphore(store.concurrency)
     parts = [p for b in plan.blobs for p in b.parts]
     to_stage = [0]
@@ -170,7 +158,7 @@ async def write_plan(
         writers[b.index] = store.open_writer(blob_keys[b.index], b.size, len(b.parts))
         remaining[b.index] = len(b.parts)
 
-    direct = {k: _is_direct(t) for k, t in tensors.items()} if zero_copy else {}
+    direct = {k: plain_host(t) for k, t in tensors.items()} if zero_copy else {}
 
     all_staged = asyncio.Event()
     enqueue_one = asyncio.Lock()
@@ -201,7 +189,7 @@ async def write_plan(
 
     async def staged(part: PartPlan) -> None:
         async with buffers:
-            buf = pool.take(part.size)
+            buf = pool.take(part.size, budget)
             try:
                 if stream is not None:
                     # device copies are queued from one thread at a time: measured on an
@@ -232,14 +220,14 @@ async def write_plan(
         to_stage[0] = len(parts)
     # With a waiting caller (on_staged) and room for every staged part, uploads start
     # only once staging is done: on a busy host they would otherwise slow the copy.
-    hold_uploads = on_staged is not None and to_stage[0] <= pool.slots(max_part)
+    hold_uploads = on_staged is not None and to_stage[0] <= budget.slots(max_part)
     if to_stage[0] == 0:
         all_staged.set()
         if on_staged is not None:
             on_staged()
     tasks = [asyncio.ensure_future(job(p)) for p in parts]
     try:
-        await gather_fail_fast(tasks)
+        await _runtime.gather_fail_fast(tasks)
     except BaseException:
         await asyncio.gather(
             *(w.abort() for i, w in writers.items() if i not in completed), return_exceptions=True

@@ -1,51 +1,98 @@
-"""Which stored chunks overlap a wanted box, for either manifest version.
+"""The symbolic layout (format v2): placements instead of gathered boxes.
 
-v1 lists chunks inline: an index sorted by dim-0 start answers.  v2 computes
-the overlapping pieces and their writers from the layout, fetches just those
-writers' index objects (concurrently, each verified by size and crc32c) and
-looks the pieces up there; a piece missing from its writer's index is an
-error, so coverage is checked piece by piece.
+Every rank describes its state by DTensor placements (plain tensors:
+replicated over the group); when the ranks' digests agree, each derives the
+same ``split`` / ``rot`` per tensor and its own pieces, and writes its chunk
+records to an index object of its own.  The manifest keeps the layouts, the
+meshes and the index references, so it stays small at thousands of ranks.
+Readers compute the pieces that overlap their boxes, and their writers,
+fetch just those writers' indexes (each verified by size and crc32c), and
+check that every piece is tiled by its chunks.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
-from typing import Iterable, Optional
+import pickle
+from typing import Any, Iterable, Optional
 
 from ..checksum import crc32c
 from ..errors import CorruptCheckpointError, NotFoundError
-from ..format import layout as keys
-from ..format import rank_index
+from ..format import keys, rank_index
 from ..format.dtypes import dtype_from_name, itemsize
-from ..format.manifest import Chunk, Manifest, TensorEntry
-from ..planning.layout import overlapping_pieces
-from ..planning.reshard import Box, ChunkIndex, intersect
+from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, TensorEntry, TensorLayout
+from ..planning.assign import RankWrites
+from ..planning.boxes import Box, intersect
+from ..planning.pack import PackLimits
+from ..planning.read_plan import ChunkIndex
+from ..planning.symbolic import SymbolicDescription, overlapping_pieces, plan_rank_writes_symbolic
+from ..results import IOStats
 from ..storage import ObjectStore
-from .stats import IOStats
+from .base import PLAN_CACHE, WRITER, ManifestCommon, RankOutcome, SaveLayout
+from .gathered import InlineResolver
 
 
-def check_coverage(entry: TensorEntry) -> None:
-    """The chunks hold exactly the tensor's elements (each once, inside it)."""
-    isz = itemsize(dtype_from_name(entry.dtype, entry.key))
-    ok = all(c.length == math.prod(c.shape) * isz for c in entry.chunks)  # as_strided stays in bounds
-    if entry.shape:
-        ok = ok and sum(math.prod(c.shape) for c in entry.chunks) == entry.numel
-    else:
-        ok = ok and len(entry.chunks) == 1
-    if not ok:
-        raise CorruptCheckpointError(
-            f"tensor {entry.key!r}: its chunks do not cover shape {list(entry.shape)} exactly once"
+class SymbolicLayout(SaveLayout):
+    version = 2
+
+    def __init__(self, desc: SymbolicDescription, dtypes: dict[str, str], aliases: dict[str, str], tree: Any,
+                 rank_trees: Optional[list[Any]]) -> None:
+        self.desc = desc
+        self.dtypes = dtypes
+        self.aliases = aliases
+        self.tree = tree
+        self.rank_trees = rank_trees
+        self.layouts: dict[str, TensorLayout] = {}
+
+    def plan(self, rank: int, boxes: dict[str, Box], limits: PackLimits) -> RankWrites:
+        d = self.desc
+        digest = hashlib.blake2b(d.digest + pickle.dumps((rank, limits)), digest_size=20).digest()
+        self.layouts, writes = PLAN_CACHE.get(
+            digest, lambda: plan_rank_writes_symbolic(d.descs, d.meshes, boxes, rank, limits))
+        return writes
+
+    def index_name(self, attempt: str, rank: int) -> Optional[str]:
+        return keys.index_name(attempt, rank)
+
+    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, prefix: str,
+                      attempt: str, rank: int, stats: IOStats) -> RankOutcome:
+        """The records go to this rank's index object, not to rank 0."""
+        name = keys.index_name(attempt, rank)
+        data = rank_index.encode(attempt, rank, records)
+        await store.put(keys.join(prefix, name), data)
+        stats.add(len(data))
+        return RankOutcome(blobs=blobs, index=RankIndexRef(name, len(data), crc32c(data)))
+
+    def manifest(self, outcomes: list[RankOutcome], common: ManifestCommon) -> Manifest:
+        by_key = {d.key: d for d in self.desc.descs}
+        entries: dict[str, TensorEntry] = {}
+        for k, dt in self.dtypes.items():
+            if k in self.aliases:
+                entries[k] = TensorEntry(k, dt, by_key[self.aliases[k]].shape, alias_of=self.aliases[k])
+            else:
+                entries[k] = TensorEntry(k, dt, by_key[k].shape, layout=self.layouts[k])
+        blobs = [b for out in outcomes for b in out.blobs]
+        refs = []
+        for rank, out in enumerate(outcomes):
+            if out.index is None:
+                raise CorruptCheckpointError(f"rank {rank} reported no index object")
+            refs.append(out.index)
+        return Manifest(
+            tensors=entries, blobs=blobs, tree=self.tree, metadata=common.metadata, attempt=common.attempt,
+            world_size=len(outcomes), writer=WRITER, crc_block=common.crc_block, rank_trees=self.rank_trees,
+            format_version=2, meshes=list(self.desc.meshes), rank_indexes=refs,
         )
 
 
-class ChunkResolver:
-    """Answers ``overlapping(key, box)`` after ``prefetch`` fetched what it needs."""
+class RankIndexResolver(InlineResolver):
+    """Chunks listed in the writers' index objects (v2): ``prefetch`` fetches the
+    indexes of the ranks that wrote a piece of what is wanted, and only those."""
 
     def __init__(self, m: Manifest, store: ObjectStore, prefix: str) -> None:
-        self.m = m
+        super().__init__(m)
         self.store = store
         self.prefix = prefix
-        self._v1: dict[str, ChunkIndex] = {}
         self._ranks: dict[int, dict[str, dict[tuple[int, ...], Chunk]]] = {}
         self._blobs: Optional[list[list[int]]] = None
         self._blob_sizes: list[int] = []
@@ -56,7 +103,8 @@ class ChunkResolver:
         hit = self._pieces.get((key, box))
         if hit is None:
             e = self.m.tensors[key]
-            assert e.layout is not None
+            if e.layout is None:
+                raise CorruptCheckpointError(f"tensor {key!r} has no layout in a format v2 manifest")
             hit = overlapping_pieces(e.shape, self.m.meshes[e.layout.mesh], e.layout, box)
             self._pieces[(key, box)] = hit
         return hit
@@ -96,11 +144,7 @@ class ChunkResolver:
     def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
         e = self.m.tensors[key]
         if e.layout is None:
-            idx = self._v1.get(key)
-            if idx is None:
-                check_coverage(e)
-                idx = self._v1[key] = ChunkIndex(e.chunks)
-            return idx.overlapping(box)
+            return super().overlapping(key, box)
         isz = itemsize(dtype_from_name(e.dtype, key))
         out: list[tuple[Chunk, Box]] = []
         for rank, piece, _ in self._layout_pieces(key, box):

@@ -1,4 +1,4 @@
-"""Where a checkpoint's objects live under its prefix.
+"""Object key names: where a checkpoint's objects live under its prefix.
 
 ``<prefix>/manifest.json``            the commit: present <=> checkpoint exists
 ``<prefix>/blobs/<attempt>/r<rank>-<n>.bin``  tensor bytes of one save attempt
@@ -9,7 +9,6 @@ rewrites bytes that a committed manifest points to.
 """
 from __future__ import annotations
 
-import os
 import secrets
 import time
 
@@ -45,7 +44,3 @@ def index_name(attempt: str, rank: int) -> str:
 def attempt_of(blob_rel: str) -> str:
     parts = blob_rel.split("/")
     return parts[1] if len(parts) >= 3 and parts[0] == BLOB_DIR else ""
-
-
-def pid_token() -> str:
-    return f"{os.getpid()}"

@@ -1,4 +1,4 @@
-"""From stored chunks to the bytes a target box needs (pure).
+"""A load's read plan: from stored chunks to the byte ranges and copies each target needs (pure).
 
 A target (a whole tensor, a DTensor's local shard, an ``objckpt.Shard``) is a
 box of the global tensor.  Stored chunks are boxes too, each stored row-major.
@@ -8,32 +8,26 @@ range over the rows it touches, or as one range per row (only the columns
 needed), whichever a simple cost model prices lower: bytes moved plus a fixed
 price per request.  Ranges are widened to whole crc blocks so every byte read
 is verified.
+
+:func:`plan_reads` turns a load's targets into a :class:`ReadPlan`: whole
+chunks read straight into destination memory where it allows, the rest into
+temporaries, in batches whose temporaries fit a :class:`~objckpt.memory.Budget`.
+The plan is data: it can be printed and tested before a byte moves
+(:mod:`objckpt.load.fill` executes it).
 """
 from __future__ import annotations
 
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Sequence
 
 from ..format.manifest import Chunk
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
+from ..memory import Budget
+from .boxes import Box, intersect
 
 #: what one extra request costs, in bytes of transfer it is worth
 REQUEST_COST_BYTES = 256 << 10
-
-
-def intersect(a: Box, b: Box) -> Optional[Box]:
-    (ao, ash), (bo, bsh) = a, b
-    offs, shape = [], []
-    for x0, xs, y0, ys in zip(ao, ash, bo, bsh):
-        lo, hi = max(x0, y0), min(x0 + xs, y0 + ys)
-        if hi <= lo:
-            return None
-        offs.append(lo)
-        shape.append(hi - lo)
-    return tuple(offs), tuple(shape)
 
 
 class ChunkIndex:
@@ -136,5 +130,95 @@ def plan_piece(chunk: Chunk, inter: Box, itemsize: int, block: int, verify: bool
     return PieceRead(chunk, inter, lo, hi, tuple(best), whole, elem_offset, tuple(st))
 
 
-def needed_bytes(inter: Box, itemsize: int) -> int:
-    return math.prod(inter[1]) * itemsize
+@dataclass(frozen=True)
+class ReadTarget:
+    """A box of a stored tensor that one destination wants."""
+
+    key: str  # stored key (aliases resolved)
+    box: Box
+    itemsize: int
+    #: the destination receives stored bytes as they are (contiguous host memory, same dtype)
+    in_place: bool
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """A whole chunk read straight into target ``target``'s memory at byte ``dest_offset``."""
+
+    target: int
+    chunk: Chunk
+    dest_offset: int
+
+
+@dataclass(frozen=True)
+class StagedRead:
+    """Bytes ``piece.ranges`` of a chunk read into a temporary of ``piece.hi - piece.lo``
+    bytes, then copied into the box ``piece.inter`` of target ``target``."""
+
+    target: int
+    piece: PieceRead
+
+    @property
+    def temp_bytes(self) -> int:
+        return self.piece.hi - self.piece.lo
+
+
+@dataclass
+class ReadBatch:
+    """Reads whose temporaries are held at the same time (then copied out and freed)."""
+
+    direct: list[DirectRead]
+    staged: list[StagedRead]
+
+    @property
+    def temp_bytes(self) -> int:
+        return sum(r.temp_bytes for r in self.staged)
+
+
+@dataclass
+class ReadPlan:
+    targets: list[ReadTarget]
+    batches: list[ReadBatch]
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes the plan fetches from storage (before merging requests)."""
+        return sum(r.chunk.length for b in self.batches for r in b.direct) + sum(
+            e - s for b in self.batches for r in b.staged for s, e in r.piece.ranges)
+
+    def __str__(self) -> str:
+        lines = [f"ReadPlan: {len(self.targets)} target(s), {len(self.batches)} batch(es), "
+                 f"{self.fetched_bytes} bytes"]
+        for n, b in enumerate(self.batches):
+            lines.append(f"  batch {n}: {len(b.direct)} in place, {len(b.staged)} staged, "
+                         f"{b.temp_bytes} bytes of temporaries")
+        return "\n".join(lines)
+
+
+Overlapping = Callable[[str, Box], "list[tuple[Chunk, Box]]"]
+
+
+def plan_reads(targets: Sequence[ReadTarget], overlapping: Overlapping, crc_block: int, budget: Budget,
+               verify: bool = True) -> ReadPlan:
+    """How to fill every target: ``overlapping(key, box)`` lists the stored chunks
+    that overlap a box (with the intersection).  A chunk that lies wholly inside
+    its target and spans the target's full rows is read in place when the target
+    allows; every other piece goes through a temporary."""
+    reads: list[DirectRead | StagedRead] = []
+    for i, t in enumerate(targets):
+        d_off, d_shape = t.box
+        d_row = math.prod(d_shape[1:]) * t.itemsize if d_shape else t.itemsize
+        for chunk, inter in overlapping(t.key, t.box):
+            i_off, i_shape = inter
+            inside = tuple(i_shape) == tuple(chunk.shape) and tuple(i_shape[1:]) == tuple(d_shape[1:])
+            if inside and t.in_place:
+                reads.append(DirectRead(i, chunk, (i_off[0] - d_off[0]) * d_row if d_shape else 0))
+            else:
+                reads.append(StagedRead(i, plan_piece(chunk, inter, t.itemsize, crc_block, verify)))
+    sizes = [r.temp_bytes if isinstance(r, StagedRead) else 0 for r in reads]
+    batches = []
+    for run in budget.batches(sizes):
+        part = [reads[j] for j in run]
+        batches.append(ReadBatch([r for r in part if isinstance(r, DirectRead)],
+                                 [r for r in part if isinstance(r, StagedRead)]))
+    return ReadPlan(list(targets), batches)

@@ -19,9 +19,8 @@ from ..checksum import crc32c
 from ..errors import CorruptCheckpointError, NotFoundError
 from ..format.manifest import Chunk
 from ..planning.ranges import Request, Span, plan_requests
+from ..results import IOStats
 from ..storage.base import ObjectStore
-from .stats import IOStats
-from .tasks import gather_fail_fast
 
 
 @dataclass(frozen=True)
@@ -133,4 +132,4 @@ async def read_ranges(
     for i, n in pending.items():
         if n == 0:
             tasks.append(asyncio.ensure_future(finish(i)))
-    await gather_fail_fast(tasks)
+    await _runtime.gather_fail_fast(tasks)

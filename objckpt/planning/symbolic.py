@@ -1,4 +1,4 @@
-"""Symbolic tensor layouts: who holds and who wrote which box, computed, not listed (pure).
+"""Symbolic placements: who holds and who wrote which box, computed, not listed (pure).
 
 A DTensor's placements on a DeviceMesh (or "replicated on every rank" for a
 plain tensor) determine every rank's box.  When every rank of a save describes
@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator, Optional, Sequence
 
-from ..format.manifest import Layout, Mesh
-from .reshard import intersect
+from ..format.manifest import Mesh, TensorLayout
+from .assign import RankWrites, WriteItem
+from .boxes import Box, intersect
+from .pack import PackLimits, pack_items
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 REPLICATE = "R"
-__all__ = ["Layout", "Mesh", "TensorDesc", "assign_layouts", "cell_box", "my_pieces", "overlapping_pieces"]
 
 
 def parse_placement(p: str) -> Optional[int]:
@@ -148,7 +148,7 @@ def cell_pieces(box: Box, split: int) -> Iterator[tuple[int, Box]]:
             yield i, ((offs[0] + a,) + offs[1:], (b - a,) + shp[1:])
 
 
-def my_pieces(shape: Sequence[int], mesh: Mesh, lay: Layout, rank: int) -> list[Box]:
+def my_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, rank: int) -> list[Box]:
     """The pieces ``rank`` writes of a tensor (possibly none)."""
     coord = mesh.coordinate(rank)
     if coord is None:
@@ -159,7 +159,7 @@ def my_pieces(shape: Sequence[int], mesh: Mesh, lay: Layout, rank: int) -> list[
     return [p for i, p in cell_pieces(box, lay.split) if (i + lay.rot) % g == slot]
 
 
-def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: Layout, box: Box) -> list[tuple[int, Box, Box]]:
+def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box: Box) -> list[tuple[int, Box, Box]]:
     """(writer rank, stored piece box, intersection with ``box``) of every stored
     piece overlapping ``box``: per dim a binary search over the cut points, so
     the cost is the number of overlapping pieces, not of ranks."""
@@ -215,8 +215,18 @@ class TensorDesc:
     placements: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class SymbolicDescription:
+    """A rank's state described symbolically: the same on every rank of a
+    symbolic save, which the ranks check by exchanging only ``digest``."""
+
+    descs: list[TensorDesc]
+    meshes: list[Mesh]
+    digest: bytes
+
+
 def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
-                   split_bytes: int = 4 << 20, small_spread: int = 8, tiny_bytes: int = 64 << 10) -> dict[str, Layout]:
+                   split_bytes: int = 4 << 20, small_spread: int = 8, tiny_bytes: int = 64 << 10) -> dict[str, TensorLayout]:
     """``split`` and ``rot`` of every tensor, the same on every rank.
 
     A cell of at least ``split_bytes`` is split over its replicas (replica-
@@ -232,12 +242,12 @@ def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
     """
     heaps: dict[int, list[tuple[int, int]]] = {}
     loads: dict[int, list[int]] = {}
-    out: dict[str, Layout] = {}
+    out: dict[str, TensorLayout] = {}
     for t in descs:
         mesh = meshes[t.mesh]
         g = group_size(mesh.shape, t.placements)
         if g == 1:
-            out[t.key] = Layout(t.mesh, t.placements)
+            out[t.key] = TensorLayout(t.mesh, t.placements)
             continue
         per_dim, _ = _sharding(len(t.shape), t.placements)
         ncells = math.prod(mesh.shape[md] for mds in per_dim for md in mds)
@@ -262,5 +272,26 @@ def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
             s = (i + rot) % g
             load[s] += nbytes * (b - a) // max(rows, 1) * ncells
             heapq.heappush(heap, (load[s], s))
-        out[t.key] = Layout(t.mesh, t.placements, split, rot)
+        out[t.key] = TensorLayout(t.mesh, t.placements, split, rot)
     return out
+
+
+def plan_rank_writes_symbolic(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], boxes: dict[str, Box],
+                              rank: int, limits: PackLimits) -> tuple[dict[str, TensorLayout], RankWrites]:
+    """Every tensor's layout (the same on every rank) and this rank's writes.
+
+    ``boxes`` are this rank's local boxes, which the pieces are rows of."""
+    layouts = assign_layouts(descs, meshes)
+    own: list[WriteItem] = []
+    shared: list[WriteItem] = []  # pieces of replicated cells: many ranks read them
+    for t in descs:
+        g = group_size(meshes[t.mesh].shape, t.placements)
+        for p_off, p_shape in my_pieces(t.shape, meshes[t.mesh], layouts[t.key], rank):
+            box = boxes[t.key]
+            r0 = p_off[0] - box[0][0] if p_off else 0
+            (own if g == 1 else shared).append(WriteItem(t.key, box, r0, r0 + (p_shape[0] if p_shape else 1)))
+    # replicated pieces packed together after this rank's own shards, so a
+    # reader that needs them all (every rank, for plain tensors) gets them in
+    # one merged range instead of one small range per tensor
+    items = own + shared
+    return layouts, RankWrites(items, pack_items(items, {t.key: t.itemsize for t in descs}, limits))

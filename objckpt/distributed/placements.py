@@ -1,4 +1,8 @@
-"""Sharded values: what part of a global tensor each rank holds.
+"""Everything objckpt knows of DTensor placements and hand-made shards.
+
+What part of a global tensor each rank holds, how a DTensor's mesh and
+placements are described symbolically, and which ranks hold the same box
+(replica groups): the one module that looks inside DTensors.
 
 Three kinds of tensor leaves are understood:
 
@@ -65,10 +69,6 @@ def _dtensor_type() -> Optional[type]:
 def is_dtensor(x: Any) -> bool:
     t = _dtensor_type()
     return t is not None and isinstance(x, t)
-
-
-def is_tensor_leaf(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, Shard))
 
 
 def _dtensor_box(key: str, dt: Any) -> Optional[Box]:
@@ -138,7 +138,7 @@ def _root_mesh(mesh: Any) -> Any:
         return None
 
 
-def mesh_layout(x: Any, placements: tuple[str, ...]) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+def mesh_description(x: Any, placements: tuple[str, ...]) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
     """(mesh identity, shape, global ranks row-major, placements) of a DTensor.
 
     A DTensor on a slice of a bigger mesh (tensor parallel on ``mesh["tp"]``
@@ -158,3 +158,49 @@ def mesh_layout(x: Any, placements: tuple[str, ...]) -> tuple[Any, tuple[int, ..
                     tuple(by_dim.get(i, "R") for i in range(len(rnames))))
     m = mesh.mesh
     return id(mesh), tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist()), placements
+
+
+def _is_replicate(p: Any) -> bool:
+    return p.is_replicate() if hasattr(p, "is_replicate") else type(p).__name__ == "Replicate"
+
+
+def replica_group(value: Any, group_ranks: Ranks) -> Optional[Ranks]:
+    """Global ranks holding the same box of ``value`` as this rank, or None when unknown.
+
+    ``group_ranks``: the global ranks of the load's process group (a plain
+    tensor is held whole by each of them).  A DTensor's group is the set of
+    mesh ranks whose coordinates agree on every non-``Replicate`` mesh dim; an
+    :class:`Shard` carries no replica information."""
+    if isinstance(value, Shard):
+        return None
+    if is_dtensor(value):
+        mesh = value.device_mesh
+        coord = mesh.get_coordinate()
+        if coord is None:
+            return None
+        index: list[Any] = []
+        for d, p in enumerate(value.placements):
+            index.append(slice(None) if _is_replicate(p) or mesh.size(d) == 1 else coord[d])
+        ranks = tuple(sorted(int(r) for r in mesh.mesh[tuple(index)].reshape(-1).tolist()))
+        return ranks if set(ranks) <= set(group_ranks) else None
+    if isinstance(value, torch.Tensor):
+        return group_ranks
+    return None
+
+
+def mesh_group(value: Any, ranks: Ranks) -> Any:
+    """The DeviceMesh's own process group for ``ranks`` when ``value`` is a DTensor
+    replicated over exactly one mesh dim (a DP group of DP x TP), else None.
+
+    Reusing it costs nothing; a new group would cost a rendezvous (and with NCCL
+    a communicator)."""
+    if not is_dtensor(value):
+        return None
+    import torch.distributed as dist
+
+    mesh = value.device_mesh
+    vary = [d for d, p in enumerate(value.placements) if mesh.size(d) > 1 and _is_replicate(p)]
+    if len(vary) != 1:
+        return None
+    pg = mesh.get_group(vary[0])
+    return pg if tuple(sorted(dist.get_process_group_ranks(pg))) == ranks else None

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from .pool import _want_pinned
+from ..memory import side_stream, want_pinned
 
 
 class MirrorSet:
@@ -33,7 +33,7 @@ class MirrorSet:
         self._pid = os.getpid()
         self._busy = False
         self._lock = threading.Lock()
-        self.pin = _want_pinned()
+        self.pin = want_pinned()
         self._stream: Any = None
         self._device: Optional[torch.device] = None
         self.nbytes = 0
@@ -89,21 +89,12 @@ class MirrorSet:
             self._stream.synchronize()
 
 
-_sets: dict[int, MirrorSet] = {}
-_streams: dict[int, Any] = {}
+_set: Optional[MirrorSet] = None
 
 
-def side_stream(device: torch.device) -> Any:
-    """objckpt's copy stream on ``device`` (one per device, made once): staging
-    copies run there so the caller's kernels on its own stream keep running."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _streams:
-        _streams[idx] = torch.cuda.Stream(device=idx)
-    return _streams[idx]
-
-
-def mirror_set(slot: int = 0) -> MirrorSet:
-    s = _sets.get(slot)
-    if s is None:
-        s = _sets[slot] = MirrorSet()
-    return s
+def mirror_set() -> MirrorSet:
+    """The process's mirror set (one: a second save in flight takes the pooled path)."""
+    global _set
+    if _set is None:
+        _set = MirrorSet()
+    return _set

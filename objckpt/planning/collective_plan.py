@@ -34,12 +34,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..options import ReadStrategy
+
 #: packed pieces start at multiples of this (any dtype view is aligned; memcpy-friendly)
 ALIGN = 64
 #: bytes at the start of every packed slot; byte 0 is the owner's read status (0 ok, 1 failed)
 HEADER = ALIGN
 
-COLLECTIVE = ("broadcast", "allgather")
+COLLECTIVE = (ReadStrategy.BROADCAST, ReadStrategy.ALLGATHER)
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ def split_shares(pieces: Sequence[tuple[int, int, int]], sizes: Sequence[ItemSiz
     return out
 
 
-def plan_group(sizes: Sequence[ItemSize], k: int, strategy: str, cap: int,
+def plan_group(sizes: Sequence[ItemSize], k: int, strategy: ReadStrategy, cap: int,
                solo_bytes: int = 4 << 20, snap: int = 1 << 20) -> list[Batch]:
     """The batches of one replica group of ``k`` members (see the module doc);
     ``snap``: see :func:`split_shares`."""
@@ -182,7 +184,7 @@ def plan_group(sizes: Sequence[ItemSize], k: int, strategy: str, cap: int,
         raise ValueError(f"a replica group has at least 2 members, got {k}")
     plan: list[Batch] = []
     for b, raw in enumerate(batches(sizes, cap)):
-        if strategy == "broadcast":
+        if strategy == ReadStrategy.BROADCAST:
             owned = [(i, lo, hi, b % k) for i, lo, hi in raw]
             reader: Optional[int] = b % k
         else:
@@ -240,7 +242,7 @@ class CostModel:
         return d.get(backend, d["gloo"])
 
     def estimate(self, k: int, nbytes: int, n_batches: int, backend: str = "gloo",
-                 n_items: int = 1) -> dict[str, float]:
+                 n_items: int = 1) -> dict[ReadStrategy, float]:
         """Seconds for ``direct``, ``broadcast`` and ``allgather`` to give ``k`` ranks
         ``nbytes`` each (in ``n_items`` tensors, ``n_batches`` collective batches)."""
         gb = nbytes / 1e9
@@ -249,16 +251,18 @@ class CostModel:
         net = self._per_backend(self.network_gbps, backend)
         lat = self._per_backend(self.latency_s, backend) * max(n_batches, 1)
         return {
-            "direct": io / per_reader,
+            ReadStrategy.DIRECT: io / per_reader,
             # one reader at a time (alone on storage), then the group receives the batch
-            "broadcast": io / self.client_gbps + gb / net + lat * max(1.0, math.log2(k)),
+            ReadStrategy.BROADCAST: io / self.client_gbps + gb / net + lat * max(1.0, math.log2(k)),
             # k readers of 1/k each, then every member receives the other (k-1)/k
-            "allgather": io / k / per_reader + gb * (k - 1) / k / net + lat * (k - 1),
+            ReadStrategy.ALLGATHER: io / k / per_reader + gb * (k - 1) / k / net + lat * (k - 1),
         }
 
-    def choose(self, k: int, nbytes: int, n_batches: int, backend: str = "gloo", n_items: int = 1) -> str:
+    def choose(self, k: int, nbytes: int, n_batches: int, backend: str = "gloo",
+               n_items: int = 1) -> ReadStrategy:
         """The cheapest strategy (ties go to ``direct``: no collectives, nothing to go wrong)."""
         if k < 2 or nbytes <= 0:
-            return "direct"
+            return ReadStrategy.DIRECT
         est = self.estimate(k, nbytes, n_batches, backend, n_items)
-        return min(("direct", "allgather", "broadcast"), key=lambda s: est[s])
+        order = (ReadStrategy.DIRECT, ReadStrategy.ALLGATHER, ReadStrategy.BROADCAST)
+        return min(order, key=lambda s: est[s])

@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .format import layout
+from .format import keys
 from .format.manifest import decode
 from .storage import ObjectStore
 from .storage.base import ObjectInfo
 
-TMP_MARK = f"{layout.MANIFEST_NAME}.tmp-"
+TMP_MARK = f"{keys.MANIFEST_NAME}.tmp-"
 
 
 @dataclass
@@ -52,13 +52,13 @@ def _split(key: str) -> Optional[tuple[str, str]]:
     """(checkpoint prefix, path relative to it) of an object under a ``blobs/`` dir."""
     parts = key.split("/")
     for i in range(len(parts) - 1, -1, -1):
-        if parts[i] == layout.BLOB_DIR and i < len(parts) - 1:
+        if parts[i] == keys.BLOB_DIR and i < len(parts) - 1:
             return "/".join(parts[:i]), "/".join(parts[i:])
     return None
 
 
 def _age(rel: str, info: Optional[ObjectInfo], now: float) -> Optional[float]:
-    t = attempt_time(layout.attempt_of(rel)) if rel else None
+    t = attempt_time(keys.attempt_of(rel)) if rel else None
     if t is None and info is not None:
         t = info.mtime
     return None if t is None else now - t
@@ -72,10 +72,10 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
     base = prefix.strip("/")
     listing = await store.list(base + "/" if base else "")
     uploads = await store.list_uploads(base + "/" if base else "")
-    manifests = [o.key for o in listing if o.key == layout.MANIFEST_NAME or o.key.endswith("/" + layout.MANIFEST_NAME)]
+    manifests = [o.key for o in listing if o.key == keys.MANIFEST_NAME or o.key.endswith("/" + keys.MANIFEST_NAME)]
     referenced: dict[str, Optional[set[str]]] = {}  # checkpoint prefix -> names its manifest uses (None: unreadable)
     for mkey in manifests:
-        ck = mkey[: -len(layout.MANIFEST_NAME)].rstrip("/")
+        ck = mkey[: -len(keys.MANIFEST_NAME)].rstrip("/")
         try:
             m = decode(await store.get(mkey), mkey)
         except Exception:
@@ -109,7 +109,7 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
     for u in uploads:
         where = _split(u.key)
         rel = where[1] if where else ""
-        t = attempt_time(layout.attempt_of(rel)) if rel else None
+        t = attempt_time(keys.attempt_of(rel)) if rel else None
         t = t if t is not None else u.initiated
         if t is None or now - t < grace:
             report.kept_young += 1

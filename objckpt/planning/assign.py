@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import StateDictMismatchError
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, shape)
+from .boxes import Box
+from .pack import PackLimits, SavePlan, pack_items
 
 
 @dataclass(frozen=True)
@@ -121,3 +121,18 @@ def assign_writes(
             out[r].append(WriteItem(key, box, r0, r1))
             load[r] += sizes[g] * (r1 - r0) // max(rows, 1)
     return out
+
+
+@dataclass(frozen=True)
+class RankWrites:
+    """What one rank writes in a save: its write items and their blob layout."""
+
+    items: list[WriteItem]
+    plan: SavePlan
+
+
+def plan_rank_writes(metas: Sequence[dict[str, TensorMeta]], rank: int, limits: PackLimits) -> RankWrites:
+    """This rank's writes and their blob layout, from every rank's boxes."""
+    items = assign_writes(metas)[rank]
+    sizes = {k: t.itemsize for m in metas for k, t in m.items()}
+    return RankWrites(items, pack_items(items, sizes, limits))

@@ -1,1 +1,0 @@
-"""Runs plans: bounded-concurrency uploads and ranged reads."""

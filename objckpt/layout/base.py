@@ -1,0 +1,118 @@
+"""The one interface both layouts implement (format v1 "gathered", v2 "symbolic").
+
+A *layout* is how a multi-rank checkpoint knows which rank wrote which chunk:
+
+* gathered (v1): every rank's boxes are gathered, every rank runs the same
+  assignment, rank 0 lists every chunk in the manifest;
+* symbolic (v2): every rank describes its state by DTensor placements, the
+  ranks only agree on a digest, each rank derives its own writes, and writes
+  its chunk records to an index object of its own.
+
+Save and load never ask which one they hold: a save calls :meth:`SaveLayout.plan`,
+:meth:`SaveLayout.publish` and :meth:`SaveLayout.manifest`; a load asks a
+:class:`Resolver` (:func:`objckpt.layout.resolver_for`) which chunks overlap a box.
+"""
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Protocol, TypeVar
+
+from .._version import __version__
+from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, RankIndexRef
+from ..planning.assign import RankWrites
+from ..planning.boxes import Box
+from ..planning.pack import PackLimits
+from ..results import IOStats
+from ..storage import ObjectStore
+
+T = TypeVar("T")
+WRITER = f"objckpt {__version__}"
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank reports once its uploads are done (gathered for the commit)."""
+
+    blobs: list[Blob] = field(default_factory=list)
+    #: gathered layout: this rank's chunk records travel to rank 0
+    records: list[ChunkRecord] = field(default_factory=list)
+    #: symbolic layout: this rank's index object holds its records
+    index: Optional[RankIndexRef] = None
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ManifestCommon:
+    """The manifest fields that do not depend on the layout."""
+
+    attempt: str
+    metadata: dict[str, Any]
+    crc_block: int
+
+
+class SaveLayout(abc.ABC):
+    """One save's layout, the same on every rank once the ranks agreed on it."""
+
+    #: the manifest format version this layout writes
+    version: int
+
+    @abc.abstractmethod
+    def plan(self, rank: int, boxes: dict[str, Box], limits: PackLimits) -> RankWrites:
+        """What ``rank`` writes (``boxes``: the boxes it holds, by key)."""
+
+    def index_name(self, attempt: str, rank: int) -> Optional[str]:
+        """The index object ``rank`` writes besides its blobs, if any."""
+        return None
+
+    @abc.abstractmethod
+    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, prefix: str,
+                      attempt: str, rank: int, stats: IOStats) -> RankOutcome:
+        """Make this rank's chunk records available to the commit."""
+
+    @abc.abstractmethod
+    def manifest(self, outcomes: list[RankOutcome], common: ManifestCommon) -> Manifest:
+        """The manifest rank 0 commits, from every rank's outcome."""
+
+
+class Resolver(Protocol):
+    """Which stored chunks overlap a box, whatever the layout."""
+
+    async def prefetch(self, wanted: Iterable[tuple[str, Box]], stats: Optional[IOStats] = None) -> None:
+        """Fetch whatever ``overlapping`` will need for these (key, box) pairs."""
+
+    def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
+        """Every stored chunk of ``key`` overlapping ``box``, with the intersection."""
+
+    async def resolve_all(self, stats: Optional[IOStats] = None) -> None:
+        """List every chunk of every tensor in the manifest (tools that walk whole checkpoints)."""
+
+
+class PlanCache:
+    """The last few save plans, by digest of everything they depend on.
+
+    A training job saves the same layout again and again; planning is pure, so
+    the save pipeline keeps its results here rather than planning in each call.
+    Not shared across processes; bounded to ``size`` entries."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._plans: "OrderedDict[bytes, Any]" = OrderedDict()
+        self.stats = {"hits": 0, "misses": 0}
+
+    def get(self, digest: bytes, build: Callable[[], T]) -> T:
+        hit = self._plans.get(digest)
+        if hit is not None:
+            self._plans.move_to_end(digest)
+            self.stats["hits"] += 1
+            return hit
+        self.stats["misses"] += 1
+        out = self._plans[digest] = build()
+        while len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+        return out
+
+
+#: the save pipeline's plan cache (``PLAN_CACHE.stats``: hits and misses)
+PLAN_CACHE = PlanCache()

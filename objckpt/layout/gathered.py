@@ -1,0 +1,123 @@
+"""The gathered layout (format v1): every rank's boxes known to every rank.
+
+Any layout works this way (hand-made :class:`objckpt.Shard` boxes included),
+at a cost that grows with ranks x tensors: each rank plans from the gathered
+boxes, and the manifest lists every chunk inline.  Single-process saves use
+it too, so readers of format v1 can read them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from ..errors import CorruptCheckpointError
+from ..format.dtypes import dtype_from_name, itemsize
+from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, TensorEntry
+from ..planning.assign import RankWrites, TensorMeta, plan_rank_writes
+from ..planning.boxes import Box
+from ..planning.pack import PackLimits
+from ..planning.read_plan import ChunkIndex
+from ..results import IOStats
+from ..storage import ObjectStore
+from .base import PLAN_CACHE, WRITER, ManifestCommon, RankOutcome, SaveLayout
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank tells the others in a gathered save."""
+
+    metas: dict[str, TensorMeta]
+    tree: Any
+    aliases: dict[str, str]
+    dtypes: dict[str, str]
+
+
+class GatheredLayout(SaveLayout):
+    version = 1
+
+    def __init__(self, reports: list[RankReport]) -> None:
+        self.reports = reports
+
+    def plan(self, rank: int, boxes: dict[str, Box], limits: PackLimits) -> RankWrites:
+        metas = [r.metas for r in self.reports]
+        digest = hashlib.blake2b(pickle.dumps((metas, rank, limits)), digest_size=20).digest()
+        return PLAN_CACHE.get(digest, lambda: plan_rank_writes(metas, rank, limits))
+
+    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, prefix: str,
+                      attempt: str, rank: int, stats: IOStats) -> RankOutcome:
+        return RankOutcome(blobs=blobs, records=records)
+
+    def manifest(self, outcomes: list[RankOutcome], common: ManifestCommon) -> Manifest:
+        metas0: dict[str, TensorMeta] = {}
+        dtypes: dict[str, str] = {}
+        for r in self.reports:
+            for k, t in r.metas.items():
+                metas0.setdefault(k, t)
+            for k, d in r.dtypes.items():
+                dtypes.setdefault(k, d)
+        aliases = self.reports[0].aliases
+        entries: dict[str, TensorEntry] = {}
+        for k in dtypes:
+            if k in aliases:
+                target = metas0[aliases[k]]
+                entries[k] = TensorEntry(k, target.dtype, target.shape, alias_of=aliases[k])
+            else:
+                t = metas0[k]
+                entries[k] = TensorEntry(k, t.dtype, t.shape)
+        blobs: list[Blob] = []
+        for out in outcomes:
+            base = len(blobs)
+            blobs.extend(out.blobs)
+            for rec in out.records:
+                c = rec.chunk
+                entries[rec.key].chunks.append(Chunk(c.offsets, c.shape, base + c.blob, c.offset, c.length,
+                                                     c.crc32c, c.block_crc32c))
+        for e in entries.values():
+            e.chunks.sort(key=lambda c: c.offsets)
+        trees = [r.tree for r in self.reports]
+        same = all(json.dumps(t, sort_keys=True) == json.dumps(trees[0], sort_keys=True) for t in trees)
+        return Manifest(
+            tensors=entries, blobs=blobs, tree=trees[0], metadata=common.metadata, attempt=common.attempt,
+            world_size=len(self.reports), writer=WRITER, crc_block=common.crc_block,
+            rank_trees=None if same else trees,
+        )
+
+
+def check_coverage(entry: TensorEntry) -> None:
+    """The chunks hold exactly the tensor's elements (each once, inside it)."""
+    isz = itemsize(dtype_from_name(entry.dtype, entry.key))
+    ok = all(c.length == math.prod(c.shape) * isz for c in entry.chunks)  # as_strided stays in bounds
+    if entry.shape:
+        ok = ok and sum(math.prod(c.shape) for c in entry.chunks) == entry.numel
+    else:
+        ok = ok and len(entry.chunks) == 1
+    if not ok:
+        raise CorruptCheckpointError(
+            f"tensor {entry.key!r}: its chunks do not cover shape {list(entry.shape)} exactly once"
+        )
+
+
+class InlineResolver:
+    """Chunks listed in the manifest (v1): an index sorted by dim-0 start answers."""
+
+    def __init__(self, m: Manifest) -> None:
+        self.m = m
+        self._index: dict[str, ChunkIndex] = {}
+
+    async def prefetch(self, wanted: Iterable[tuple[str, Box]], stats: Optional[IOStats] = None) -> None:
+        return None  # everything is in the manifest
+
+    def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
+        idx = self._index.get(key)
+        if idx is None:
+            e = self.m.tensors[key]
+            check_coverage(e)
+            idx = self._index[key] = ChunkIndex(e.chunks)
+        return idx.overlapping(box)
+
+    async def resolve_all(self, stats: Optional[IOStats] = None) -> None:
+        return None

@@ -1,0 +1,395 @@
+"""Collective loads: storage serves each byte once per replica group.
+
+When several ranks need the same bytes (data-parallel replicas, replicated
+DTensor dims, the DP groups of a DP x TP layout), reading them from storage
+on every rank multiplies the load on storage by the group size.  Here each
+replica group reads its bytes once and spreads them over the interconnect
+with torch.distributed collectives (NCCL with device tensors on GPU, gloo on
+CPU):
+
+* ``broadcast``: one member reads a batch and broadcasts it (the reader
+  rotates over the batches);
+* ``allgather``: every member reads a disjoint, byte-balanced share of each
+  batch, then the group exchanges the shares;
+* ``direct``: every rank reads what it needs itself (today's behaviour);
+* ``auto``: per group, the cheapest of the three under
+  :class:`~objckpt.planning.collective_plan.CostModel` (group size, bytes,
+  storage vs interconnect bandwidth); ``direct`` without a process group.
+
+Replica groups come from the load targets' layout, never from configuration:
+a DTensor's group is the set of mesh ranks whose coordinates agree on every
+non-``Replicate`` mesh dim (``Replicate`` dims and dims of size 1 vary); a
+plain tensor in a multi-rank load is held whole by every rank of the process
+group; an ``objckpt.Shard`` carries no replica information and is read
+directly.  Because a group's members derive it independently, one small
+exchange over the process group checks it: every member must list the group
+with the same digest of its items (stored key, box, dtype), or the whole
+group falls back to ``direct`` - on every rank alike, since all see the same
+exchange.  A group's collectives run on the load's process group when the
+group is all of it, on the DeviceMesh's own group when the tensors are
+replicated over one mesh dim, else on a group made once with ``new_group``
+(by every rank of the job, in sorted order; when the load's process group is
+not the whole job that is impossible, and such a group reads directly).
+
+Memory is bounded: a group's items are cut into batches of at most
+``collective_bytes`` (row ranges of large tensors), and a rank holds at most
+one batch of buffers besides its own destinations.  Large pieces travel
+straight from and into destination memory when it is contiguous on the
+collective's device.
+
+Failures: every exchange carries each owner's read status (one header byte of
+the packed collective), so a failed read stops its group before the data is
+used; a last exchange over the whole process group then makes every rank
+raise :class:`CollectiveLoadError` naming the failed rank(s) and objects.  A
+rank that fails before the first exchange (no manifest, template mismatch)
+still joins it with its error, so no rank is left waiting in a collective.
+
+All ranks of the process group must call ``load`` with the same
+``read_strategy`` (the collectives pair up across ranks).  Collectives are
+issued from the caller's thread, in an order every rank derives from the same
+data: groups sorted by their ranks, batches in plan order.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from ..distributed.comm import Comm, TensorGroup, TorchComm, subgroup
+from ..distributed.placements import Ranks, mesh_group, replica_group
+from ..errors import CollectiveLoadError
+from ..format.manifest import Manifest
+from ..memory import Budget
+from ..options import ReadStrategy
+from ..planning.boxes import Box, rows_of
+from ..planning.collective_plan import Batch, CostModel, ItemSize, plan_group
+from ..results import IOStats
+from ..storage import ObjectStore
+from ..storage.naming import NamingStore
+from .fill import FillTarget, fill_boxes
+
+#: the cost model ``read_strategy="auto"`` uses; replace it to describe your storage and network
+COST_MODEL = CostModel()
+
+#: pieces at least this large are broadcast on their own, in place when the destination allows
+SOLO_BYTES = 4 << 20
+
+
+# --------------------------------------------------------------------------- items
+
+
+@dataclass
+class _Item:
+    """One (stored key, box) a group needs; ``dests`` are this rank's destinations for it (tied: several)."""
+
+    key: str
+    box: Box
+    dests: list[torch.Tensor]
+    source: Any = None  # the state-dict value (its mesh may already have the group's process group)
+
+    @property
+    def dest(self) -> torch.Tensor:
+        return self.dests[0]
+
+    def size(self) -> ItemSize:
+        shape = self.box[1]
+        isz = self.dest.element_size()
+        if not shape:
+            return ItemSize(1, isz)
+        return ItemSize(int(shape[0]), int(math.prod(shape[1:])) * isz)
+
+    def rows(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return t if t.dim() == 0 else t[lo:hi]
+
+
+def _digest(items: Sequence[_Item]) -> str:
+    h = hashlib.sha1()
+    for it in items:
+        h.update(repr((it.key, it.box, str(it.dest.dtype))).encode())
+    return h.hexdigest()
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------- the load
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as a flat uint8 view (collectives move bytes, whatever the dtype)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _usable_in_place(t: torch.Tensor, device: torch.device) -> bool:
+    return t.is_contiguous() and t.device == device and type(t) in (torch.Tensor, torch.nn.Parameter) \
+        and not t.is_conj() and not t.is_neg()
+
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """What a rank says of one replica group in the first exchange."""
+
+    digest: str  # of the group's items (stored key, box, dtype): every member must agree
+    nbytes: int
+    wants_cuda: bool  # some destination is on a GPU
+    mesh_has_group: bool  # the DeviceMesh already has a process group of exactly these ranks
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A rank's first message in a collective load: its error, or its groups."""
+
+    error: Optional[str]
+    groups: dict[Ranks, GroupSummary]
+
+
+@dataclass
+class GroupPlan:
+    """How one replica group reads: its members' tensor collectives, items, strategy, device."""
+
+    group: TensorGroup
+    items: list[_Item]
+    strategy: ReadStrategy
+    device: torch.device
+
+
+class CollectiveReader:
+    """One ``load``'s read path: direct, or collective over replica groups.
+
+    Inactive (plain :func:`fill_boxes`, no collectives at all) without a
+    process group of more than one rank or with ``ReadStrategy.DIRECT``."""
+
+    def __init__(self, comm: Comm, read_strategy: ReadStrategy = ReadStrategy.AUTO,
+                 budget: Budget = Budget(256 << 20), cost_model: Optional[CostModel] = None) -> None:
+        self.comm = comm
+        self.read_strategy = read_strategy
+        self.budget = budget
+        self.model = cost_model or COST_MODEL
+        self.active = isinstance(comm, TorchComm) and comm.world_size > 1 and read_strategy != ReadStrategy.DIRECT
+        self.exchanged = False
+        #: bytes this rank received from other ranks over the interconnect
+        self.received_bytes = 0
+        #: how this rank's replicated bytes were read: "direct", "broadcast", "allgather" or "+"-joined
+        self.strategy = "direct"
+        self._error: Optional[str] = None
+        self._cause: Optional[BaseException] = None
+
+    # ----------------------------------------------------------------- failure handling
+
+    @contextmanager
+    def failing_together(self) -> Iterator[None]:
+        """Run a load; a failure on this rank before the first exchange still joins it.
+
+        The other ranks are (or will be) waiting in that exchange; joining it
+        with the error makes them raise too instead of waiting for the process
+        group's timeout.  This rank re-raises its own error."""
+        try:
+            yield
+        except Exception as e:
+            if self.active and not self.exchanged:
+                self.exchanged = True
+                try:
+                    self._first_exchange(Hello(_describe(e), {}))
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
+            raise
+
+    def _first_exchange(self, hello: Hello) -> list[Hello]:
+        """Every rank's :class:`Hello`; just one all-reduce when nobody has an error or a group."""
+        if not self.comm.any(bool(hello.error) or bool(hello.groups)):
+            return [Hello(None, {})] * self.comm.world_size
+        return self.comm.all_gather_object(hello)
+
+    def _raise_for(self, errors: dict[int, str], uri: str, when: str) -> None:
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(errors.items()))
+        msg = f"collective load of {uri!r} failed {when} on rank(s) {sorted(errors)}: {detail}"
+        raise CollectiveLoadError(msg, dict(errors)) from self._cause
+
+    # ----------------------------------------------------------------- the read path
+
+    def fill(self, st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget],
+             sources: Sequence[Any], stats: IOStats, uri: str = "") -> None:
+        """Fill ``targets`` (as :func:`fill_boxes` would); ``sources[i]`` is the state-dict value
+        target ``i`` came from (its placements give the replica group)."""
+        if not self.active:
+            fill_boxes(st, prefix, m, targets, stats)
+            return
+        import torch.distributed as dist
+
+        comm = self.comm
+        pg_ranks: Ranks = comm.global_ranks()
+        me = dist.get_rank()
+        direct: list[FillTarget] = []
+        by_group: dict[Ranks, dict[tuple[str, Box], _Item]] = {}
+        for t, src in zip(targets, sources):
+            ranks = replica_group(src, pg_ranks) if t.dest.numel() else None
+            if ranks is None or len(ranks) < 2 or me not in ranks:
+                direct.append(t)
+                continue
+            items = by_group.setdefault(ranks, {})
+            ident = (t.key, tuple(map(tuple, t.box)))
+            if ident in items:
+                items[ident].dests.append(t.dest)
+            else:
+                items[ident] = _Item(t.key, t.box, [t.dest], src)
+        mine = {g: [d[k] for k in sorted(d)] for g, d in by_group.items()}
+        summary = {g: GroupSummary(_digest(its), sum(it.size().nbytes for it in its),
+                                   any(it.dest.is_cuda for it in its), mesh_group(its[0].source, g) is not None)
+                   for g, its in mine.items()}
+        self.exchanged = True
+        everyone = self._first_exchange(Hello(None, summary))
+        errors = {r: h.error for r, h in enumerate(everyone) if h.error}
+        if errors:
+            self._raise_for(errors, uri, "before reading")
+        plans = self._plan_groups(mine, summary, everyone, pg_ranks, direct)
+        store = NamingStore(st)
+        if direct:
+            try:
+                fill_boxes(store, prefix, m, direct, stats)  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                self._fail(e, sorted({t.key for t in direct}), store)
+        for plan in plans:
+            self._run_group(plan, store, prefix, m, stats)
+        if any(p.device.type == "cuda" for p in plans):
+            torch.cuda.synchronize()
+        if comm.any(self._error is not None):
+            gathered = comm.all_gather_object(self._error)
+            self._raise_for({r: e for r, e in enumerate(gathered) if e}, uri, "while reading")
+
+    def _plan_groups(self, mine: dict[Ranks, list[_Item]], summary: dict[Ranks, GroupSummary],
+                     everyone: list[Hello], pg_ranks: Ranks, direct: list[FillTarget]) -> list[GroupPlan]:
+        """Which groups read collectively, over which process group, how; the rest join ``direct``.
+
+        A group is used when every member lists it with the same items; every
+        rank sees the same exchange, so every rank makes the same choices."""
+        import torch.distributed as dist
+
+        pg = self.comm.group
+        index = {g: i for i, g in enumerate(pg_ranks)}
+        listed: dict[Ranks, list[GroupSummary]] = {}
+        for h in everyone:
+            for g, info in h.groups.items():
+                listed.setdefault(g, []).append(info)
+        valid = {g for g, infos in listed.items()
+                 if len(infos) == len(g) and len({i.digest for i in infos}) == 1
+                 and all(g in everyone[index[r]].groups for r in g)}
+        whole_job = set(pg_ranks) == set(range(dist.get_world_size()))
+        handles: dict[Ranks, Any] = {}
+        for g in sorted(valid):  # the same calls, in the same order, on every rank
+            if g == pg_ranks:
+                handles[g] = pg
+            elif all(i.mesh_has_group for i in listed[g]):
+                handles[g] = mesh_group(mine[g][0].source, g) if g in mine else None
+            elif whole_job:
+                handles[g] = subgroup(g)
+            # else: no way to make a group of a sub-set of a sub-group: direct
+        backend = str(dist.get_backend(pg))
+        plans: list[GroupPlan] = []
+        used: set[str] = set()
+        for g in sorted(mine):
+            its = mine[g]
+            strategy = self.read_strategy if g in handles else ReadStrategy.DIRECT
+            device = torch.device("cpu")
+            if "nccl" in backend and (any(i.wants_cuda for i in listed[g]) or "gloo" not in backend):
+                device = torch.device("cuda", torch.cuda.current_device())
+            if strategy == ReadStrategy.AUTO:
+                nbytes = summary[g].nbytes
+                strategy = self.model.choose(len(g), nbytes, max(1, -(-nbytes // self.budget.nbytes)),
+                                             "nccl" if device.type == "cuda" else "gloo", len(its))
+            if strategy == ReadStrategy.DIRECT:
+                direct.extend(FillTarget(it.key, it.box, d) for it in its for d in it.dests)
+            else:
+                plans.append(GroupPlan(TensorGroup(g, handles[g]), its, strategy, device))
+            used.add(strategy.value)
+        # replica groups read directly (by choice or fallback) show up as "direct" next to the others
+        self.strategy = "+".join(sorted(used, key=["allgather", "broadcast", "direct"].index)) or "direct"
+        return plans
+
+    def _fail(self, e: BaseException, keys: Sequence[str], store: NamingStore) -> None:
+        if self._error is not None:
+            return
+        obj = f" (object {store.failed!r})" if store.failed else ""
+        shown = ", ".join(map(repr, keys[:5])) + (" ..." if len(keys) > 5 else "")
+        self._error = f"reading tensor(s) {shown}{obj}: {_describe(e)}"
+        self._cause = e
+
+    def _run_group(self, plan: GroupPlan, store: NamingStore, prefix: str, m: Manifest, stats: IOStats) -> None:
+        """The batches of one replica group; every member runs the same sequence of collectives."""
+        k = len(plan.group.ranks)
+        sizes = [it.size() for it in plan.items]
+        cap = self.budget.nbytes
+        with torch.no_grad():  # destinations may be parameters that require grad
+            # a share may end up to this far from 1/k to avoid splitting a tensor (see split_shares)
+            snap = min(1 << 20, cap // (4 * k))
+            for batch in plan_group(sizes, k, plan.strategy, cap, SOLO_BYTES, snap):
+                if not self._batch(plan, batch, store, prefix, m, stats):
+                    return  # a member failed: the group stops here (each member saw the same statuses)
+
+    def _batch(self, plan: GroupPlan, batch: Batch, store: NamingStore, prefix: str, m: Manifest,
+               stats: IOStats) -> bool:
+        """One batch: read my pieces, exchange the packed slots (status first), broadcast solo pieces,
+        copy out.  False when some owner's read failed (every member sees it and stops)."""
+        grp, items, device = plan.group, plan.items, plan.device
+        k, me = len(grp.ranks), grp.me
+        slot = batch.slot
+        gather = batch.reader is None
+        # allgather: one slot per member, mine read in place; broadcast: the reader's slot only
+        buf = torch.empty(k * slot if gather else slot, dtype=torch.uint8, device=device)
+        mine = buf[me * slot : (me + 1) * slot] if gather else buf
+        solo: dict[int, torch.Tensor] = {}  # piece index -> the tensor it travels in
+        reads: list[FillTarget] = []
+        for n, p in enumerate(batch.pieces):
+            it = items[p.item]
+            shape = tuple(it.box[1])
+            pshape = (p.hi - p.lo,) + shape[1:] if shape else ()
+            if p.solo:
+                d = it.rows(it.dest, p.lo, p.hi)
+                t = d if _usable_in_place(d, device) else torch.empty(pshape, dtype=it.dest.dtype, device=device)
+                solo[n] = t
+                if p.owner == me:
+                    reads.append(FillTarget(it.key, rows_of(it.box, p.lo, p.hi), t))
+            elif p.owner == me:
+                view = mine[p.offset : p.offset + p.nbytes].view(it.dest.dtype).view(pshape)
+                reads.append(FillTarget(it.key, rows_of(it.box, p.lo, p.hi), view))
+        if reads and self._error is None:
+            try:
+                fill_boxes(store, prefix, m, reads, stats)  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - travels in the status byte, reported at the end
+                self._fail(e, sorted({t.key for t in reads}), store)
+        mine[0] = 0 if self._error is None else 1
+        # the packed exchange: every owner's status byte, plus the small pieces
+        if not gather:
+            grp.broadcast(buf, batch.reader)  # type: ignore[arg-type]
+            if batch.reader != me:
+                self.received_bytes += slot
+            failed = bool(buf[0].item())
+        else:
+            grp.all_gather(buf, slot)
+            self.received_bytes += (k - 1) * slot
+            failed = bool(buf.view(k, slot)[:, 0].any().item())
+        if failed:
+            return False
+        for n, p in enumerate(batch.pieces):
+            it = items[p.item]
+            if p.solo:
+                t = solo[n]
+                grp.broadcast(_as_bytes(t), p.owner)
+                if p.owner != me:
+                    self.received_bytes += p.nbytes
+                src = t
+            else:
+                shape = tuple(it.box[1])
+                pshape = (p.hi - p.lo,) + shape[1:] if shape else ()
+                base = p.owner * slot if gather else 0
+                src = buf[base + p.offset : base + p.offset + p.nbytes].view(it.dest.dtype).view(pshape)
+            for d in it.dests:
+                dv = it.rows(d, p.lo, p.hi)
+                if dv.data_ptr() != src.data_ptr() or dv.device != src.device:
+                    dv.copy_(src)
+        return True

@@ -1,0 +1,111 @@
+"""Filling destination boxes from stored chunks: resolve, plan, execute.
+
+A fill target is (stored key, global box, destination tensor of the box's
+shape).  :func:`fill_boxes` asks the layout's resolver which chunks overlap
+each box, has :func:`~objckpt.planning.read_plan.plan_reads` make a
+:class:`~objckpt.planning.read_plan.ReadPlan` of it, and runs the plan batch
+by batch: whole chunks straight into destination memory, the rest into
+temporaries (at most one batch of them, within the budget), then one strided
+copy per piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .. import _runtime
+from ..format import keys
+from ..format.dtypes import dtype_from_name, itemsize
+from ..format.manifest import Manifest
+from ..layout import Resolver, resolver_for
+from ..memory import Budget, host_bytes, plain_host
+from ..planning.boxes import Box
+from ..planning.read_plan import ReadBatch, ReadPlan, ReadTarget, plan_reads
+from ..results import IOStats
+from ..storage import ObjectStore
+from .ranged_get import RangeRead, chunk_checks, read_ranges
+
+#: temporaries a load holds at once, by default
+TEMP_BUDGET = Budget(256 << 20)
+
+
+@dataclass(frozen=True)
+class FillTarget:
+    """Fill ``dest`` (shaped like ``box``) with ``box`` of the stored tensor ``key``."""
+
+    key: str
+    box: Box
+    dest: torch.Tensor
+
+
+def receives_in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether stored bytes can land in ``t``'s memory as they are."""
+    return plain_host(t) and t.dtype == dtype and type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def plan_fill(m: Manifest, resolver: Resolver, targets: Sequence[FillTarget], budget: Budget = TEMP_BUDGET,
+              verify: bool = True) -> ReadPlan:
+    """The read plan for ``targets`` (the resolver must have prefetched them)."""
+    read_targets = []
+    for t in targets:
+        dt = dtype_from_name(m.tensors[t.key].dtype, t.key)
+        read_targets.append(ReadTarget(t.key, t.box, itemsize(dt), receives_in_place(t.dest, dt)))
+    return plan_reads(read_targets, resolver.overlapping, m.crc_block, budget, verify)
+
+
+def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], batch: ReadBatch,
+               stats: IOStats, verify: bool) -> None:
+    reads: list[RangeRead] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, source view)
+    views: dict[int, memoryview] = {}
+    for d in batch.direct:
+        t = targets[d.target]
+        c = d.chunk
+        checks = chunk_checks(c, 0, c.length, m.crc_block) if verify else ()
+        view = views.get(d.target)
+        if view is None:
+            view = views[d.target] = host_bytes(t.dest)
+        dest = view[d.dest_offset : d.dest_offset + c.length]
+        reads.append(RangeRead(t.key, keys.join(prefix, m.blobs[c.blob].name), c.offset, dest, checks))
+    for s in batch.staged:
+        t = targets[s.target]
+        piece = s.piece
+        c = piece.chunk
+        dt = dtype_from_name(m.tensors[t.key].dtype, t.key)
+        temp = torch.empty(piece.hi - piece.lo, dtype=torch.uint8, pin_memory=t.dest.is_cuda)
+        tview = memoryview(temp.numpy()) if temp.numel() else memoryview(bytearray(0))
+        blob_key = keys.join(prefix, m.blobs[c.blob].name)
+        for a, b in piece.ranges:
+            checks = chunk_checks(c, a, b, m.crc_block) if verify else ()
+            reads.append(RangeRead(t.key, blob_key, c.offset + a, tview[a - piece.lo : b - piece.lo], checks))
+        i_off, i_shape = piece.inter
+        if not i_shape:
+            copies.append((t.dest, temp.view(dt).reshape(())))
+        else:
+            d_off = t.box[0]
+            src = temp.view(dt).as_strided(i_shape, piece.strides, piece.elem_offset)
+            copies.append((t.dest[tuple(slice(o - d, o - d + n) for o, d, n in zip(i_off, d_off, i_shape))], src))
+    if reads:
+        _runtime.run(read_ranges(st, reads, stats))
+    with torch.no_grad():
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=dst.is_cuda)
+        if any(d.is_cuda for d, _ in copies):
+            torch.cuda.synchronize()
+
+
+def run_plan(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], plan: ReadPlan,
+             stats: IOStats, verify: bool = True) -> None:
+    """Execute ``plan``: each batch's temporaries are copied out and freed before the next."""
+    for batch in plan.batches:
+        _run_batch(st, prefix, m, targets, batch, stats, verify)
+
+
+def fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], stats: IOStats,
+               verify: bool = True, budget: Budget = TEMP_BUDGET, resolver: Optional[Resolver] = None) -> None:
+    """Fill every target: resolve which chunks it needs, plan, execute."""
+    resolver = resolver if resolver is not None else resolver_for(m, st, prefix)
+    _runtime.run(resolver.prefetch(((t.key, t.box) for t in targets), stats))
+    run_plan(st, prefix, m, targets, plan_fill(m, resolver, targets, budget, verify), stats, verify)

@@ -1,0 +1,167 @@
+"""The load pipeline: manifest -> template match -> resolve -> read plan -> execute.
+
+:func:`load_into` fills a caller's template in place, :func:`read_checkpoint`
+builds fresh CPU tensors, :func:`inspect_checkpoint` returns the manifest.
+Matching a template to the manifest happens here, before any tensor byte is
+read, so a mismatch costs one GET and names every key it concerns.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .. import _runtime
+from ..distributed.placements import Shard, local_part
+from ..errors import MissingKeyError, NotFoundError, StateDictMismatchError
+from ..format import keys as objkeys
+from ..format.dtypes import dtype_from_name
+from ..format.manifest import Manifest, decode
+from ..format.tree import decode_tree, iter_leaves
+from ..layout import resolver_for
+from ..options import LoadOptions
+from ..planning.boxes import whole
+from ..results import IOStats, LoadResult
+from ..statedict import Slot, template_slots
+from ..storage import ObjectStore
+from .collective import CollectiveReader
+from .fill import FillTarget, fill_boxes
+
+
+async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
+    mkey = objkeys.manifest_key(prefix)
+    try:
+        data = await store.get(mkey)
+    except NotFoundError:
+        raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)") from None
+    if stats is not None:
+        stats.add(len(data))
+    return decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
+
+
+def inspect_checkpoint(st: ObjectStore, prefix: str, uri: str, chunks: bool) -> Manifest:
+    """The manifest; with ``chunks``, every tensor lists its chunks (v2: all rank indexes fetched)."""
+
+    async def go() -> Manifest:
+        m = await fetch_manifest(st, prefix, uri)
+        if chunks:
+            await resolver_for(m, st, prefix).resolve_all()
+        return m
+
+    return _runtime.run(go())
+
+
+def _stored_key(m: Manifest, key: str) -> str:
+    return m.tensors[key].alias_of or key
+
+
+def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Iterable[str]],
+                    allow_pickle: bool) -> Any:
+    """Tensors (on CPU) and values without a template; with ``keys``, only those leaves."""
+    stats = IOStats()
+    m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
+    leaves = dict(iter_leaves(m.tree))
+    wanted_keys = list(keys) if keys is not None else None
+    if wanted_keys is None:
+        wanted = list(m.tensors)
+    else:
+        missing = [k for k in wanted_keys if k not in leaves]
+        if missing:
+            raise MissingKeyError(
+                f"key(s) {missing[:10]} not in checkpoint {uri!r} (it has {len(leaves)} keys, e.g. {list(leaves)[:5]})"
+            )
+        wanted = [k for k in wanted_keys if k in m.tensors]
+    bufs: dict[str, torch.Tensor] = {}
+    for k in wanted:
+        sk = _stored_key(m, k)
+        if sk not in bufs:
+            e = m.tensors[sk]
+            bufs[sk] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype, sk))
+    fill_boxes(st, prefix, m, [FillTarget(k, whole(t.shape), t) for k, t in bufs.items()], stats)
+
+    def get_tensor(k: str) -> torch.Tensor:
+        return bufs[_stored_key(m, k)]
+
+    if wanted_keys is None:
+        return decode_tree(m.tree, get_tensor, allow_pickle=allow_pickle, where=repr(uri))
+    return {k: decode_tree(leaves[k], get_tensor, allow_pickle=allow_pickle, where=repr(uri)) for k in wanted_keys}
+
+
+@dataclass
+class Match:
+    """A template matched against a manifest: what to fill, and from which state-dict values."""
+
+    targets: list[FillTarget]
+    sources: list[Any]  # the state-dict value of each target: its placements give the replica group
+    value_slots: list[Slot]
+    n_tensors: int
+    missing: list[str]
+    unexpected: list[str]
+
+
+def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: str, strict: bool) -> Match:
+    """Pair every template leaf with the checkpoint, or raise naming what does not fit."""
+    slots = list(template_slots(state_dict))
+    tkeys = {s.key for s in slots}
+    missing = [s.key for s in slots if s.key not in leaves]
+    unexpected = [k for k in leaves if k not in tkeys]
+    if strict and (missing or unexpected):
+        raise StateDictMismatchError(
+            f"state dict does not match checkpoint {uri!r}: missing from checkpoint {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}; in checkpoint but not in state dict {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''} (pass strict=False to load the common keys)"
+        )
+    problems: list[str] = []
+    out = Match([], [], [], 0, missing, unexpected)
+    seen: set[tuple] = set()
+    for s in slots:
+        if s.key not in leaves:
+            continue
+        is_t = isinstance(s.value, (torch.Tensor, Shard))
+        in_ckpt_t = s.key in m.tensors
+        if is_t != in_ckpt_t:
+            problems.append(f"{s.key!r}: {'tensor' if is_t else 'value'} in state dict, "
+                            f"{'tensor' if in_ckpt_t else 'value'} in checkpoint")
+            continue
+        if not is_t:
+            out.value_slots.append(s)
+            continue
+        e = m.tensors[s.key]
+        shape, dt, box, local = local_part(s.key, s.value)
+        if dt != dtype_from_name(e.dtype, s.key) or tuple(shape) != e.shape:
+            problems.append(f"{s.key!r}: state dict has {dt} {list(shape)}, checkpoint has {e.dtype} {list(e.shape)}")
+            continue
+        if box is None or local is None:
+            continue  # this rank holds no part of it
+        out.n_tensors += 1
+        sk = _stored_key(m, s.key)
+        ident = (local.device, local.data_ptr(), tuple(local.shape), tuple(local.stride()), sk, box)
+        if ident in seen and local.numel():
+            continue  # tied destination: fill once
+        seen.add(ident)
+        out.targets.append(FillTarget(sk, box, local))
+        out.sources.append(s.value)
+    if problems:
+        raise StateDictMismatchError(f"cannot load {uri!r}: " + "; ".join(problems[:20]))
+    return out
+
+
+def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: CollectiveReader,
+              opts: LoadOptions) -> LoadResult:
+    """Fill ``state_dict`` in place; ``reader`` reads directly or once per replica group."""
+    t0 = time.perf_counter()
+    rank = reader.comm.rank
+    stats = IOStats()
+    m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
+    tree = m.rank_trees[rank] if m.rank_trees and rank < len(m.rank_trees) else m.tree
+    leaves = dict(iter_leaves(tree))
+    match = match_template(state_dict, m, leaves, uri, opts.strict)
+    reader.fill(st, prefix, m, match.targets, match.sources, stats, uri)
+    for s in match.value_slots:
+        if s.container is not None and not isinstance(s.container, tuple):
+            s.container[s.index] = decode_tree(leaves[s.key], lambda k: None, allow_pickle=opts.allow_pickle,
+                                               where=repr(uri))
+    return LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, match.n_tensors, match.missing,
+                      match.unexpected, reader.received_bytes, reader.strategy)

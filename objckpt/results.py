@@ -1,0 +1,48 @@
+"""What a save or a load reports back, and the I/O counters behind it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IOStats:
+    """Requests made and bytes moved by one rank in one operation."""
+
+    requests: int = 0
+    bytes: int = 0
+
+    def add(self, nbytes: int, requests: int = 1) -> None:
+        self.requests += requests
+        self.bytes += nbytes
+
+
+@dataclass
+class SaveResult:
+    uri: str
+    bytes: int  # tensor bytes this rank uploaded (blob sizes, padding included)
+    seconds: float
+    requests: int  # requests this rank made
+    tensors: int
+    blobs: int  # blobs this rank wrote
+    manifest_bytes: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass
+class LoadResult:
+    uri: str
+    bytes: int  # bytes this rank fetched from storage (manifest included)
+    seconds: float
+    requests: int
+    tensors: int
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    received_bytes: int = 0  # bytes this rank received from other ranks (collective reads)
+    strategy: str = "direct"  # how replicated tensors were read: direct, broadcast, allgather ("+"-joined if mixed)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0

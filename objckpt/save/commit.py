@@ -1,0 +1,101 @@
+"""The commit protocol: the manifest written last, conditionally, by rank 0.
+
+The manifest is the commit record: written last, by rank 0 only, after every
+rank's blobs are up.  The conditional write makes two writers unable to both
+commit; an error on the write is examined before anything is cleaned up,
+because a PUT can land even when its reply is lost.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import _runtime
+from ..errors import NotFoundError, PreconditionFailed
+from ..format import keys
+from ..format.manifest import Manifest, decode, encode
+from ..results import IOStats
+from ..storage import ObjectStore
+
+
+class CommitState(str, enum.Enum):
+    OK = "ok"
+    #: another writer committed first; this attempt's objects are deleted
+    EXISTS = "exists"
+    #: the manifest write failed and certainly did not land; this attempt's objects are deleted
+    FAILED_CLEAN = "failed-clean"
+    #: the manifest write failed and whether it landed is unknown; nothing is deleted (gc decides later)
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class CommitStatus:
+    """Rank 0's commit outcome, shared with every rank."""
+
+    state: CommitState
+    message: str = ""
+    manifest_bytes: int = 0
+
+
+def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
+           written: list[str], stats: IOStats, errors: list[BaseException]) -> CommitStatus:
+    """Write the manifest (rank 0); ``written``: every object of this attempt
+    rank 0 wrote.  The exception behind a failure is appended to ``errors``."""
+    data = encode(m)
+    mkey = keys.manifest_key(prefix)
+
+    async def go() -> CommitStatus:
+        old: Optional[Manifest] = None
+        if overwrite:
+            try:
+                old = decode(await st.get(mkey), mkey)
+            except Exception:
+                old = None  # absent or unreadable: nothing of it to clean up
+        try:
+            await st.put(mkey, data, if_absent=not overwrite)
+        except BaseException as e:
+            # The PUT may have landed even though we saw an error (a lost reply,
+            # then a retry answered 412): look before deleting anything.
+            committed = await _committed_attempt(st, mkey)
+            if committed != m.attempt:
+                errors.append(e)
+                if committed != "?":  # ours is certainly not referenced
+                    await _delete_async(st, written)
+                if isinstance(e, PreconditionFailed):
+                    return CommitStatus(CommitState.EXISTS, f"another writer committed a checkpoint at {uri!r} first")
+                state = CommitState.FAILED_CLEAN if committed != "?" else CommitState.FAILED
+                return CommitStatus(state, f"committing {uri!r} failed: {type(e).__name__}: {e}")
+        stats.add(len(data))
+        if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
+            live = {b.name for b in m.blobs} | {r.name for r in m.rank_indexes}
+            dead = [b.name for b in old.blobs] + [r.name for r in old.rank_indexes]
+            await _delete_async(st, [keys.join(prefix, n) for n in dead if n not in live])
+        return CommitStatus(CommitState.OK, "", len(data))
+
+    return _runtime.run(go())
+
+
+async def _committed_attempt(store: ObjectStore, mkey: str) -> Optional[str]:
+    """The attempt id of the manifest now at ``mkey``; None if absent, "?" if unknown."""
+    try:
+        return decode(await store.get(mkey), mkey).attempt
+    except NotFoundError:
+        return None
+    except Exception:
+        return "?"
+
+
+async def _delete_async(store: ObjectStore, names: list[str]) -> None:
+    try:
+        await store.delete(names)
+    except Exception:
+        pass  # unreferenced: gc sweeps them
+
+
+def delete_quietly(store: ObjectStore, names: list[str]) -> None:
+    """Delete objects of an attempt that will not commit; what fails is left for gc."""
+    if names:
+        _runtime.run(_delete_async(store, names))
+
+

@@ -1,0 +1,128 @@
+"""Describe phase: this rank's state as tensor boxes, sources and (when it has one) a symbolic description.
+
+Nothing here talks to other ranks or to storage; the description is what the
+exchange in :mod:`objckpt.save.pipeline` compares and plans from.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..distributed.comm import Comm
+from ..distributed.placements import Shard, dtensor_placements, is_dtensor, local_part, mesh_description
+from ..format.dtypes import dtype_name, itemsize
+from ..format.manifest import Mesh
+from ..planning.assign import TensorMeta
+from ..planning.boxes import Box
+from ..planning.symbolic import SymbolicDescription, TensorDesc, cell_box
+from ..statedict import collect
+
+#: ``mirror(key, local)`` starts a host copy of ``local`` and returns the tensor to read from
+Mirror = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a tensor's bytes come from on this rank: its box, and the local tensor holding it."""
+
+    box: Box
+    tensor: torch.Tensor
+
+
+@dataclass
+class LocalState:
+    """What one rank brings to a save."""
+
+    tree: Any
+    metas: dict[str, TensorMeta]
+    sources: dict[str, Source]
+    aliases: dict[str, str]
+    dtypes: dict[str, str]
+    #: None: some tensor has no symbolic form, or a single process
+    symbolic: Optional[SymbolicDescription] = None
+
+    @property
+    def boxes(self) -> dict[str, Box]:
+        return {k: s.box for k, s in self.sources.items()}
+
+
+def describe_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None,
+                   mirror: Optional[Mirror] = None) -> LocalState:
+    """This rank's state, described.  ``mirror``, when given, starts a copy of
+    each local tensor as soon as it is found, and the save then reads from
+    the copy (see :mod:`objckpt.save.mirrors`)."""
+    early: dict[str, torch.Tensor] = {}
+
+    def start_copy(key: str, value: Any) -> None:  # each copy starts the moment its tensor is found
+        if mirror is not None:
+            local = value.local if isinstance(value, Shard) else value.to_local() if is_dtensor(value) else value
+            early[key] = mirror(key, local)
+
+    col = collect(state, allow_pickle=allow_pickle, on_new=start_copy if mirror is not None else None)
+    metas: dict[str, TensorMeta] = {}
+    sources: dict[str, Source] = {}
+    dtypes: dict[str, str] = {}
+    values: dict[str, Any] = {}
+    for key, value in col.tensors.items():
+        shape, dt, box, local = local_part(key, value)
+        dtypes[key] = dtype_name(dt, key)
+        if key in col.alias_of:
+            continue
+        boxes = (box,) if box is not None else ()
+        metas[key] = TensorMeta(dtypes[key], shape, itemsize(dt), boxes)
+        values[key] = value
+        if box is not None and local is not None:
+            sources[key] = Source(box, early.get(key, local))
+    out = LocalState(col.tree, metas, sources, dict(col.alias_of), dtypes)
+    if comm is not None and comm.world_size > 1:
+        out.symbolic = describe_symbolic(out, values, comm)
+    return out
+
+
+def describe_symbolic(local: LocalState, values: dict[str, Any], comm: Comm) -> Optional[SymbolicDescription]:
+    """The symbolic description of this rank's state, or None when some tensor
+    has no symbolic layout (objckpt.Shard, a mesh outside the group, a box that
+    differs from the rule): the save then gathers every rank's boxes."""
+    world = comm.world_size
+    meshes: list[Mesh] = [Mesh((world,), tuple(range(world)))]
+    mesh_ids: dict[Any, int] = {}
+    descs: list[TensorDesc] = []
+    for key, t in local.metas.items():
+        v = values[key]
+        if isinstance(v, torch.Tensor) and not is_dtensor(v):
+            mid, placements = 0, ("R",)
+        elif is_dtensor(v):
+            pl = dtensor_placements(v)
+            if pl is None:
+                return None
+            ident, mshape, granks, placements = mesh_description(v, pl)
+            mid = mesh_ids.get(ident, -1)
+            if mid < 0:
+                ranks = [comm.group_rank(r) for r in granks]
+                if any(r is None for r in ranks):
+                    return None
+                mesh = Mesh(mshape, tuple(ranks))  # type: ignore[arg-type]
+                mid = meshes.index(mesh) if mesh in meshes else len(meshes)
+                if mid == len(meshes):
+                    meshes.append(mesh)
+                mesh_ids[ident] = mid
+        else:
+            return None
+        coord = meshes[mid].coordinate(comm.rank)
+        if coord is not None:
+            mine = t.boxes[0] if t.boxes else None
+            rule = cell_box(t.shape, meshes[mid].shape, placements, coord)
+            if mine is None or (rule != mine and (math.prod(rule[1]) or math.prod(mine[1]))):
+                return None
+        descs.append(TensorDesc(key, tuple(t.shape), t.itemsize, mid, placements))
+    digest = hashlib.blake2b(
+        pickle.dumps(([(d, local.dtypes[d.key]) for d in descs], meshes, sorted(local.aliases.items()),
+                      sorted(local.dtypes.items()))),
+        digest_size=20,
+    ).digest()
+    return SymbolicDescription(descs, meshes, digest)

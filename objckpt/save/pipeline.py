@@ -1,0 +1,258 @@
+"""The three phases of a save, shared by :func:`objckpt.save` and :func:`objckpt.async_save`.
+
+1. :func:`prepare` (caller's thread): describe local state, one small
+   exchange between ranks, choose the layout, plan this rank's writes.
+2. :func:`upload` (coroutine on the I/O loop): stage and upload this rank's
+   blobs, publish its chunk records; reports when every part is staged.
+3. :func:`finish` (a thread that may issue collectives): exchange outcomes,
+   rank 0 commits the manifest, every rank learns the result.
+
+Collectives happen only in phases 1 and 3, always in the same order on every
+rank; an async save runs phase 3 on a gloo group from its own thread, never on
+NCCL.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import _runtime
+from ..distributed.comm import Comm, decide_on_root
+from ..errors import CheckpointExistsError, ObjckptError, StateDictMismatchError
+from ..format import keys
+from ..format.manifest import Blob, Chunk, ChunkRecord
+from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
+from ..memory import Budget, HostPool
+from ..options import SaveOptions
+from ..planning.pack import PackLimits, SavePlan
+from ..results import IOStats, SaveResult
+from ..storage import ObjectStore
+from .commit import CommitState, CommitStatus, commit, delete_quietly
+from .describe import LocalState, Mirror, describe_local
+from .upload import write_plan
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What every rank says in the first exchange of a save."""
+
+    symbolic_digest: Optional[bytes]  # of its symbolic description (None: it has none)
+    tree_digest: bytes  # of its non-tensor values
+    exists: bool  # rank 0: a checkpoint is committed at the URI
+    attempt: str  # rank 0: the new attempt id
+    error: Optional[str]  # this rank could not describe its state
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows of a local tensor that one write item stores, and where they sit globally."""
+
+    key: str
+    offsets: tuple[int, ...]  # global offsets of the item's first element
+
+
+@dataclass
+class Prepared:
+    """Everything phases 2 and 3 need; no reference to the caller's containers."""
+
+    uri: str
+    store: ObjectStore
+    prefix: str
+    rank: int
+    world_size: int
+    opts: SaveOptions
+    attempt: str
+    local: LocalState
+    layout: SaveLayout
+    plan: SavePlan
+    #: the tensors the plan's chunks are cut from, by packing key, and what each one is
+    tensors: dict[str, torch.Tensor]
+    pieces: dict[str, Piece]
+    blob_names: list[str]
+    stats: IOStats = field(default_factory=IOStats)
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self.plan.blobs)
+
+    @property
+    def blob_keys(self) -> list[str]:
+        return [keys.join(self.prefix, n) for n in self.blob_names]
+
+    @property
+    def written_keys(self) -> list[str]:
+        """Every object this rank writes (deleted if the save does not commit)."""
+        index = self.layout.index_name(self.attempt, self.rank)
+        return self.blob_keys + ([keys.join(self.prefix, index)] if index else [])
+
+
+def _tree_digest(tree: Any) -> bytes:
+    return hashlib.blake2b(json.dumps(tree, sort_keys=True).encode(), digest_size=20).digest()
+
+
+def _choose_layout(local: LocalState, hellos: list[Hello], comm: Comm) -> SaveLayout:
+    """Symbolic when every rank reports the same description (DTensors and plain
+    tensors, the common case): nothing more is exchanged.  Otherwise a second
+    all_gather brings every rank's boxes (objckpt.Shard, layouts without a
+    symbolic form)."""
+    world = comm.world_size
+    mine = local.symbolic
+    if world > 1 and mine is not None and all(h.symbolic_digest == mine.digest for h in hellos):
+        rank_trees = None
+        if any(h.tree_digest != hellos[0].tree_digest for h in hellos):  # non-tensor values differ
+            rank_trees = comm.all_gather_object(local.tree)
+        return SymbolicLayout(mine, local.dtypes, local.aliases, local.tree, rank_trees)
+    report = RankReport(local.metas, local.tree, local.aliases, local.dtypes)
+    reports = comm.all_gather_object(report) if world > 1 else [report]
+    if any(r.aliases != reports[0].aliases for r in reports):
+        raise StateDictMismatchError("tied tensors differ between ranks; tie the same keys on every rank")
+    return GatheredLayout(reports)
+
+
+def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts: SaveOptions,
+            mirror: Optional[Mirror] = None) -> Prepared:
+    """Phase 1 (caller's thread): describe, exchange, plan.
+
+    The first exchange is one all_gather of a :class:`Hello` per rank.  A rank
+    that fails to describe its state still joins it with its error, so every
+    rank raises together instead of waiting in a collective."""
+    t0 = time.perf_counter()
+    stats = IOStats()
+    world = comm.world_size
+    local: Optional[LocalState] = None
+    local_exc: Optional[BaseException] = None
+    err: Optional[str] = None
+    exists = False
+    try:
+        local = describe_local(state, opts.allow_pickle, comm, mirror)
+        if comm.rank == 0:
+            exists = _runtime.run(st.head(keys.manifest_key(prefix))) is not None
+            stats.add(0)
+    except Exception as e:
+        if world == 1:
+            raise
+        local_exc, err = e, f"{type(e).__name__}: {e}"
+    hello = Hello(
+        symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
+        tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
+        exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err,
+    )
+    hellos: list[Hello] = comm.all_gather_object(hello) if world > 1 else [hello]
+    failed = [(r, h.error) for r, h in enumerate(hellos) if h.error]
+    if failed:
+        raise ObjckptError(
+            f"save to {uri!r} not started: " + "; ".join(f"rank {r}: {m}" for r, m in failed)
+        ) from local_exc
+    if local is None:  # unreachable: a failed describe is in ``failed``
+        raise ObjckptError(f"save to {uri!r}: rank {comm.rank} has no description of its state")
+    if hellos[0].exists and not opts.overwrite:
+        raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
+    attempt = hellos[0].attempt
+    layout = _choose_layout(local, hellos, comm)
+    limits = PackLimits(opts.blob_size, opts.part_size, st.min_part_size, st.max_part_size)
+    writes = layout.plan(comm.rank, local.boxes, limits)
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, Piece] = {}
+    for i, it in enumerate(writes.items):
+        src = local.sources[it.key].tensor
+        pk = f"{it.key}\x00{i}"  # the packing key plan_save was given (see planning.pack.pack_items)
+        tensors[pk] = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
+        pieces[pk] = Piece(it.key, it.offsets)
+    names = [keys.blob_name(attempt, comm.rank, b.index) for b in writes.plan.blobs]
+    return Prepared(uri, st, prefix, comm.rank, world, opts, attempt, local, layout, writes.plan, tensors, pieces,
+                    names, stats=stats, t0=t0)
+
+
+@dataclass(frozen=True)
+class UploadOutcome:
+    """Phase 2's result: what this rank reports to the others, and its own exception."""
+
+    shared: RankOutcome
+    exc: Optional[BaseException] = None
+
+    @classmethod
+    def failed(cls, what: str, exc: BaseException) -> "UploadOutcome":
+        return cls(RankOutcome(error=f"{what}{type(exc).__name__}: {exc}"), exc)
+
+
+async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: bool,
+                 on_staged: Optional[Callable[[], None]] = None, stream: Any = None) -> UploadOutcome:
+    """Phase 2 (I/O loop): this rank's blobs, then its chunk records."""
+    try:
+        crcs = await write_plan(prep.store, prep.blob_keys, prep.plan, prep.tensors, pool, budget, prep.stats,
+                                zero_copy=zero_copy, crc_block=prep.opts.crc_block, on_staged=on_staged,
+                                stream=stream)
+    except Exception as e:
+        return UploadOutcome.failed("", e)
+    records = []
+    for c in prep.plan.chunks:
+        piece = prep.pieces[c.key]
+        offs = tuple(b + o for b, o in zip(piece.offsets, c.offsets))
+        total, blocks = crcs[c]
+        records.append(ChunkRecord(piece.key, Chunk(offs, c.shape, c.blob, c.offset, c.length, total, blocks)))
+    blobs = [Blob(n, b.size, prep.rank) for n, b in zip(prep.blob_names, prep.plan.blobs)]
+    try:
+        shared = await prep.layout.publish(records, blobs, prep.store, prep.prefix, prep.attempt, prep.rank,
+                                           prep.stats)
+    except Exception as e:
+        return UploadOutcome.failed(f"publishing the chunk records of rank {prep.rank}: ", e)
+    return UploadOutcome(shared)
+
+
+def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
+    """Phase 3: exchange outcomes; rank 0 commits; every rank returns or raises alike."""
+    st = prep.store
+    if prep.world_size == 1 and outcome.exc is not None:
+        delete_quietly(st, prep.written_keys)  # e.g. blobs of an abandoned lazy save
+        raise outcome.exc
+    commit_errors: list[BaseException] = []
+
+    def decide(outcomes: list[RankOutcome]) -> tuple[Optional[CommitStatus], list[Optional[str]]]:
+        errors = [o.error for o in outcomes]
+        if any(errors):
+            return None, errors  # every rank raises below, from the same list
+        m = prep.layout.manifest(outcomes, ManifestCommon(prep.attempt, prep.opts.metadata, prep.opts.crc_block))
+        return commit(st, prep.prefix, m, prep.opts.overwrite, prep.uri, prep.written_keys, prep.stats,
+                      commit_errors), errors
+
+    try:
+        status, errors = decide_on_root(comm, outcome.shared, decide)
+    except Exception:  # building or committing the manifest failed on rank 0: raised on every rank
+        delete_quietly(st, prep.written_keys)
+        raise
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        delete_quietly(st, prep.written_keys)
+        raise ObjckptError(
+            f"save to {prep.uri!r} failed on {len(failed)} of {prep.world_size} rank(s), nothing committed: "
+            + "; ".join(f"rank {r}: {m}" for r, m in failed)
+        ) from outcome.exc
+    if status is None:  # unreachable: rank 0 commits exactly when no rank failed
+        raise ObjckptError(f"save to {prep.uri!r}: no commit status")
+    if status.state != CommitState.OK:
+        if prep.rank != 0 and status.state in (CommitState.FAILED_CLEAN, CommitState.EXISTS):
+            delete_quietly(st, prep.written_keys)
+        if status.state == CommitState.EXISTS:
+            raise CheckpointExistsError(status.message)
+        if commit_errors and prep.world_size == 1:
+            raise commit_errors[0]
+        raise ObjckptError(status.message)
+    return SaveResult(prep.uri, prep.nbytes, time.perf_counter() - prep.t0, prep.stats.requests,
+                      len(prep.local.dtypes), len(prep.plan.blobs), status.manifest_bytes)
+
+
+def save_now(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts: SaveOptions,
+             pool: HostPool) -> SaveResult:
+    """A synchronous save: all three phases in the caller's thread.  Contiguous
+    CPU tensors upload from their own memory (the caller waits, so they cannot
+    change); everything else stages within ``opts.staging_bytes`` (512 MiB by default)."""
+    prep = prepare(state, uri, st, prefix, comm, opts)
+    budget = Budget(opts.staging_bytes if opts.staging_bytes is not None else 512 << 20)
+    outcome = _runtime.run(upload(prep, pool, budget, zero_copy=True))
+    return finish(prep, comm, outcome)

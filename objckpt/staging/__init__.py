@@ -1,1 +1,0 @@
-"""Host staging buffers for uploads."""
