@@ -13,7 +13,7 @@ import torch
 
 from . import api
 from .storage import open_store
-from .storage.wrappers import CountingStore
+from .testing.stores import CountingStore
 
 
 def build_model(d_model: int = 512, layers: int = 4, vocab: int = 8192, seed: int = 0) -> torch.nn.Module:

@@ -12,7 +12,7 @@ import torch
 
 import objckpt
 from objckpt.storage import open_store
-from objckpt.storage.wrappers import CountingStore, FaultyStore
+from objckpt.testing.stores import CountingStore, FaultyStore
 
 from mp import run_multiprocess
 
@@ -142,7 +142,7 @@ def test_interpreter_exit_waits_for_save_in_flight(tmp_path: Any) -> None:
     script = textwrap.dedent(f"""
         import asyncio, torch, objckpt
         from objckpt.storage import open_store
-        from objckpt.storage.wrappers import CountingStore
+        from objckpt.testing.stores import CountingStore
 
         class Slow(CountingStore):
             def open_writer(self, key, size, num_parts=1):

@@ -177,7 +177,7 @@ def digest(state: dict[str, Any]) -> str:
 
 def _counting(uri: str, opts: dict[str, Any]) -> Any:
     from objckpt.storage import open_store
-    from objckpt.storage.wrappers import CountingStore
+    from objckpt.testing.stores import CountingStore
 
     return CountingStore(open_store(uri, opts)[0])
 
@@ -321,7 +321,7 @@ def test_2x2_mesh_each_dp_group_reads_its_tp_shard_once(tmp_path: Any) -> None:
 
 def load_failing(rank: int, world: int, uri: str) -> dict[str, str]:
     from objckpt.storage import open_store
-    from objckpt.storage.wrappers import FaultyStore
+    from objckpt.testing.stores import FaultyStore
 
     out: dict[str, str] = {}
     src = replicated_state()

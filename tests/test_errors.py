@@ -154,7 +154,7 @@ def test_lost_commit_reply_is_not_mistaken_for_a_race(tmp_path: Any) -> None:
     succeeded and its blobs must stay."""
     from objckpt.errors import PreconditionFailed
     from objckpt.storage import open_store
-    from objckpt.storage.wrappers import CountingStore
+    from objckpt.testing.stores import CountingStore
 
     real, _ = open_store(str(tmp_path / "c"))
 

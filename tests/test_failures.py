@@ -8,7 +8,7 @@ import torch
 
 import objckpt
 from objckpt.storage import open_store
-from objckpt.storage.wrappers import CountingStore, FaultyStore
+from objckpt.testing.stores import CountingStore, FaultyStore
 from objckpt import _runtime
 from objckpt.format.manifest import Manifest, encode
 

@@ -65,7 +65,7 @@ def load_into(rank: int, world: int, uri: str) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from objckpt.storage import open_store
-    from objckpt.storage.wrappers import CountingStore
+    from objckpt.testing.stores import CountingStore
 
     mesh = _mesh((world,))
     r0, r1 = _rows(8, world, rank)
@@ -162,7 +162,7 @@ def test_2x2_mesh_to_1d_and_single_process(tmp_path: Any) -> None:
 
 def save_failing(rank: int, world: int, uri: str) -> str:
     from objckpt.storage import open_store
-    from objckpt.storage.wrappers import FaultyStore
+    from objckpt.testing.stores import FaultyStore
 
     state = {"w": full("rep_big"), "x": full("rep")}  # 4 MiB replicated: both ranks write a half
     store = FaultyStore(open_store(uri)[0], "write_part", 1) if rank == 1 else None

@@ -7,7 +7,7 @@ import torch
 
 import objckpt
 from objckpt.storage import open_store
-from objckpt.storage.wrappers import CountingStore
+from objckpt.testing.stores import CountingStore
 
 
 def _big_state() -> dict[str, torch.Tensor]:

@@ -183,7 +183,7 @@ def load_3(rank: int, world: int, uri: str, opts: dict) -> dict[str, Any]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from objckpt.storage import open_store
-    from objckpt.storage.wrappers import CountingStore
+    from objckpt.testing.stores import CountingStore
 
     mesh = init_device_mesh("cpu", (world,))
     tmpl = {

@@ -1,1 +1,1 @@
-"""Test and benchmark helpers for objckpt (not used by the library at run time)."""
+"""Test and benchmark helpers for objckpt; save and load never use them (``objckpt demo`` counts requests with ``stores``)."""

@@ -1,15 +1,17 @@
-"""Store wrappers: counting requests/bytes and injecting faults.
+"""Test doubles for the storage seam: wrappers that count requests/bytes or inject faults.
 
 Used by tests (to prove a read moves only what it should, and that a failed
-save leaves nothing behind) and by benchmarks (to report requests).  They wrap
-any store, real S3 included, so the proof runs over the real protocol.
+save leaves nothing behind), by benchmarks and ``objckpt demo`` (to report
+requests).  They wrap any store, real S3 included, so the proof runs over the
+real protocol.  They live here, not in ``objckpt.storage``, because no save or
+load path uses them.
 """
 from __future__ import annotations
 
 from collections import Counter
 from typing import Callable, Optional, Sequence
 
-from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
+from ..storage.base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 
 
 class CountingStore(ObjectStore):

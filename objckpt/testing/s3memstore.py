@@ -1,0 +1,132 @@
+"""The in-memory state behind the test S3 server: buckets, objects, multipart uploads,
+request statistics and pending injected faults.
+
+Object bytes are never copied after aiohttp parsed them: a body stays the list of
+chunks it arrived in (:class:`_Data`), completing an upload concatenates the parts'
+chunk lists, and a ranged read yields memoryview slices of those chunks.  That is the
+whole reason this server exists (moto copies and re-reads whole objects), so the
+representation lives here, apart from the HTTP layer in ``s3protocol``.
+
+Standard library only (no aiohttp, nothing from objckpt): ``python
+objckpt/testing/s3server.py`` loads it as a plain sibling module, without importing torch.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Union
+
+Buffer = Union[bytes, bytearray]
+_DEFAULT_MIN_PART = 5 << 20  # S3's minimum for every part but the last
+
+
+class S3Error(Exception):
+    """An S3 error answer: HTTP status plus the XML ``<Code>`` that botocore maps to an exception."""
+
+    def __init__(self, status: int, code: str, message: str = "", resource: str = "") -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message, self.resource = status, code, message or code, resource
+
+
+class _Data:
+    """Immutable object bytes kept as the chunks they arrived in.  Never joined:
+    completing a 1 GiB upload is O(parts) and does not double the server's memory."""
+
+    __slots__ = ("chunks", "starts", "size")
+
+    def __init__(self, chunks: List[Buffer]) -> None:
+        self.chunks = [c for c in chunks if len(c)]
+        self.starts = list(itertools.accumulate((len(c) for c in self.chunks[:-1]), initial=0))
+        self.size = self.starts[-1] + len(self.chunks[-1]) if self.chunks else 0
+
+    @classmethod
+    def concat(cls, parts: List["_Data"]) -> "_Data":
+        return cls([c for p in parts for c in p.chunks])
+
+    def views(self, start: int, end: int) -> Iterator[memoryview]:
+        """memoryview slices covering [start, end): no byte is copied."""
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while start < end and i < len(self.chunks):
+            c, s0 = self.chunks[i], self.starts[i]
+            lo, hi = start - s0, min(len(c), end - s0)
+            if hi > lo:
+                yield memoryview(c)[lo:hi]
+                start = s0 + hi
+            i += 1
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+_EMPTY = _Data([])
+
+
+@dataclass
+class _Obj:
+    data: _Data
+    etag: str
+    mtime: float
+    content_type: str = "binary/octet-stream"
+    meta: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Upload:
+    key: str
+    upload_id: str
+    initiated: float
+    content_type: str
+    meta: Dict[str, str]
+    parts: Dict[int, _Obj] = field(default_factory=dict)
+
+
+@dataclass
+class _Bucket:
+    created: float
+    objects: Dict[str, _Obj] = field(default_factory=dict)
+    uploads: Dict[str, _Upload] = field(default_factory=dict)
+
+
+class _State:
+    """Buckets, request statistics and pending faults.  Everything runs on one event loop
+    (the server's), so no locks; :class:`s3protocol._S3App` adds the request handling."""
+
+    def __init__(self, min_part_size: int = _DEFAULT_MIN_PART, latency_s: float = 0.0) -> None:
+        self.min_part_size, self.latency_s = min_part_size, latency_s
+        self.buckets: Dict[str, _Bucket] = {}
+        self.faults: List[List[Any]] = []  # [op, remaining, status, code]
+        self._etags = itertools.count(1)
+        self.reset_stats()
+
+    # ---- control (in-process via S3Server, or over HTTP) ------------------------------------
+    def reset_stats(self) -> None:
+        self.requests = {m: 0 for m in ("GET", "PUT", "POST", "HEAD", "DELETE")}
+        self.ops: Dict[str, int] = {}
+        self.bytes_in = self.bytes_out = 0
+
+    def reset(self) -> None:
+        self.buckets.clear()
+        self.faults.clear()
+        self.reset_stats()
+
+    def stats(self) -> Dict[str, Any]:
+        return {"requests": dict(self.requests), "ops": dict(self.ops), "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out}
+
+    def add_fault(self, op: str = "*", count: int = 1, status: int = 500, code: str = "") -> None:
+        if count > 0:
+            code = code or {500: "InternalError", 503: "SlowDown"}.get(status, "InjectedFault")
+            self.faults.append([op, count, status, code])
+
+    def _check_fault(self, op: str) -> None:
+        for f in self.faults:
+            if f[0] in (op, "*"):
+                f[1] -= 1
+                if f[1] <= 0:
+                    self.faults.remove(f)
+                raise S3Error(f[2], f[3], f"injected fault for {op}")
+
+    def _etag(self, parts: int = 0) -> str:
+        """Unique per write; deliberately not an MD5 (hashing would cost ~1.5 s/GB)."""
+        return f'"{next(self._etags):032x}-{parts}"' if parts else f'"{next(self._etags):032x}"'
