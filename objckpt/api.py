@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+from typing_extensions import Unpack
+
 from .distributed.comm import background_comm, get_comm
 from .format.manifest import Manifest
 from .load.collective import CollectiveReader
 from .load.pipeline import inspect_checkpoint, load_into, read_checkpoint
 from .memory import Budget, host_pool
-from .options import LoadOptions, ReadStrategy, SaveOptions
+from .options import LoadOptions, ReadStrategy, SaveArgs, split_save_args
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle, start_save
 from .save.pipeline import save_now
@@ -29,21 +31,7 @@ def _open(uri: str, storage_options: Optional[dict[str, Any]], store: Optional[O
     return store, split_uri(uri)[2].strip("/")
 
 
-def save(
-    state_dict: Any,
-    uri: str,
-    *,
-    storage_options: Optional[dict[str, Any]] = None,
-    overwrite: bool = False,
-    metadata: Optional[dict[str, Any]] = None,
-    allow_pickle: bool = False,
-    process_group: Any = None,
-    blob_size: int = 1 << 30,
-    part_size: int = 16 * MiB,
-    staging_bytes: int = 512 * MiB,
-    crc_block: int = 1 * MiB,
-    store: Optional[ObjectStore] = None,
-) -> SaveResult:
+def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
     """Save ``state_dict`` (nested dicts/lists of tensors and plain values) to ``uri``.
 
     In a torch.distributed job every rank calls it with the same ``uri``: each
@@ -52,38 +40,29 @@ def save(
     the ranks, and rank 0 commits the manifest after every rank succeeded.
     Tensor bytes go to a few large blobs as parallel (multipart) uploads; the
     manifest is written last and conditionally, so the checkpoint appears whole
-    or not at all.  Raises :class:`CheckpointExistsError` when a checkpoint is
-    already committed at ``uri`` unless ``overwrite=True`` (the old one stays
-    loadable until the new manifest replaces it).  ``metadata`` is free-form
-    JSON stored in the manifest.  ``store`` replaces the backend the URI would
-    open (custom backends, wrappers); the URI's path is then the prefix.
+    or not at all.
+
+    Keyword arguments (all optional, shared with :func:`async_save`):
+    ``storage_options`` (endpoint, credentials, concurrency...), ``overwrite``
+    (default False: an existing checkpoint raises :class:`CheckpointExistsError`;
+    with True the old one stays loadable until the new manifest replaces it),
+    ``metadata`` (free-form JSON stored in the manifest), ``allow_pickle``,
+    ``process_group``, ``blob_size`` (1 GiB), ``part_size`` (16 MiB),
+    ``staging_bytes`` (512 MiB for the parts that need staging), ``crc_block``
+    (1 MiB), ``store`` (an ObjectStore replacing the backend the URI would
+    open; the URI's path is then the prefix).
     """
-    comm = get_comm(process_group)
-    opts = SaveOptions(overwrite, metadata or {}, allow_pickle, blob_size, part_size, staging_bytes, crc_block)
-    st, prefix = _open(uri, storage_options, store)
+    opts, where = split_save_args("save", dict(kwargs))
+    comm = get_comm(where["process_group"])
+    st, prefix = _open(uri, where["storage_options"], where["store"])
     return save_now(state_dict, uri, st, prefix, comm, opts, host_pool())
 
 
-def async_save(
-    state_dict: Any,
-    uri: str,
-    *,
-    storage_options: Optional[dict[str, Any]] = None,
-    overwrite: bool = False,
-    metadata: Optional[dict[str, Any]] = None,
-    allow_pickle: bool = False,
-    process_group: Any = None,
-    lazy: bool = False,
-    max_in_flight: int = 1,
-    blob_size: int = 1 << 30,
-    part_size: int = 16 * MiB,
-    staging_bytes: Optional[int] = None,
-    crc_block: int = 1 * MiB,
-    store: Optional[ObjectStore] = None,
-) -> SaveHandle:
-    """Save like :func:`save`, returning once the state is staged in host memory
-    (at once with ``lazy=True``); upload and commit continue in the background.
-    See :mod:`objckpt.save.background` for the contract.
+def async_save(state_dict: Any, uri: str, *, lazy: bool = False, max_in_flight: int = 1,
+               **kwargs: Unpack[SaveArgs]) -> SaveHandle:
+    """Save like :func:`save` (same keyword arguments), returning once the state
+    is staged in host memory (at once with ``lazy=True``); upload and commit
+    continue in the background.  See :mod:`objckpt.save.background` for the contract.
 
     ``max_in_flight``: how many saves may stage and upload at once (a new call first
     waits for the oldest beyond that).  ``staging_bytes``: host memory for staging;
@@ -91,10 +70,10 @@ def async_save(
     pipelined part by part within the budget (and the call returns when the last
     part is staged).
     """
-    opts = SaveOptions(overwrite, metadata or {}, allow_pickle, blob_size, part_size, staging_bytes, crc_block)
-    comm = get_comm(process_group)
-    bg_comm = background_comm(comm, process_group)
-    st, prefix = _open(uri, storage_options, store)
+    opts, where = split_save_args("async_save", dict(kwargs))
+    comm = get_comm(where["process_group"])
+    bg_comm = background_comm(comm, where["process_group"])
+    st, prefix = _open(uri, where["storage_options"], where["store"])
     return start_save(state_dict, uri, st, prefix, comm, bg_comm, opts, lazy=lazy, max_in_flight=max_in_flight)
 
 

@@ -6,10 +6,13 @@ dozen loose keyword arguments, and a new option is added in one place.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any, Optional
+
+from typing_extensions import TypedDict
 
 from .units import MiB
 
@@ -52,7 +55,7 @@ class SaveOptions:
     """Everything a save needs besides the state, the URI and the store."""
 
     overwrite: bool = False
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: Optional[dict[str, Any]] = None
     allow_pickle: bool = False
     blob_size: int = 1 << 30
     part_size: int = 16 * MiB
@@ -60,8 +63,10 @@ class SaveOptions:
     staging_bytes: Optional[int] = None
     crc_block: int = 1 * MiB
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "metadata", check_metadata(self.metadata))
+    def checked(self) -> "SaveOptions":
+        """These options, checked (metadata made a JSON object).  The save calls it
+        inside its first exchange, so a bad option on one rank fails every rank
+        together instead of leaving the others waiting."""
         for name in ("blob_size", "part_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -69,6 +74,7 @@ class SaveOptions:
             raise ValueError(f"crc_block must be 0 (whole-chunk crc only) or positive, got {self.crc_block}")
         if self.staging_bytes is not None and self.staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {self.staging_bytes}")
+        return dataclasses.replace(self, metadata=check_metadata(self.metadata))
 
 
 @dataclass(frozen=True)
@@ -84,3 +90,34 @@ class LoadOptions:
         object.__setattr__(self, "read_strategy", ReadStrategy.parse(self.read_strategy))
         if self.collective_bytes <= 0:
             raise ValueError(f"collective_bytes must be positive, got {self.collective_bytes}")
+
+
+class SaveArgs(TypedDict, total=False):
+    """The keyword arguments ``save`` and ``async_save`` share (see :func:`objckpt.save`)."""
+
+    storage_options: Optional[dict[str, Any]]
+    overwrite: bool
+    metadata: Optional[dict[str, Any]]
+    allow_pickle: bool
+    process_group: Any
+    blob_size: int
+    part_size: int
+    staging_bytes: Optional[int]
+    crc_block: int
+    store: Any  # an objckpt.storage.ObjectStore
+
+
+#: arguments of SaveArgs that say where and with whom, not how
+_WHERE = ("storage_options", "process_group", "store")
+
+
+def split_save_args(fn: str, kwargs: dict[str, Any]) -> tuple[SaveOptions, dict[str, Any]]:
+    """The :class:`SaveOptions` in ``kwargs`` and the rest (storage options,
+    process group, store); an unknown name is a TypeError naming ``fn``."""
+    known = set(SaveArgs.__annotations__)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"{fn}() got unexpected keyword argument(s) {unknown}; it takes {sorted(known)}")
+    names = {f.name for f in fields(SaveOptions)}
+    opts = {k: v for k, v in kwargs.items() if k in names}
+    return SaveOptions(**opts), {k: kwargs.get(k) for k in _WHERE}

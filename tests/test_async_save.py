@@ -123,16 +123,17 @@ def test_background_failure_surfaces_and_leaves_no_manifest(moto_s3: tuple[str, 
 
 
 def test_staging_memory_stays_within_budget(tmp_path: Any) -> None:
-    from objckpt.staging.pool import default_pool
+    from objckpt.memory import host_pool
 
     part = 256 << 10
     budget = 3 * part
     sd = {f"t{i}": torch.randn(64, 1024) for i in range(12)}  # 12 parts of 256 KiB = 3 MiB
+    host_pool().reset_peak()
     real = open_store(str(tmp_path))[0]
     h = objckpt.async_save(sd, str(tmp_path / "b"), store=SlowStore(real, 0.02), part_size=part,
                            staging_bytes=budget)
     h.result(timeout=60)
-    pool = default_pool(budget)
+    pool = host_pool()
     assert 0 < pool.peak <= budget  # staging and upload pipelined part by part
     back = objckpt.read(str(tmp_path / "b"))
     assert all(torch.equal(back[k], sd[k]) for k in sd)
@@ -189,7 +190,7 @@ def test_async_save_two_ranks(tmp_path: Any) -> None:
 
 
 def test_mirror_set_reuses_copies_stays_busy_and_forgets_after_fork() -> None:
-    from objckpt.staging.mirror import MirrorSet
+    from objckpt.save.mirrors import MirrorSet
 
     ms = MirrorSet()
     t = torch.arange(12000.0).reshape(3000, 4)
@@ -215,7 +216,7 @@ def test_mirror_set_reuses_copies_stays_busy_and_forgets_after_fork() -> None:
 def test_default_async_save_copies_while_describing(tmp_path: Any) -> None:
     """The default mode uploads from its own copies: the values as of the call, whatever
     the caller does to its tensors afterwards; the next save reuses the copies."""
-    from objckpt.staging.mirror import mirror_set
+    from objckpt.save.mirrors import mirror_set
 
     state = {"a": torch.randn(64, 64), "b": torch.randn(10), "n": 3}
     ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import objckpt
-from objckpt.planning.fanout_plan import ALIGN, HEADER, CostModel, ItemSize, batches, plan_group, split_shares
+from objckpt.planning.collective_plan import ALIGN, HEADER, CostModel, ItemSize, batches, plan_group, split_shares
 
 from mp import run_multiprocess
 
@@ -191,8 +191,8 @@ def _record(res: objckpt.LoadResult, counting: Any, state: dict[str, Any]) -> di
 
 
 def load_replicated(rank: int, world: int, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
-    from objckpt.dist import fanout
-    from objckpt.planning.fanout_plan import CostModel
+    from objckpt.load import collective as fanout
+    from objckpt.planning.collective_plan import CostModel
 
     src = replicated_state()
     # free collectives, so that "auto" picks one even for this small state
@@ -260,8 +260,8 @@ def mesh_template(mesh: Any, keys: Any = None) -> dict[str, Any]:
 def load_mesh(rank: int, world: int, uri: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from objckpt.dist import fanout
-    from objckpt.planning.fanout_plan import CostModel
+    from objckpt.load import collective as fanout
+    from objckpt.planning.collective_plan import CostModel
 
     fanout.SOLO_BYTES = 32 << 10
     fanout.COST_MODEL = CostModel(latency_s=(("gloo", 0.0),))  # so that "auto" goes collective here too

@@ -45,12 +45,13 @@ def test_partial_chunk_into_gpu_shard(tmp_path: Any) -> None:
 
 
 def test_async_save_from_gpu_on_side_stream_with_pinned_reused_pool(tmp_path: Any) -> None:
-    from objckpt.staging.pool import default_pool
+    from objckpt.memory import host_pool
 
     a = torch.randn(2048, 2048, device="cuda")
     sd = {"w": torch.randn(4096, 1024, device="cuda"), "h": torch.randn(1000, device="cuda", dtype=torch.bfloat16)}
     ref = {k: v.cpu() for k, v in sd.items()}
     budget = 8 << 20
+    host_pool().reset_peak()
     for i in range(2):
         busy = a @ a  # a kernel running on the default stream while staging copies on the side stream
         h = objckpt.async_save(sd, str(tmp_path / f"g{i}"), staging_bytes=budget, part_size=4 << 20)
@@ -61,5 +62,5 @@ def test_async_save_from_gpu_on_side_stream_with_pinned_reused_pool(tmp_path: An
         assert torch.equal(back["h"], ref["h"])
         del busy
         torch.cuda.synchronize()
-    pool = default_pool(budget)
+    pool = host_pool()
     assert pool.pin and pool.peak <= budget + (4 << 20)  # pinned buffers, reused (not grown) by the second save

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt.format import layout
+from objckpt.format import keys as layout
 
 
 def _save(tmp_path: Any, **kw: Any) -> tuple[str, dict[str, torch.Tensor]]:

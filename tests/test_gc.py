@@ -11,9 +11,9 @@ import torch
 import objckpt
 from objckpt import _runtime
 from objckpt.cli import main
-from objckpt.format import layout
-from objckpt.format.manifest import Blob, Layout, Manifest, Mesh, RankIndexRef, TensorEntry, encode
-from objckpt.gc import attempt_time, collect_garbage
+from objckpt.format import keys as layout
+from objckpt.format.manifest import Blob, Manifest, Mesh, RankIndexRef, TensorEntry, TensorLayout, encode
+from objckpt.garbage import attempt_time, collect_garbage
 from objckpt.storage import open_store
 from objckpt.storage.memory import MemoryStore
 
@@ -67,7 +67,7 @@ def test_gc_keeps_v2_rank_indexes_and_skips_unreadable_manifests() -> None:
     attempt = OLD
     refs = [RankIndexRef(layout.index_name(attempt, r), 1, 0) for r in range(2)]
     blobs = [Blob(layout.blob_name(attempt, r, 0), 1, r) for r in range(2)]
-    m = Manifest({"w": TensorEntry("w", "float32", (2,), layout=Layout(0, ("S0",)))}, blobs, None, attempt=attempt,
+    m = Manifest({"w": TensorEntry("w", "float32", (2,), layout=TensorLayout(0, ("S0",)))}, blobs, None, attempt=attempt,
                  world_size=2, meshes=[Mesh((2,), (0, 1))], rank_indexes=refs, format_version=2)
     objs = {"a/manifest.json": encode(m), "b/manifest.json": b"{broken"}
     for name in [b.name for b in blobs] + [r.name for r in refs] + [layout.blob_name(OLD[:-1] + "c", 0, 0)]:

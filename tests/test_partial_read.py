@@ -68,8 +68,9 @@ def test_large_tensor_is_fetched_with_concurrent_ranges(tmp_path: Any) -> None:
 
 def test_strided_and_partial_targets_are_filled_in_bounded_batches(tmp_path: Any) -> None:
     """Destinations that need temporaries are filled batch by batch under the budget."""
-    from objckpt.engine import fill
-    from objckpt.engine.stats import IOStats
+    from objckpt.load import fill
+    from objckpt.memory import Budget
+    from objckpt.results import IOStats
 
     uri = str(tmp_path / "ck")
     sd = _big_state()
@@ -77,7 +78,7 @@ def test_strided_and_partial_targets_are_filled_in_bounded_batches(tmp_path: Any
     store, prefix = open_store(uri)
     m = objckpt.inspect(uri)
     dests = {k: torch.zeros(v.shape[::-1]).t() if v.dim() == 2 else torch.zeros(v.shape) for k, v in sd.items()}
-    targets = [(k, (tuple(0 for _ in v.shape), tuple(v.shape)), dests[k]) for k, v in sd.items()]
+    targets = [fill.FillTarget(k, (tuple(0 for _ in v.shape), tuple(v.shape)), dests[k]) for k, v in sd.items()]
     calls = []
     real = fill.read_ranges
 
@@ -87,8 +88,35 @@ def test_strided_and_partial_targets_are_filled_in_bounded_batches(tmp_path: Any
 
     fill.read_ranges = counting  # type: ignore[assignment]
     try:
-        fill.fill_boxes(store, prefix, m, targets, IOStats(), temp_budget=3 << 20)
+        fill.fill_boxes(store, prefix, m, targets, IOStats(), budget=Budget(3 << 20))
     finally:
         fill.read_ranges = real  # type: ignore[assignment]
     assert len(calls) >= 5  # 16 MiB of strided destinations, at most ~3 MiB of temporaries at a time
     assert all(torch.equal(dests[k], sd[k]) for k in sd)
+
+
+def test_read_plan_is_data_before_any_byte_moves(tmp_path: Any) -> None:
+    """A load's read plan can be built, inspected and printed without reading tensor bytes:
+    whole chunks into contiguous CPU destinations go in place, strided ones through
+    temporaries, batched under the budget."""
+    from objckpt.layout import resolver_for
+    from objckpt.load.fill import FillTarget, plan_fill
+    from objckpt.memory import Budget
+
+    uri = str(tmp_path / "ck")
+    sd = {"a": torch.randn(256, 1024), "b": torch.randn(512, 512)}
+    objckpt.save(sd, uri, part_size=256 << 10)  # chunks of 256 KiB
+    store, prefix = open_store(uri)
+    counting = CountingStore(store)
+    m = objckpt.inspect(uri)
+    targets = [FillTarget("a", ((0, 0), (256, 1024)), torch.empty(256, 1024)),  # in place
+               FillTarget("b", ((0, 0), (512, 512)), torch.empty(512, 512).t())]  # strided: staged
+    plan = plan_fill(m, resolver_for(m, counting, prefix), targets, Budget(512 << 10))
+    assert counting.ops.get("get_range", 0) == 0 and counting.ops.get("get", 0) == 0
+    direct = [r for b in plan.batches for r in b.direct]
+    staged = [r for b in plan.batches for r in b.staged]
+    assert {r.target for r in direct} == {0} and {r.target for r in staged} == {1}
+    assert sum(r.chunk.length for r in direct) == 256 * 1024 * 4
+    assert plan.fetched_bytes == (256 * 1024 + 512 * 512) * 4
+    assert len(plan.batches) >= 2 and all(b.temp_bytes <= 512 << 10 or len(b.staged) == 1 for b in plan.batches)
+    assert "ReadPlan: 2 target(s)" in str(plan)

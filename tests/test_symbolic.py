@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import objckpt
 from objckpt.errors import CorruptCheckpointError
 from objckpt.format import manifest as mf
-from objckpt.format.manifest import Layout, Mesh
-from objckpt.planning.layout import TensorDesc, assign_layouts, cell_box, my_pieces, overlapping_pieces
+from objckpt.format.manifest import Mesh, TensorLayout
+from objckpt.planning.symbolic import TensorDesc, assign_layouts, cell_box, my_pieces, overlapping_pieces
 
 from mp import run_multiprocess
 
@@ -57,7 +57,7 @@ def test_cell_box_is_torchs_rule(case: Any) -> None:
 @given(layouts(), st.integers(1, 5), st.integers(0, 7), st.data())
 def test_pieces_tile_once_and_overlap_query_matches_brute_force(case: Any, split: int, rot: int, data: Any) -> None:
     shape, mesh, placements = case
-    lay = Layout(0, placements, split, rot)
+    lay = TensorLayout(0, placements, split, rot)
     written = {r: my_pieces(shape, mesh, lay, r) for r in mesh.ranks}
     vol = sum(math.prod(p[1]) if p[1] else 1 for ps in written.values() for p in ps)
     assert vol == (math.prod(shape) if shape else 1)  # every element written exactly once (no overlap below)
@@ -91,7 +91,7 @@ def test_assign_layouts_splits_big_replicated_and_spreads_small() -> None:
 
 def _v2_manifest() -> mf.Manifest:
     mesh = Mesh((2, 2), (0, 1, 2, 3))
-    t = mf.TensorEntry("w", "float32", (8, 4), layout=Layout(0, ("S0", "R"), 2, 1))
+    t = mf.TensorEntry("w", "float32", (8, 4), layout=TensorLayout(0, ("S0", "R"), 2, 1))
     refs = [mf.RankIndexRef(f"blobs/a/r{r:05d}.index.json", 10 + r, r) for r in range(4)]
     return mf.Manifest({"w": t}, [mf.Blob("blobs/a/r00000-0000.bin", 64, 0)], {"w": {"__tensor__": "w"}},
                        attempt="a", world_size=4, meshes=[mesh], rank_indexes=refs, format_version=2)
@@ -126,9 +126,13 @@ def test_manifest_v2_round_trip_and_checks() -> None:
 
 def test_rank_index_round_trip_and_checks() -> None:
     from objckpt.format import rank_index
+    from objckpt.format.manifest import Chunk, ChunkRecord
 
-    recs = [("w", (0, 0), (4, 4), 0, 0, 64, 7, ()), ("w", (4, 0), (4, 4), 1, 0, 64, 8, (1, 2)),
-            ("b", (), (), 0, 64, 4, 9, ())]
+    def rec(key: str, *fields: Any) -> ChunkRecord:
+        return ChunkRecord(key, Chunk(*fields))
+
+    recs = [rec("w", (0, 0), (4, 4), 0, 0, 64, 7, ()), rec("w", (4, 0), (4, 4), 1, 0, 64, 8, (1, 2)),
+            rec("b", (), (), 0, 64, 4, 9, ())]
     data = rank_index.encode("a", 3, recs)
     kw = dict(attempt="a", rank=3, blobs=[5, 6], blob_sizes=[0, 0, 0, 0, 0, 128, 64], crc_block=32)
     got = rank_index.decode(data, "idx", **kw)  # type: ignore[arg-type]
@@ -137,7 +141,7 @@ def test_rank_index_round_trip_and_checks() -> None:
         rank_index.decode(data, "idx", **{**kw, "rank": 2})  # type: ignore[arg-type]
     with pytest.raises(CorruptCheckpointError, match="'w': chunk record #1"):
         rank_index.decode(data, "idx", **{**kw, "blob_sizes": [0, 0, 0, 0, 0, 128, 32]})  # type: ignore[arg-type]
-    bad = [("w", (0, 0), (4, 4), 2, 0, 64, 7, ())]  # the rank has only two blobs
+    bad = [rec("w", (0, 0), (4, 4), 2, 0, 64, 7, ())]  # the rank has only two blobs
     with pytest.raises(CorruptCheckpointError, match="chunk record #0"):
         rank_index.decode(rank_index.encode("a", 3, bad), "idx", **kw)  # type: ignore[arg-type]
 
@@ -170,12 +174,12 @@ def _state(rank: int, world: int, tag: str) -> dict[str, Any]:
 
 
 def save_v2(rank: int, world: int, uri: str, opts: dict, tag: str, times: int = 1) -> tuple[int, int]:
-    from objckpt.planning.rank_plan import PLAN_CACHE_STATS
+    from objckpt.layout import PLAN_CACHE
 
     for _ in range(times):  # the same layout again: the plan comes from the cache
         res = objckpt.save(_state(rank, world, tag), uri, storage_options=opts, overwrite=True,
                            part_size=64 << 10, crc_block=4096)
-    return res.bytes, PLAN_CACHE_STATS["hits"]
+    return res.bytes, PLAN_CACHE.stats["hits"]
 
 
 def load_3(rank: int, world: int, uri: str, opts: dict) -> dict[str, Any]:

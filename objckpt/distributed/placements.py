@@ -21,9 +21,10 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import UnsupportedValueError
+from ..errors import UnsupportedValueError
+from ..planning.boxes import Box
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
+Ranks = tuple[int, ...]
 
 
 @dataclass

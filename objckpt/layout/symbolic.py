@@ -26,7 +26,7 @@ from ..planning.assign import RankWrites
 from ..planning.boxes import Box, intersect
 from ..planning.pack import PackLimits
 from ..planning.read_plan import ChunkIndex
-from ..planning.symbolic import SymbolicDescription, overlapping_pieces, plan_rank_writes_symbolic
+from ..planning.symbolic import Intervals, SymbolicDescription, overlapping_pieces, plan_rank_writes_symbolic
 from ..results import IOStats
 from ..storage import ObjectStore
 from .base import PLAN_CACHE, WRITER, ManifestCommon, RankOutcome, SaveLayout
@@ -98,6 +98,7 @@ class RankIndexResolver(InlineResolver):
         self._blob_sizes: list[int] = []
         self._pieces: dict[tuple[str, Box], list[tuple[int, Box, Box]]] = {}
         self._rank_idx: dict[tuple[int, str], ChunkIndex] = {}
+        self._intervals: Intervals = {}
 
     def _layout_pieces(self, key: str, box: Box) -> list[tuple[int, Box, Box]]:
         hit = self._pieces.get((key, box))
@@ -105,7 +106,7 @@ class RankIndexResolver(InlineResolver):
             e = self.m.tensors[key]
             if e.layout is None:
                 raise CorruptCheckpointError(f"tensor {key!r} has no layout in a format v2 manifest")
-            hit = overlapping_pieces(e.shape, self.m.meshes[e.layout.mesh], e.layout, box)
+            hit = overlapping_pieces(e.shape, self.m.meshes[e.layout.mesh], e.layout, box, self._intervals)
             self._pieces[(key, box)] = hit
         return hit
 

@@ -37,14 +37,8 @@ class Request:
         return len(self.pieces) == 1 and self.pieces[0][1] == 0 and self.pieces[0][3] == self.length
 
 
-def plan_requests(
-    spans: Iterable[Span],
-    *,
-    merge_gap: int = 256 << 10,
-    max_request: int = 32 << 20,
-    split_above: int = 32 << 20,
-    split_into: int = 16 << 20,
-) -> list[Request]:
+def plan_requests(spans: Iterable[Span], *, merge_gap: int = 256 << 10, max_request: int = 32 << 20,
+                  split_above: int = 32 << 20, split_into: int = 16 << 20) -> list[Request]:
     """Requests covering ``spans`` (each span's bytes fetched exactly once)."""
     by_obj: dict[Hashable, list[Span]] = {}
     for s in spans:

@@ -29,7 +29,6 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Iterator, Optional, Sequence
 
 from ..format.manifest import Mesh, TensorLayout
@@ -71,7 +70,6 @@ def chunk_piece(n: int, k: int, i: int) -> tuple[int, int]:
     return start, max(0, min(n, start + full) - start)
 
 
-@lru_cache(maxsize=4096)
 def dim_intervals(n: int, ks: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Starts and lengths of the pieces of a dim of size n split by nested
     ``torch.chunk`` levels of sizes ``ks``, in row-major piece order."""
@@ -159,10 +157,15 @@ def my_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, rank: int) ->
     return [p for i, p in cell_pieces(box, lay.split) if (i + lay.rot) % g == slot]
 
 
-def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box: Box) -> list[tuple[int, Box, Box]]:
+Intervals = dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box: Box,
+                       memo: Optional[Intervals] = None) -> list[tuple[int, Box, Box]]:
     """(writer rank, stored piece box, intersection with ``box``) of every stored
     piece overlapping ``box``: per dim a binary search over the cut points, so
-    the cost is the number of overlapping pieces, not of ranks."""
+    the cost is the number of overlapping pieces, not of ranks.  ``memo``: the
+    caller's store of :func:`dim_intervals` results (many tensors share dims)."""
     ndim = len(shape)
     per_dim, rep = _sharding(ndim, lay.placements)
     mshape = mesh.shape
@@ -173,7 +176,13 @@ def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box:
     for d in range(ndim):
         mds = per_dim[d]
         ks = tuple(mshape[md] for md in mds)
-        starts, lens = dim_intervals(shape[d], ks)
+        if memo is None:
+            starts, lens = dim_intervals(shape[d], ks)
+        else:
+            hit = memo.get((shape[d], ks))
+            if hit is None:
+                hit = memo[(shape[d], ks)] = dim_intervals(shape[d], ks)
+            starts, lens = hit
         a, b = box[0][d], box[0][d] + box[1][d]
         j = bisect.bisect_right(starts, a) - 1
         opts = []

@@ -130,6 +130,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     err: Optional[str] = None
     exists = False
     try:
+        opts = opts.checked()
         local = describe_local(state, opts.allow_pickle, comm, mirror)
         if comm.rank == 0:
             exists = _runtime.run(st.head(keys.manifest_key(prefix))) is not None
