@@ -96,20 +96,30 @@ def _dtensor_box(key: str, dt: Any) -> Optional[Box]:
     return tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
 
 
-def local_part(key: str, x: Any) -> tuple[tuple[int, ...], torch.dtype, Optional[Box], Optional[torch.Tensor]]:
-    """(global shape, dtype, this rank's box or None, the local tensor holding that box)."""
+@dataclass(frozen=True)
+class LocalPart:
+    """What this rank holds of a tensor leaf."""
+
+    shape: tuple[int, ...]  # global
+    dtype: torch.dtype
+    box: Optional[Box]  # None: this rank holds no part of it (outside the DTensor's mesh)
+    local: Optional[torch.Tensor]  # the local tensor holding ``box``
+
+
+def local_part(key: str, x: Any) -> LocalPart:
+    """This rank's part of a plain tensor (all of it), a DTensor or an :class:`Shard`."""
     if isinstance(x, Shard):
-        return x.global_shape, x.local.dtype, (x.global_offsets, tuple(x.local.shape)), x.local
+        return LocalPart(x.global_shape, x.local.dtype, (x.global_offsets, tuple(x.local.shape)), x.local)
     if is_dtensor(x):
         box = _dtensor_box(key, x)
         local = x.to_local() if box is not None else None
-        if local is not None and tuple(local.shape) != box[1]:  # type: ignore[index]
+        if local is not None and box is not None and tuple(local.shape) != box[1]:
             raise UnsupportedValueError(
-                f"tensor {key!r}: DTensor local shard has shape {list(local.shape)}, expected {list(box[1])}"  # type: ignore[index]
+                f"tensor {key!r}: DTensor local shard has shape {list(local.shape)}, expected {list(box[1])}"
             )
-        return tuple(int(d) for d in x.shape), x.dtype, box, local
+        return LocalPart(tuple(int(d) for d in x.shape), x.dtype, box, local)
     t: torch.Tensor = x
-    return tuple(t.shape), t.dtype, (tuple(0 for _ in t.shape), tuple(t.shape)), t
+    return LocalPart(tuple(t.shape), t.dtype, (tuple(0 for _ in t.shape), tuple(t.shape)), t)
 
 
 def dtensor_placements(x: Any) -> Optional[tuple[str, ...]]:
@@ -139,8 +149,18 @@ def _root_mesh(mesh: Any) -> Any:
         return None
 
 
-def mesh_description(x: Any, placements: tuple[str, ...]) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
-    """(mesh identity, shape, global ranks row-major, placements) of a DTensor.
+@dataclass(frozen=True)
+class MeshDescription:
+    """A DTensor's mesh as a symbolic save records it."""
+
+    ident: Any  # the same object for every tensor on this mesh (within one process)
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]  # global ranks, row-major
+    placements: tuple[str, ...]  # "S<dim>" / "R" per mesh dim
+
+
+def mesh_description(x: Any, placements: tuple[str, ...]) -> MeshDescription:
+    """The mesh a DTensor is described on, and its placements there.
 
     A DTensor on a slice of a bigger mesh (tensor parallel on ``mesh["tp"]``
     under data parallel) is described on the root mesh, Replicate on the
@@ -155,10 +175,12 @@ def mesh_description(x: Any, placements: tuple[str, ...]) -> tuple[Any, tuple[in
         if pos == sorted(pos):
             by_dim = dict(zip(pos, placements))
             m = root.mesh
-            return (id(root), tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist()),
-                    tuple(by_dim.get(i, "R") for i in range(len(rnames))))
+            return MeshDescription(id(root), tuple(int(d) for d in m.shape),
+                                   tuple(int(r) for r in m.flatten().tolist()),
+                                   tuple(by_dim.get(i, "R") for i in range(len(rnames))))
     m = mesh.mesh
-    return id(mesh), tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist()), placements
+    return MeshDescription(id(mesh), tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist()),
+                           placements)
 
 
 def _is_replicate(p: Any) -> bool:

@@ -24,6 +24,7 @@ from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, RankIndexRef
 from ..planning.assign import RankWrites
 from ..planning.boxes import Box
 from ..planning.pack import PackLimits
+from ..planning.read_plan import Overlap
 from ..results import IOStats
 from ..storage import ObjectStore
 
@@ -82,7 +83,7 @@ class Resolver(Protocol):
     async def prefetch(self, wanted: Iterable[tuple[str, Box]], stats: Optional[IOStats] = None) -> None:
         """Fetch whatever ``overlapping`` will need for these (key, box) pairs."""
 
-    def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
+    def overlapping(self, key: str, box: Box) -> list[Overlap]:
         """Every stored chunk of ``key`` overlapping ``box``, with the intersection."""
 
     async def resolve_all(self, stats: Optional[IOStats] = None) -> None:

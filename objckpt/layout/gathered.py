@@ -20,7 +20,7 @@ from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, TensorEntry
 from ..planning.assign import RankWrites, TensorMeta, plan_rank_writes
 from ..planning.boxes import Box
 from ..planning.pack import PackLimits
-from ..planning.read_plan import ChunkIndex
+from ..planning.read_plan import ChunkIndex, Overlap
 from ..results import IOStats
 from ..storage import ObjectStore
 from .base import PLAN_CACHE, WRITER, ManifestCommon, RankOutcome, SaveLayout
@@ -111,7 +111,7 @@ class InlineResolver:
     async def prefetch(self, wanted: Iterable[tuple[str, Box]], stats: Optional[IOStats] = None) -> None:
         return None  # everything is in the manifest
 
-    def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
+    def overlapping(self, key: str, box: Box) -> list[Overlap]:
         idx = self._index.get(key)
         if idx is None:
             e = self.m.tensors[key]

@@ -25,8 +25,8 @@ from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, 
 from ..planning.assign import RankWrites
 from ..planning.boxes import Box, intersect
 from ..planning.pack import PackLimits
-from ..planning.read_plan import ChunkIndex
-from ..planning.symbolic import Intervals, SymbolicDescription, overlapping_pieces, plan_rank_writes_symbolic
+from ..planning.read_plan import ChunkIndex, Overlap
+from ..planning.symbolic import Intervals, StoredPiece, SymbolicDescription, overlapping_pieces, plan_rank_writes_symbolic
 from ..results import IOStats
 from ..storage import ObjectStore
 from .base import PLAN_CACHE, WRITER, ManifestCommon, RankOutcome, SaveLayout
@@ -96,11 +96,11 @@ class RankIndexResolver(InlineResolver):
         self._ranks: dict[int, dict[str, dict[tuple[int, ...], Chunk]]] = {}
         self._blobs: Optional[list[list[int]]] = None
         self._blob_sizes: list[int] = []
-        self._pieces: dict[tuple[str, Box], list[tuple[int, Box, Box]]] = {}
+        self._pieces: dict[tuple[str, Box], list[StoredPiece]] = {}
         self._rank_idx: dict[tuple[int, str], ChunkIndex] = {}
         self._intervals: Intervals = {}
 
-    def _layout_pieces(self, key: str, box: Box) -> list[tuple[int, Box, Box]]:
+    def _layout_pieces(self, key: str, box: Box) -> list[StoredPiece]:
         hit = self._pieces.get((key, box))
         if hit is None:
             e = self.m.tensors[key]
@@ -142,17 +142,17 @@ class RankIndexResolver(InlineResolver):
         return rank_index.decode(data, where, attempt=m.attempt, rank=rank, blobs=self._blobs[rank],
                                  blob_sizes=self._blob_sizes, crc_block=m.crc_block)
 
-    def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
+    def overlapping(self, key: str, box: Box) -> list[Overlap]:
         e = self.m.tensors[key]
         if e.layout is None:
             return super().overlapping(key, box)
         isz = itemsize(dtype_from_name(e.dtype, key))
-        out: list[tuple[Chunk, Box]] = []
+        out: list[Overlap] = []
         for rank, piece, _ in self._layout_pieces(key, box):
             for c in self._piece_chunks(rank, key, piece, isz):
                 inter = intersect((c.offsets, c.shape), box) if c.shape else ((), ())
                 if inter is not None:
-                    out.append((c, inter))
+                    out.append(Overlap(c, inter))
         return out
 
     def _piece_chunks(self, rank: int, key: str, piece: Box, isz: int) -> list[Chunk]:

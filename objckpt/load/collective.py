@@ -113,7 +113,7 @@ def _digest(items: Sequence[_Item]) -> str:
     return h.hexdigest()
 
 
-def _describe(e: BaseException) -> str:
+def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
@@ -195,7 +195,7 @@ class CollectiveReader:
             if self.active and not self.exchanged:
                 self.exchanged = True
                 try:
-                    self._first_exchange(Hello(_describe(e), {}))
+                    self._first_exchange(Hello(_error_text(e), {}))
                 except Exception:  # noqa: BLE001 - the original error is the one to report
                     pass
             raise
@@ -316,7 +316,7 @@ class CollectiveReader:
             return
         obj = f" (object {store.failed!r})" if store.failed else ""
         shown = ", ".join(map(repr, keys[:5])) + (" ..." if len(keys) > 5 else "")
-        self._error = f"reading tensor(s) {shown}{obj}: {_describe(e)}"
+        self._error = f"reading tensor(s) {shown}{obj}: {_error_text(e)}"
         self._cause = e
 
     def _run_group(self, plan: GroupPlan, store: NamingStore, prefix: str, m: Manifest, stats: IOStats) -> None:

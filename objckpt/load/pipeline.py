@@ -129,9 +129,11 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
             out.value_slots.append(s)
             continue
         e = m.tensors[s.key]
-        shape, dt, box, local = local_part(s.key, s.value)
-        if dt != dtype_from_name(e.dtype, s.key) or tuple(shape) != e.shape:
-            problems.append(f"{s.key!r}: state dict has {dt} {list(shape)}, checkpoint has {e.dtype} {list(e.shape)}")
+        part = local_part(s.key, s.value)
+        box, local = part.box, part.local
+        if part.dtype != dtype_from_name(e.dtype, s.key) or tuple(part.shape) != e.shape:
+            problems.append(f"{s.key!r}: state dict has {part.dtype} {list(part.shape)}, checkpoint has "
+                            f"{e.dtype} {list(e.shape)}")
             continue
         if box is None or local is None:
             continue  # this rank holds no part of it

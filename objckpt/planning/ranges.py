@@ -10,7 +10,7 @@ destination when a request serves exactly one span.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -23,13 +23,21 @@ class Span:
     target: Hashable
 
 
+class RequestPiece(NamedTuple):
+    """Bytes of one span that one request carries."""
+
+    span: Span
+    at: int  # where the piece starts inside the request
+    in_span: int  # where it starts inside the span
+    nbytes: int
+
+
 @dataclass
 class Request:
     obj: Hashable
     offset: int
     length: int
-    #: (span, start of the span's piece inside this request, start inside the span, bytes)
-    pieces: list[tuple[Span, int, int, int]] = field(default_factory=list)
+    pieces: list[RequestPiece] = field(default_factory=list)
 
     @property
     def direct(self) -> bool:
@@ -56,7 +64,7 @@ def plan_requests(spans: Iterable[Span], *, merge_gap: int = 256 << 10, max_requ
                 pos = 0
                 while pos < s.length:
                     n = min(split_into, s.length - pos)
-                    out.append(Request(obj, s.offset + pos, n, [(s, 0, pos, n)]))
+                    out.append(Request(obj, s.offset + pos, n, [RequestPiece(s, 0, pos, n)]))
                     pos += n
                 continue
             end = s.offset + s.length
@@ -67,11 +75,11 @@ def plan_requests(spans: Iterable[Span], *, merge_gap: int = 256 << 10, max_requ
                 and s.offset >= cur.offset
             ):
                 cur.length = max(cur.length, end - cur.offset)
-                cur.pieces.append((s, s.offset - cur.offset, 0, s.length))
+                cur.pieces.append(RequestPiece(s, s.offset - cur.offset, 0, s.length))
             else:
                 if cur is not None:
                     out.append(cur)
-                cur = Request(obj, s.offset, s.length, [(s, 0, 0, s.length)])
+                cur = Request(obj, s.offset, s.length, [RequestPiece(s, 0, 0, s.length)])
         if cur is not None:
             out.append(cur)
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from ..format.manifest import Chunk
 from ..memory import Budget
@@ -28,6 +28,13 @@ from .boxes import Box, intersect
 
 #: what one extra request costs, in bytes of transfer it is worth
 REQUEST_COST_BYTES = 256 << 10
+
+
+class Overlap(NamedTuple):
+    """A stored chunk and the part of a wanted box it holds."""
+
+    chunk: Chunk
+    inter: Box
 
 
 class ChunkIndex:
@@ -44,10 +51,10 @@ class ChunkIndex:
             m = max(m, e)
             self.max_end.append(m)
 
-    def overlapping(self, box: Box) -> list[tuple[Chunk, Box]]:
+    def overlapping(self, box: Box) -> list[Overlap]:
         offs, shape = box
         if not offs:  # 0-d
-            return [(c, ((), ())) for c in self.chunks]
+            return [Overlap(c, ((), ())) for c in self.chunks]
         a, b = offs[0], offs[0] + shape[0]
         i = bisect.bisect_left(self.starts, b)
         out = []
@@ -55,7 +62,7 @@ class ChunkIndex:
         while j >= 0 and self.max_end[j] > a:
             inter = intersect((self.chunks[j].offsets, self.chunks[j].shape), box)
             if inter is not None:
-                out.append((self.chunks[j], inter))
+                out.append(Overlap(self.chunks[j], inter))
             j -= 1
         out.reverse()
         return out
@@ -195,7 +202,7 @@ class ReadPlan:
         return "\n".join(lines)
 
 
-Overlapping = Callable[[str, Box], "list[tuple[Chunk, Box]]"]
+Overlapping = Callable[[str, Box], "list[Overlap]"]
 
 
 def plan_reads(targets: Sequence[ReadTarget], overlapping: Overlapping, crc_block: int, budget: Budget,

@@ -29,7 +29,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 from ..format.manifest import Mesh, TensorLayout
 from .assign import RankWrites, WriteItem
@@ -157,11 +157,19 @@ def my_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, rank: int) ->
     return [p for i, p in cell_pieces(box, lay.split) if (i + lay.rot) % g == slot]
 
 
+class StoredPiece(NamedTuple):
+    """A stored piece of a tensor that overlaps a wanted box."""
+
+    writer: int  # the rank that wrote it
+    piece: Box
+    inter: Box  # its intersection with the wanted box
+
+
 Intervals = dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
 
 def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box: Box,
-                       memo: Optional[Intervals] = None) -> list[tuple[int, Box, Box]]:
+                       memo: Optional[Intervals] = None) -> list[StoredPiece]:
     """(writer rank, stored piece box, intersection with ``box``) of every stored
     piece overlapping ``box``: per dim a binary search over the cut points, so
     the cost is the number of overlapping pieces, not of ranks.  ``memo``: the
@@ -195,7 +203,7 @@ def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box:
             return []
         choices.append(opts)
     rep_shape = [mshape[md] for md in rep]
-    out: list[tuple[int, Box, Box]] = []
+    out: list[StoredPiece] = []
     for combo in itertools.product(*choices):
         coord = [0] * len(mshape)
         for d, (sub, _, _) in enumerate(combo):
@@ -209,7 +217,7 @@ def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box:
             rcoord = unravel((i + lay.rot) % g, rep_shape)
             for md, c in zip(rep, rcoord):
                 coord[md] = c
-            out.append((mesh.ranks[ravel(coord, mshape)], piece, inter))
+            out.append(StoredPiece(mesh.ranks[ravel(coord, mshape)], piece, inter))
     return out
 
 

@@ -69,15 +69,15 @@ def describe_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None,
     dtypes: dict[str, str] = {}
     values: dict[str, Any] = {}
     for key, value in col.tensors.items():
-        shape, dt, box, local = local_part(key, value)
-        dtypes[key] = dtype_name(dt, key)
+        part = local_part(key, value)
+        dtypes[key] = dtype_name(part.dtype, key)
         if key in col.alias_of:
             continue
-        boxes = (box,) if box is not None else ()
-        metas[key] = TensorMeta(dtypes[key], shape, itemsize(dt), boxes)
+        boxes = (part.box,) if part.box is not None else ()
+        metas[key] = TensorMeta(dtypes[key], part.shape, itemsize(part.dtype), boxes)
         values[key] = value
-        if box is not None and local is not None:
-            sources[key] = Source(box, early.get(key, local))
+        if part.box is not None and part.local is not None:
+            sources[key] = Source(part.box, early.get(key, part.local))
     out = LocalState(col.tree, metas, sources, dict(col.alias_of), dtypes)
     if comm is not None and comm.world_size > 1:
         out.symbolic = describe_symbolic(out, values, comm)
@@ -100,17 +100,18 @@ def describe_symbolic(local: LocalState, values: dict[str, Any], comm: Comm) -> 
             pl = dtensor_placements(v)
             if pl is None:
                 return None
-            ident, mshape, granks, placements = mesh_description(v, pl)
-            mid = mesh_ids.get(ident, -1)
+            md = mesh_description(v, pl)
+            placements = md.placements
+            mid = mesh_ids.get(md.ident, -1)
             if mid < 0:
-                ranks = [comm.group_rank(r) for r in granks]
+                ranks = [comm.group_rank(r) for r in md.ranks]
                 if any(r is None for r in ranks):
                     return None
-                mesh = Mesh(mshape, tuple(ranks))  # type: ignore[arg-type]
+                mesh = Mesh(md.shape, tuple(ranks))  # type: ignore[arg-type]
                 mid = meshes.index(mesh) if mesh in meshes else len(meshes)
                 if mid == len(meshes):
                     meshes.append(mesh)
-                mesh_ids[ident] = mid
+                mesh_ids[md.ident] = mid
         else:
             return None
         coord = meshes[mid].coordinate(comm.rank)

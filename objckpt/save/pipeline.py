@@ -195,8 +195,8 @@ async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: b
     for c in prep.plan.chunks:
         piece = prep.pieces[c.key]
         offs = tuple(b + o for b, o in zip(piece.offsets, c.offsets))
-        total, blocks = crcs[c]
-        records.append(ChunkRecord(piece.key, Chunk(offs, c.shape, c.blob, c.offset, c.length, total, blocks)))
+        crc = crcs[c]
+        records.append(ChunkRecord(piece.key, Chunk(offs, c.shape, c.blob, c.offset, c.length, crc.total, crc.blocks)))
     blobs = [Blob(n, b.size, prep.rank) for n, b in zip(prep.blob_names, prep.plan.blobs)]
     try:
         shared = await prep.layout.publish(records, blobs, prep.store, prep.prefix, prep.attempt, prep.rank,

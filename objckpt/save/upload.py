@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -31,7 +32,13 @@ def _chunk_source(t: torch.Tensor, c: ChunkPlan) -> torch.Tensor:
     return t[c.row_start : c.row_end]
 
 
-Crc = tuple[int, tuple[int, ...]]  # whole-chunk crc32c, per-block crc32c
+@dataclass(frozen=True)
+class ChunkCrc:
+    """A staged chunk's crc32c, whole and per ``crc_block``-byte block."""
+
+    total: int
+    blocks: tuple[int, ...]
+
 
 
 def enqueue_part(
@@ -68,14 +75,14 @@ def enqueue_part(
     return ev
 
 
-def part_crcs(part: PartPlan, buf: torch.Tensor, block: int = 0) -> list[Crc]:
+def part_crcs(part: PartPlan, buf: torch.Tensor, block: int = 0) -> list[ChunkCrc]:
     """crc32c of each chunk of a staged part (and of its blocks), on the staged bytes."""
     host = buf[: part.size].numpy()
-    out: list[Crc] = []
+    out: list[ChunkCrc] = []
     for c in part.chunks:
         rel = c.offset - part.offset
         total, blocks = block_crcs(memoryview(host)[rel : rel + c.length], block)
-        out.append((total, tuple(blocks)))
+        out.append(ChunkCrc(total, tuple(blocks)))
     return out
 
 
@@ -84,10 +91,10 @@ _ZEROS = memoryview(bytes(4096))
 
 def direct_views(
     part: PartPlan, tensors: Mapping[str, torch.Tensor], block: int = 0
-) -> tuple[list[memoryview], list[Crc]]:
+) -> tuple[list[memoryview], list[ChunkCrc]]:
     """The part as views of the tensors' own bytes (zero padding between), and chunk crcs."""
     views: list[memoryview] = []
-    crcs: list[Crc] = []
+    crcs: list[ChunkCrc] = []
     pos = part.offset
     for c in part.chunks:
         if c.offset > pos:
@@ -100,7 +107,7 @@ def direct_views(
             row = c.length // max(c.row_end - c.row_start, 1) if c.length else 0
             v = whole[c.row_start * row : c.row_start * row + c.length]
         total, blocks = block_crcs(v, block)
-        crcs.append((total, tuple(blocks)))
+        crcs.append(ChunkCrc(total, tuple(blocks)))
         if len(v):
             views.append(v)
         pos = c.offset + c.length
@@ -132,7 +139,7 @@ async def write_plan(
     crc_block: int = 0,
     on_staged: Optional[Callable[[], None]] = None,
     stream: Optional["torch.cuda.Stream"] = None,
-) -> dict[ChunkPlan, Crc]:
+) -> dict[ChunkPlan, ChunkCrc]:
     """Upload every blob of ``plan``; returns the crc32c of each chunk.
 
     With ``zero_copy`` (sync saves), parts made only of contiguous CPU tensors
@@ -144,7 +151,7 @@ async def write_plan(
     ``on_staged`` is called once every part has been staged (from then on the
     caller's tensors are no longer read).
     """
-    crcs: dict[ChunkPlan, Crc] = {}
+    crcs: dict[ChunkPlan, ChunkCrc] = {}
     writers: dict[int, BlobWriter] = {}
     remaining: dict[int, int] = {}
     completed: list[int] = []
