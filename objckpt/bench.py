@@ -20,8 +20,9 @@ import torch
 
 from . import _runtime, api
 from .storage import open_store
+from .units import MiB
 
-MiB = 1 << 20
+
 
 
 def synthetic_state(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -47,6 +47,12 @@ class Comm(Protocol):
 
     def global_ranks(self) -> tuple[int, ...]: ...
 
+    def global_rank(self) -> int: ...
+
+    def job_size(self) -> int: ...
+
+    def backend(self) -> str: ...
+
     def any(self, flag: bool) -> bool: ...
 
 
@@ -71,6 +77,15 @@ class LocalComm:
 
     def global_ranks(self) -> tuple[int, ...]:
         return (0,)
+
+    def global_rank(self) -> int:
+        return 0
+
+    def job_size(self) -> int:
+        return 1
+
+    def backend(self) -> str:
+        return ""
 
     def any(self, flag: bool) -> bool:
         return flag
@@ -126,6 +141,18 @@ class TorchComm:
         if self.group is None:
             return tuple(range(self.world_size))
         return tuple(self._dist.get_process_group_ranks(self.group))
+
+    def global_rank(self) -> int:
+        """This process's rank in the whole job."""
+        return self._dist.get_rank()
+
+    def job_size(self) -> int:
+        """How many ranks the whole job has (the default group's size)."""
+        return self._dist.get_world_size()
+
+    def backend(self) -> str:
+        """The group's backend, e.g. "gloo", "nccl" or "cpu:gloo,cuda:nccl"."""
+        return str(self._dist.get_backend(self.group))
 
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any (one tiny all-reduce)."""

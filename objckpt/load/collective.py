@@ -220,11 +220,9 @@ class CollectiveReader:
         if not self.active:
             fill_boxes(st, prefix, m, targets, stats)
             return
-        import torch.distributed as dist
-
         comm = self.comm
         pg_ranks: Ranks = comm.global_ranks()
-        me = dist.get_rank()
+        me = comm.global_rank()
         direct: list[FillTarget] = []
         by_group: dict[Ranks, dict[tuple[str, Box], _Item]] = {}
         for t, src in zip(targets, sources):
@@ -268,8 +266,6 @@ class CollectiveReader:
 
         A group is used when every member lists it with the same items; every
         rank sees the same exchange, so every rank makes the same choices."""
-        import torch.distributed as dist
-
         pg = self.comm.group
         index = {g: i for i, g in enumerate(pg_ranks)}
         listed: dict[Ranks, list[GroupSummary]] = {}
@@ -279,7 +275,7 @@ class CollectiveReader:
         valid = {g for g, infos in listed.items()
                  if len(infos) == len(g) and len({i.digest for i in infos}) == 1
                  and all(g in everyone[index[r]].groups for r in g)}
-        whole_job = set(pg_ranks) == set(range(dist.get_world_size()))
+        whole_job = set(pg_ranks) == set(range(self.comm.job_size()))
         handles: dict[Ranks, Any] = {}
         for g in sorted(valid):  # the same calls, in the same order, on every rank
             if g == pg_ranks:
@@ -289,7 +285,7 @@ class CollectiveReader:
             elif whole_job:
                 handles[g] = subgroup(g)
             # else: no way to make a group of a sub-set of a sub-group: direct
-        backend = str(dist.get_backend(pg))
+        backend = self.comm.backend()
         plans: list[GroupPlan] = []
         used: set[str] = set()
         for g in sorted(mine):
