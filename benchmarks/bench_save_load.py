@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import shutil
 import sys
 import time
@@ -309,8 +310,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"methods within {list(METHODS)}, ops within {OPS}")
     if args.one:
         args.method = methods[0]
-        import json
-
         print(json.dumps(one_op(args), default=repr), flush=True)
         return 0
     if args.target == "none":
