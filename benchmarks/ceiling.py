@@ -11,8 +11,8 @@ Requests are unsigned.  Our test server (``objckpt.testing.s3server``) ignores
 auth; moto also accepts unsigned requests by default (it does not check
 signatures unless ``INITIAL_NO_AUTH_ACTION_COUNT`` is set).
 
-    python benchmarks/ceiling.py --endpoint-url http://127.0.0.1:PORT --bucket b
-    python benchmarks/ceiling.py --spawn-server --size-mib 256   # start our server in a child process
+    python -m benchmarks.ceiling --endpoint-url http://127.0.0.1:PORT --bucket b
+    python -m benchmarks.ceiling --spawn-server --size-mib 256   # start our server in a child process
 
 GB below means 1e9 bytes.  Client CPU is this process's user+system time
 (``time.process_time``), so run the server in another process; with
@@ -26,24 +26,13 @@ import asyncio
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import aiohttp
 
-
-def _proc_cpu_s(pid: int) -> Optional[float]:
-    """utime+stime of another process (Linux /proc), to report the server's share."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
+from .harness import Server, cpu_seconds
 
 
 async def _check(resp: aiohttp.ClientResponse, what: str) -> None:
@@ -93,7 +82,7 @@ async def _round(s: aiohttp.ClientSession, base: str, bucket: str, view: memoryv
                 raise RuntimeError(f"range {i}: got {pos - start} bytes, wanted {end - start}")
 
     for phase in ("upload", "download"):
-        srv0 = _proc_cpu_s(server_pid) if server_pid else None
+        srv0 = cpu_seconds(server_pid) if server_pid else None
         cpu0, t0 = time.process_time(), time.perf_counter()
         if phase == "upload":
             async with s.post(url + "?uploads") as r:
@@ -117,7 +106,7 @@ async def _round(s: aiohttp.ClientSession, base: str, bucket: str, view: memoryv
         out[f"{phase}_s"] = round(secs, 3)
         out[f"{phase}_GBps"] = round(gb / secs, 3)
         out[f"{phase}_client_cpu_s_per_GB"] = round(cpu / gb, 3)
-        srv1 = _proc_cpu_s(server_pid) if server_pid else None
+        srv1 = cpu_seconds(server_pid) if server_pid else None
         if srv0 is not None and srv1 is not None:
             out[f"{phase}_server_cpu_s_per_GB"] = round((srv1 - srv0) / gb, 3)
     async with s.delete(url) as r:
@@ -169,25 +158,6 @@ def measure_ceiling(endpoint_url: str, bucket: str, size_bytes: int, part_bytes:
                                 warmup))
 
 
-SERVER_SCRIPT = Path(__file__).resolve().parents[1] / "objckpt" / "testing" / "s3server.py"
-
-
-def spawn_server(*args: str) -> "tuple[subprocess.Popen[str], str]":
-    """Start our test S3 server in a child process; return (process, endpoint_url).
-
-    Runs the module file as a script rather than ``-m objckpt.testing.s3server``:
-    it needs only aiohttp, and skipping the ``objckpt`` package import (torch)
-    starts it in well under a second with a much smaller footprint."""
-    proc = subprocess.Popen([sys.executable, str(SERVER_SCRIPT), "--port", "0", *args],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if not line.startswith("http"):
-        proc.kill()
-        raise RuntimeError(f"server did not start: {line!r}")
-    return proc, line
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint-url", help="S3 endpoint; omit with --spawn-server")
@@ -200,19 +170,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (fresh memory is slow to touch)")
     a = p.parse_args(argv)
-    proc = None
-    if a.spawn_server:
-        proc, a.endpoint_url = spawn_server()
-        a.server_pid = proc.pid
+    server = Server("fast") if a.spawn_server else None
+    if server:
+        a.endpoint_url, a.server_pid = server.url, server.pid
     elif not a.endpoint_url:
         p.error("give --endpoint-url or --spawn-server")
     try:
         res = measure_ceiling(a.endpoint_url, a.bucket, a.size_mib << 20, a.part_mib << 20, a.concurrency,
                               a.range_mib << 20, a.server_pid, a.warmup)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=10)
+        if server:
+            server.stop()
     print(json.dumps(res, indent=2))
 
 

@@ -9,12 +9,9 @@ keeps the tensor count, so ``scale=0.05`` gives ~53 MiB for quick runs.
 
 Every tensor is generated from its own seed (``seed`` and its index), so any
 single tensor can be rebuilt without the rest: see :func:`make_tensor`.
-
-    python -m benchmarks.gpt_state --scale 0.05
 """
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from typing import Iterator
@@ -117,24 +114,3 @@ def make_gpt_state(total_bytes: int = FULL_BYTES, seed: int = 0) -> dict[str, to
 def scaled_bytes(scale: float) -> int:
     """State size for a ``--scale`` value."""
     return int(FULL_BYTES * scale)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scale", type=float, default=1.0)
-    args = ap.parse_args()
-    specs = gpt_specs(scaled_bytes(args.scale))
-    total = sum(s.nbytes for s in specs)
-    sizes = sorted(s.nbytes for s in specs)
-    key = partial_read_key()
-    pr = next(s for s in specs if s.key == key)
-    print(f"{len(specs)} tensors, {total / GiB:.3f} GiB ({total} B); "
-          f"largest {sizes[-1] / MiB:.1f} MiB, smallest {sizes[0]} B; "
-          f"partial read {key} {list(pr.shape)} {pr.nbytes / MiB:.2f} MiB")
-    for s in specs[:20]:
-        print(f"  {s.key:40s} {str(list(s.shape)):16s} {s.nbytes / MiB:8.2f} MiB")
-    print("  ...")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,35 +1,30 @@
-"""Checkpoint save/load methods compared by the benchmark harness.
+"""The ways to save and load a state dict that the save/load benchmark compares.
 
-Every method has the same shape:
+Every method has the same shape, so the driver treats them alike:
 
-* ``setup(target)``: imports and client creation, done outside the timed region
-  (a training job keeps its clients across saves); no I/O against the target.
-* ``save(state, target)``: write the whole state dict.
-* ``load(template, target)``: fill ``template``'s tensors in place (methods
-  that can only return new tensors copy them in, as ``load_state_dict`` would)
-  and return it.
-* ``read_one(key, target, like)``: fetch one tensor, as little data as the
-  method allows; ``like`` is an empty tensor of the right shape and dtype for
-  methods that need a template (DCP).
+* ``setup(target)``: imports and clients, outside the timed region (a training job
+  keeps its clients across saves); no I/O against the target;
+* ``warmup(target)``: one cheap request with the method's own client, so the timed op
+  sees a warm client, as a job's second and later checkpoints do;
+* ``save(state, target)``; ``load(template, target)`` fills ``template`` in place
+  (methods that return new tensors copy them in, as ``load_state_dict`` would);
+  ``read_one(key, target, like)`` fetches one tensor, as little data as it can.
 
-``info`` collects whatever a method reports about its own I/O (requests,
-bytes); :mod:`benchmarks.run_one` adds it to its JSON line.
+``info`` collects what a method reports about its own I/O. DCP's and s3fs's options
+live here too (:func:`dcp`, :func:`s3fs_options`): the multi-rank, collective and async
+benchmarks use the same ones.
 """
 from __future__ import annotations
 
 import io
 import os
-import shutil
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-MiB = 1 << 20
-REGION = "us-east-1"
-ACCESS_KEY = "testing"
-SECRET_KEY = "testing"
+from .harness import ACCESS_KEY, CRED_ENV, MiB, REGION, SECRET_KEY, boto3_client, s3_options
 
 
 @dataclass
@@ -49,54 +44,47 @@ class Target:
     def local_dir(self) -> str:
         return os.path.join(self.local_root, self.prefix)
 
-    def storage_options(self) -> dict[str, Any]:
-        """objckpt-style storage options for the S3 target."""
-        return {
-            "endpoint_url": self.endpoint_url,
-            "region_name": REGION,
-            "aws_access_key_id": ACCESS_KEY,
-            "aws_secret_access_key": SECRET_KEY,
-        }
 
-    def boto3_client(self, max_pool_connections: int = 16) -> Any:
-        import boto3
-        from botocore.config import Config
+def dcp() -> Any:
+    """``torch.distributed.checkpoint``, without its single-process warnings."""
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch.distributed.checkpoint as dcp_module
 
-        return boto3.client(
-            "s3",
-            config=Config(max_pool_connections=max_pool_connections),
-            **self.storage_options(),
-        )
+    return dcp_module
 
 
-class Method:
-    """Base class: one way to save and load a state dict."""
-
-    name: str = "?"
-    remote: bool = True  # writes to S3 (else to target.local_dir)
-
-    def __init__(self) -> None:
-        self.info: dict[str, Any] = {}
-
-    def setup(self, target: Target) -> None:
-        """Imports and clients; no I/O against the target."""
-
-    def warmup(self, target: Target) -> None:
-        """One cheap request with the method's client (connection pool, lazily
-        loaded service models), so the timed op measures a warm client as in a
-        training job's second and later checkpoints.  Default: nothing."""
-
-    def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
-        raise NotImplementedError
-
-    def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+def s3fs_options(endpoint: Optional[str]) -> dict[str, Any]:
+    """s3fs options as ``FsspecWriter``/``FsspecReader`` keyword arguments (passed to url_to_fs)."""
+    return {"endpoint_url": endpoint, "key": ACCESS_KEY, "secret": SECRET_KEY,
+            "client_kwargs": {"region_name": REGION}}
 
 
-def _copy_into(template: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fsspec_writer(uri: str, endpoint: Optional[str], thread_count: int = 1) -> Any:
+    """``sync_files=False``: with fsspec streams DCP's fsync falls back to a machine-wide ``os.sync()``."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(uri, sync_files=False, thread_count=thread_count, **s3fs_options(endpoint))
+
+
+def fsspec_reader(uri: str, endpoint: Optional[str]) -> Any:
+    """Pass it as ``storage_reader=`` only: with ``checkpoint_id=`` too, ``reset()`` re-creates the
+    filesystem without these options."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(uri, **s3fs_options(endpoint))
+
+
+def warm_s3fs(uri: str, endpoint: Optional[str], bucket: str) -> None:
+    """Same options -> the same cached S3FileSystem the writer/reader will get, now connected."""
+    from fsspec.core import url_to_fs
+
+    fs, _ = url_to_fs(uri, **s3fs_options(endpoint))
+    fs.exists(f"{bucket}/__warmup__/x")
+    fs.invalidate_cache()
+
+
+def copy_into(template: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``template[k].copy_(loaded[k])`` for every key (what ``load_state_dict`` does)."""
     missing = set(template) - set(loaded)
     if missing:
@@ -107,7 +95,29 @@ def _copy_into(template: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor
     return template
 
 
-# --------------------------------------------------------------------------- torch.save
+class Method:
+    """Base class: one way to save and load a state dict."""
+
+    name = "?"
+    remote = True  # writes to S3 (else to target.local_dir)
+
+    def __init__(self) -> None:
+        self.info: dict[str, Any] = {}
+
+    def setup(self, target: Target) -> None:
+        pass
+
+    def warmup(self, target: Target) -> None:
+        pass
+
+    def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
+        raise NotImplementedError
+
+    def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class TorchSaveBoto3(Method):
@@ -118,35 +128,57 @@ class TorchSaveBoto3(Method):
     def setup(self, target: Target) -> None:
         from boto3.s3.transfer import TransferConfig
 
-        self.client = target.boto3_client()
-        self.config = TransferConfig(
-            multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=8
-        )
+        self.client = boto3_client(target.endpoint_url)  # type: ignore[arg-type]
+        self.config = TransferConfig(multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=8)
 
     def warmup(self, target: Target) -> None:
         self.client.head_bucket(Bucket=target.bucket)
-
-    def _key(self, target: Target) -> str:
-        return f"{target.prefix}/model.pt"
 
     def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
         buf = io.BytesIO()
         torch.save(state, buf)
         self.info["object_bytes"] = buf.tell()
         buf.seek(0)
-        self.client.upload_fileobj(buf, target.bucket, self._key(target), Config=self.config)
+        self.client.upload_fileobj(buf, target.bucket, f"{target.prefix}/model.pt", Config=self.config)
 
     def _fetch(self, target: Target) -> dict[str, torch.Tensor]:
         buf = io.BytesIO()
-        self.client.download_fileobj(target.bucket, self._key(target), buf, Config=self.config)
+        self.client.download_fileobj(target.bucket, f"{target.prefix}/model.pt", buf, Config=self.config)
         buf.seek(0)
         return torch.load(buf, weights_only=True)
 
     def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
-        return _copy_into(template, self._fetch(target))
+        return copy_into(template, self._fetch(target))
 
     def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
         return self._fetch(target)[key]  # the whole object: torch.save has no index to range-read
+
+
+class TorchSaveS3tc(Method):
+    """torch.save / torch.load through s3torchconnector's ``S3Checkpoint`` (AWS CRT client)."""
+
+    name = "torchsave_s3tc"
+
+    def setup(self, target: Target) -> None:
+        from s3torchconnector import S3Checkpoint, S3ClientConfig
+
+        os.environ.update(CRED_ENV)
+        self.ckpt = S3Checkpoint(REGION, endpoint=target.endpoint_url,
+                                 s3client_config=S3ClientConfig(force_path_style=True, part_size=16 * MiB))
+
+    def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
+        with self.ckpt.writer(f"{target.s3_uri}/model.pt") as w:
+            torch.save(state, w)
+
+    def _fetch(self, target: Target) -> dict[str, torch.Tensor]:
+        with self.ckpt.reader(f"{target.s3_uri}/model.pt") as r:
+            return torch.load(r, weights_only=True)
+
+    def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
+        return copy_into(template, self._fetch(target))
+
+    def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
+        return self._fetch(target)[key]
 
 
 class TorchSaveLocal(Method):
@@ -155,86 +187,43 @@ class TorchSaveLocal(Method):
     name = "torchsave_local"
     remote = False
 
-    def _path(self, target: Target) -> str:
-        return os.path.join(target.local_dir, "model.pt")
-
     def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
         os.makedirs(target.local_dir, exist_ok=True)
-        with open(self._path(target), "wb") as f:
+        with open(os.path.join(target.local_dir, "model.pt"), "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
 
     def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
-        return _copy_into(template, torch.load(self._path(target), weights_only=True))
+        return copy_into(template, torch.load(os.path.join(target.local_dir, "model.pt"), weights_only=True))
 
     def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
         # mmap=True touches only the pages of the one tensor (plus the zip index).
-        sd = torch.load(self._path(target), weights_only=True, mmap=True)
-        return sd[key].clone()
-
-
-# --------------------------------------------------------------------------- DCP
-
-
-def _dcp() -> Any:
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    import torch.distributed.checkpoint as dcp
-
-    return dcp
+        return torch.load(os.path.join(target.local_dir, "model.pt"), weights_only=True, mmap=True)[key].clone()
 
 
 class DcpS3fs(Method):
-    """torch.distributed.checkpoint with FsspecWriter/FsspecReader over s3fs.
-
-    Single process, ``no_dist=True``.  ``sync_files=False``: with fsspec
-    streams DCP's fsync falls back to a machine-wide ``os.sync()``.
-    """
+    """torch.distributed.checkpoint with FsspecWriter/FsspecReader over s3fs, ``no_dist=True``."""
 
     name = "dcp_s3fs"
     thread_count = 1
 
     def setup(self, target: Target) -> None:
-        self.dcp = _dcp()
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
-        self.writer_cls, self.reader_cls = FsspecWriter, FsspecReader
-        # Passed through url_to_fs to s3fs.S3FileSystem.
-        self.fs_options = {
-            "endpoint_url": target.endpoint_url,
-            "key": ACCESS_KEY,
-            "secret": SECRET_KEY,
-            "client_kwargs": {"region_name": REGION},
-        }
+        self.dcp = dcp()
 
     def warmup(self, target: Target) -> None:
-        from fsspec.core import url_to_fs
-
-        # Same options -> the same cached S3FileSystem instance the writer/reader will get.
-        fs, _ = url_to_fs(target.s3_uri, **self.fs_options)
-        fs.exists(f"{target.bucket}/__warmup__/x")
-        fs.invalidate_cache()
-
-    def _reader(self, target: Target) -> Any:
-        # Never pass checkpoint_id to dcp.load as well: reset(checkpoint_id)
-        # re-creates the filesystem *without* these options.
-        return self.reader_cls(target.s3_uri, **self.fs_options)
+        warm_s3fs(target.s3_uri, target.endpoint_url, target.bucket)
 
     def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
-        writer = self.writer_cls(
-            target.s3_uri, sync_files=False, thread_count=self.thread_count, **self.fs_options
-        )
+        writer = fsspec_writer(target.s3_uri, target.endpoint_url, self.thread_count)
         self.dcp.save(state, storage_writer=writer, no_dist=True)
 
     def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
-        self.dcp.load(template, storage_reader=self._reader(target), no_dist=True)
+        self.dcp.load(template, storage_reader=fsspec_reader(target.s3_uri, target.endpoint_url), no_dist=True)
         return template
 
     def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
-        sd = {key: like}
-        self.dcp.load(sd, storage_reader=self._reader(target), no_dist=True)
-        return sd[key]
+        return self.load({key: like}, target)[key]
 
 
 class DcpS3fsT4(DcpS3fs):
@@ -251,114 +240,72 @@ class DcpLocal(Method):
     remote = False
 
     def setup(self, target: Target) -> None:
-        self.dcp = _dcp()
+        self.dcp = dcp()
 
     def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
-        writer = self.dcp.FileSystemWriter(target.local_dir)
-        self.dcp.save(state, storage_writer=writer, no_dist=True)
+        self.dcp.save(state, storage_writer=self.dcp.FileSystemWriter(target.local_dir), no_dist=True)
 
     def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
         self.dcp.load(template, storage_reader=self.dcp.FileSystemReader(target.local_dir), no_dist=True)
         return template
 
     def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
-        sd = {key: like}
-        self.dcp.load(sd, storage_reader=self.dcp.FileSystemReader(target.local_dir), no_dist=True)
-        return sd[key]
-
-
-# --------------------------------------------------------------------------- TensorStore
+        return self.load({key: like}, target)[key]
 
 
 class TensorStoreOcdbt(Method):
-    """TensorStore zarr3 arrays (one per tensor, one chunk each, raw bytes codec)
-    in one OCDBT database on TensorStore's s3 kvstore driver.
-
-    The save is one transaction, so OCDBT writes one data file and one
-    manifest commit (orbax-style).  Credentials come from the environment.
-    """
+    """TensorStore zarr3 arrays (one per tensor, one chunk each, raw bytes codec) in one OCDBT
+    database on TensorStore's s3 kvstore driver. The save is one transaction: one data file,
+    one manifest commit (orbax-style). Credentials come from the environment."""
 
     name = "tensorstore_ocdbt"
-    concurrency = 32
 
     def setup(self, target: Target) -> None:
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        os.environ.setdefault("AWS_REGION", REGION)
-        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-        import numpy as np
+        for k, v in CRED_ENV.items():
+            os.environ.setdefault(k, v)
         import tensorstore as ts
 
-        self.ts, self.np = ts, np
-        # Bounded retries: against an endpoint it cannot reach, the default retry loop
-        # backs off for minutes before an op fails.
-        self.context = ts.Context({
-            "s3_request_concurrency": {"limit": self.concurrency},
-            "s3_request_retries": {"max_retries": 4, "initial_delay": "0.1s", "max_delay": "2s"},
-        })
+        self.ts = ts
+        # Bounded retries: against an endpoint it cannot reach the default loop backs off for minutes.
+        self.context = ts.Context({"s3_request_concurrency": {"limit": 32},
+                                   "s3_request_retries": {"max_retries": 4, "initial_delay": "0.1s",
+                                                          "max_delay": "2s"}})
 
-    def _kvstore(self, target: Target) -> dict[str, Any]:
-        return {
-            "driver": "ocdbt",
-            "base": {
-                "driver": "s3",
-                "bucket": target.bucket,
-                "path": target.prefix.rstrip("/") + "/",
+    def _base(self, target: Target, path: str) -> dict[str, Any]:
+        return {"driver": "s3", "bucket": target.bucket, "path": path, "aws_region": REGION,
                 "endpoint": target.endpoint_url,  # path-style requests against this host
-                "aws_region": REGION,
-                "aws_credentials": {"type": "environment"},
-            },
-        }
+                "aws_credentials": {"type": "environment"}}
 
     def warmup(self, target: Target) -> None:
-        base = dict(self._kvstore(target)["base"], path="__warmup__/")
-        kv = self.ts.KvStore.open(base, context=self.context).result()
-        kv.read("x").result()
+        self.ts.KvStore.open(self._base(target, "__warmup__/"), context=self.context).result().read("x").result()
 
-    def _spec(self, key: str, target: Target) -> dict[str, Any]:
-        return {"driver": "zarr3", "kvstore": {**self._kvstore(target), "path": key + "/"}}
-
-    def _open_all(self, keys: list[str], target: Target, opts: Optional[dict[str, dict[str, Any]]] = None) -> list[Any]:
-        opts = opts or {}
-        futs = [self.ts.open(self._spec(k, target), context=self.context, **opts.get(k, {})) for k in keys]
+    def _open_all(self, keys: list[str], target: Target, opts: Optional[dict[str, dict[str, Any]]] = None) -> list:
+        kv = {"driver": "ocdbt", "base": self._base(target, target.prefix.rstrip("/") + "/")}
+        futs = [self.ts.open({"driver": "zarr3", "kvstore": {**kv, "path": k + "/"}}, context=self.context,
+                             **(opts or {}).get(k, {})) for k in keys]
         return [f.result() for f in futs]
 
     def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
-        ts = self.ts
-        txn = ts.Transaction()
-        keys = list(state)
-        opts: dict[str, Any] = {}
-        for k in keys:
-            shape = list(state[k].shape)
-            opts[k] = dict(
-                create=True,
-                transaction=txn,
-                dtype=ts.dtype(str(state[k].detach().cpu().numpy().dtype)),
-                shape=shape,
-                chunk_layout=ts.ChunkLayout(chunk_shape=shape),
-                codec=ts.CodecSpec({"driver": "zarr3", "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}),
-            )
-        arrays = self._open_all(keys, target, opts)
-        writes = [a.write(state[k].detach().cpu().contiguous().numpy()) for k, a in zip(keys, arrays)]
-        for w in writes:
+        ts, txn = self.ts, self.ts.Transaction()
+        codec = ts.CodecSpec({"driver": "zarr3", "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]})
+        arrays = {k: v.detach().cpu().contiguous().numpy() for k, v in state.items()}
+        opts = {k: dict(create=True, transaction=txn, dtype=ts.dtype(str(a.dtype)), shape=list(a.shape),
+                        chunk_layout=ts.ChunkLayout(chunk_shape=list(a.shape)), codec=codec)
+                for k, a in arrays.items()}
+        opened = self._open_all(list(arrays), target, opts)
+        for w in [o.write(a) for o, a in zip(opened, arrays.values())]:
             w.result()
         txn.commit_async().result()
 
     def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
-        keys = list(template)
-        arrays = self._open_all(keys, target)
-        reads = [a.read() for a in arrays]
+        reads = [a.read() for a in self._open_all(list(template), target)]
         with torch.no_grad():
-            for k, r in zip(keys, reads):
-                template[k].copy_(torch.from_numpy(r.result()))
+            for t, r in zip(template.values(), reads):
+                t.copy_(torch.from_numpy(r.result()))
         return template
 
     def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
-        (arr,) = self._open_all([key], target)
-        return torch.from_numpy(arr.read().result())
-
-
-# --------------------------------------------------------------------------- objckpt
+        return torch.from_numpy(self._open_all([key], target)[0].read().result())
 
 
 class Objckpt(Method):
@@ -366,45 +313,39 @@ class Objckpt(Method):
 
     name = "objckpt_s3"
 
-    def _uri(self, target: Target) -> str:
+    def uri(self, target: Target) -> str:
         return target.s3_uri
 
-    def _options(self, target: Target) -> Optional[dict[str, Any]]:
-        return target.storage_options()
+    def options(self, target: Target) -> Optional[dict[str, Any]]:
+        return s3_options(target.endpoint_url)
 
     def setup(self, target: Target) -> None:
         import objckpt
+        from objckpt.storage import open_store
 
         self.objckpt = objckpt
-        try:  # warm objckpt's store cache (client creation) outside the timed region
-            from objckpt.storage import open_store
-
-            open_store(self._uri(target), self._options(target))
-        except Exception:  # noqa: BLE001 - an internal API; the benchmark works without it
-            pass
+        open_store(self.uri(target), self.options(target))  # client creation, outside the timed region
 
     def warmup(self, target: Target) -> None:
         if self.remote:
             try:  # a manifest GET on a checkpoint that does not exist
-                self.objckpt.inspect(self._uri(target) + "-warmup", storage_options=self._options(target))
+                self.objckpt.inspect(self.uri(target) + "-warmup", storage_options=self.options(target))
             except Exception:  # noqa: BLE001 - NotFound expected
                 pass
 
     def _record(self, result: Any) -> None:
-        for f in ("bytes", "seconds", "requests", "tensors", "blobs"):
-            v = getattr(result, f, None)
-            if v is not None:
-                self.info[f"objckpt_{f}"] = v
+        self.info.update({f"objckpt_{f}": getattr(result, f) for f in ("bytes", "seconds", "requests", "tensors",
+                                                                       "blobs") if getattr(result, f, None) is not None})
 
     def save(self, state: dict[str, torch.Tensor], target: Target) -> None:
-        self._record(self.objckpt.save(state, self._uri(target), storage_options=self._options(target)))
+        self._record(self.objckpt.save(state, self.uri(target), storage_options=self.options(target)))
 
     def load(self, template: dict[str, torch.Tensor], target: Target) -> dict[str, torch.Tensor]:
-        self._record(self.objckpt.load(template, self._uri(target), storage_options=self._options(target)))
+        self._record(self.objckpt.load(template, self.uri(target), storage_options=self.options(target)))
         return template
 
     def read_one(self, key: str, target: Target, like: torch.Tensor) -> torch.Tensor:
-        return self.objckpt.read(self._uri(target), keys=[key], storage_options=self._options(target))[key]
+        return self.objckpt.read(self.uri(target), keys=[key], storage_options=self.options(target))[key]
 
 
 class ObjckptLocal(Objckpt):
@@ -413,49 +354,16 @@ class ObjckptLocal(Objckpt):
     name = "objckpt_local"
     remote = False
 
-    def _uri(self, target: Target) -> str:
+    def uri(self, target: Target) -> str:
         return target.local_dir
 
-    def _options(self, target: Target) -> Optional[dict[str, Any]]:
+    def options(self, target: Target) -> Optional[dict[str, Any]]:
         return None
 
 
-# --------------------------------------------------------------------------- registry
-
-METHODS: dict[str, Callable[[], Method]] = {
-    m.name: m
-    for m in (
-        TorchSaveBoto3,
-        DcpS3fs,
-        TensorStoreOcdbt,
-        Objckpt,
-        DcpLocal,
-        TorchSaveLocal,
-        ObjckptLocal,
-        DcpS3fsT4,
-    )
-}
-
-#: Methods run when ``--methods`` is not given (``dcp_s3fs_t4`` is opt-in).
-DEFAULT_METHODS = [
-    "torchsave_boto3",
-    "dcp_s3fs",
-    "tensorstore_ocdbt",
-    "objckpt_s3",
-    "dcp_local",
-    "torchsave_local",
-    "objckpt_local",
-]
-
-
-def make_method(name: str) -> Method:
-    """A fresh instance of the named method."""
-    try:
-        return METHODS[name]()
-    except KeyError:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(METHODS)}") from None
-
-
-def remove_local(target: Target) -> None:
-    """Delete a local method's directory."""
-    shutil.rmtree(target.local_dir, ignore_errors=True)
+METHODS: dict[str, type[Method]] = {m.name: m for m in (
+    TorchSaveBoto3, DcpS3fs, TensorStoreOcdbt, Objckpt, DcpLocal, TorchSaveLocal, ObjckptLocal, DcpS3fsT4,
+    TorchSaveS3tc)}
+#: run when ``--methods`` is not given (``dcp_s3fs_t4`` and ``torchsave_s3tc`` are opt-in)
+DEFAULT_METHODS = ["torchsave_boto3", "dcp_s3fs", "tensorstore_ocdbt", "objckpt_s3", "dcp_local", "torchsave_local",
+                   "objckpt_local"]

@@ -1,0 +1,200 @@
+"""The model and the objckpt internals that both planning benchmarks use (no I/O).
+
+A 70B Llama-like state (80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256;
+bf16 params + fp32 Adam ``exp_avg``/``exp_avg_sq`` + a 0-d ``step``: 2892 tensors, 706 GB) laid
+out FSDP x TP on a (dp, tp) mesh: column-parallel weights and the vocab-parallel embedding
+``[Shard(0), Shard(0)]``, row-parallel (o, down) ``[Shard(0), Shard(1)]``, norms
+``[Shard(0), Replicate()]``, ``step`` a plain tensor on every rank.
+
+**Library internals**: planning has no public API, so these benchmarks call objckpt's
+internal functions. Every one of them is imported in :func:`internals` and nowhere else, so a
+restructure of the library is repointed here.
+"""
+from __future__ import annotations
+
+import functools
+import random
+import sys
+import time
+import types
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+MiB, GiB = 1 << 20, 1 << 30
+BLOB_SIZE, PART_SIZE, CRC_BLOCK = 1 << 30, 16 * MiB, 1 * MiB  # objckpt's S3 defaults
+MIN_PART, MAX_PART = 5 * MiB, 5 * GiB
+ATTEMPT = "20261122T000000-000000000000"
+S0, S1, R = ("S", 0), ("S", 1), ("R",)
+PLACEMENTS: dict[str, Optional[tuple]] = {"col": (S0, S0), "row": (S0, S1), "norm": (S0, R), "plain": None}
+
+
+@functools.lru_cache(maxsize=None)
+def internals() -> types.SimpleNamespace:
+    """Every objckpt internal the planning benchmarks call: the one place to repoint them."""
+    import objckpt
+    from objckpt import _runtime
+    from objckpt.checksum import crc32c
+    from objckpt.engine.commit import build_manifest, build_manifest_v2
+    from objckpt.engine.fill import check_coverage
+    from objckpt.engine.resolve import ChunkResolver
+    from objckpt.format import layout as keys
+    from objckpt.format import rank_index
+    from objckpt.format.manifest import Chunk, Mesh, _chunk_to_json, decode, encode, to_json_obj
+    from objckpt.format.tree import encode_tree
+    from objckpt.planning import rank_plan
+    from objckpt.planning.layout import TensorDesc, assign_layouts, cell_box, overlapping_pieces
+    from objckpt.planning.pack import TensorSpec, plan_save
+    from objckpt.planning.reshard import ChunkIndex, plan_piece
+    from objckpt.planning.shard import TensorMeta, assign_writes, check_consistent
+    from objckpt.saving import _tree_digest
+    from objckpt.storage.memory import MemoryStore
+
+    return types.SimpleNamespace(**{k: v for k, v in locals().items()})
+
+
+@dataclass(frozen=True)
+class TDef:
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    itemsize: int
+    kind: str
+
+
+def llama_defs(layers: int = 80, hidden: int = 8192, heads: int = 64, kv_heads: int = 8, ffn: int = 28672,
+               vocab: int = 128256) -> tuple[list[TDef], dict[str, Any]]:
+    """Tensor definitions (keys as objckpt flattens them) and the nested state skeleton
+    (tensor leaves None) that ``save()`` would be given."""
+    kv = kv_heads * (hidden // heads)
+    params: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "col")]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        params += [(p + "self_attn.q_proj.weight", (hidden, hidden), "col"),
+                   (p + "self_attn.k_proj.weight", (kv, hidden), "col"),
+                   (p + "self_attn.v_proj.weight", (kv, hidden), "col"),
+                   (p + "self_attn.o_proj.weight", (hidden, hidden), "row"),
+                   (p + "mlp.gate_proj.weight", (ffn, hidden), "col"), (p + "mlp.up_proj.weight", (ffn, hidden), "col"),
+                   (p + "mlp.down_proj.weight", (hidden, ffn), "row"),
+                   (p + "input_layernorm.weight", (hidden,), "norm"),
+                   (p + "post_attention_layernorm.weight", (hidden,), "norm")]
+    params += [("model.norm.weight", (hidden,), "norm"), ("lm_head.weight", (vocab, hidden), "col")]
+    defs = [TDef(f"model.{fqn}", shape, "bfloat16", 2, kind) for fqn, shape, kind in params]
+    for fqn, shape, kind in params:  # optimizer keys in the order get_state_dict gives them
+        defs += [TDef(f"optim.state.{fqn}.step", (), "float32", 4, "plain"),
+                 TDef(f"optim.state.{fqn}.exp_avg", shape, "float32", 4, kind),
+                 TDef(f"optim.state.{fqn}.exp_avg_sq", shape, "float32", 4, kind)]
+    group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False, "foreach": None,
+             "maximize": False, "capturable": False, "differentiable": False, "fused": None,
+             "decoupled_weight_decay": False, "params": [fqn for fqn, _, _ in params]}
+    state = {"model": {fqn: None for fqn, _, _ in params},
+             "optim": {"state": {fqn: {"step": None, "exp_avg": None, "exp_avg_sq": None} for fqn, _, _ in params},
+                       "param_groups": [group]}}
+    return defs, state
+
+
+def encoded_tree(state: dict[str, Any]) -> Any:
+    """The JSON tree objckpt stores (tensor leaves -> ``{"$tensor": key}``)."""
+    import torch
+
+    leaf = torch.empty(0, device="meta")
+
+    def fill(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: (leaf if v is None else fill(v)) for k, v in x.items()}
+        return [fill(v) for v in x] if isinstance(x, list) else x
+
+    return internals().encode_tree(fill(state), lambda k, t: None)
+
+
+def local_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+              placements: Optional[Sequence[tuple]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local shape) at ``coord``: torch's ``compute_local_shape_and_global_offset``
+    in pure Python (fast enough for thousands of ranks; checked against torch on sample ranks).
+    Mesh dims shard left to right with torch.chunk's sizes; an empty shard's offset is the dim's size."""
+    if placements is None:
+        return tuple(0 for _ in global_shape), tuple(global_shape)
+    local = list(global_shape)
+    offs: dict[int, int] = {}
+    for md, p in enumerate(placements):
+        if p[0] != "S":
+            continue
+        d, n, r, cur = p[1], mesh_shape[md], coord[md], local[p[1]]
+        full = -(-cur // n)
+        start = min(cur, full * r)
+        size = max(0, min(cur, start + full) - start)
+        local[d] = size
+        offs[d] = global_shape[d] if size == 0 else offs.get(d, 0) + start
+    return tuple(offs.get(d, 0) for d in range(len(global_shape))), tuple(local)
+
+
+def torch_boxes(defs: list[TDef], mesh: tuple[int, int], rank: int) -> tuple[dict[str, tuple], float]:
+    """Every tensor's box from torch's own function on a DeviceMesh over the ``fake`` process
+    group (what a real rank runs), and the seconds that took (mesh set-up excluded)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=mesh[0] * mesh[1], store=FakeStore())
+    try:
+        dm = init_device_mesh("cpu", mesh, mesh_dim_names=("dp", "tp"))
+        tpl = {k: v and [Shard(p[1]) if p[0] == "S" else Replicate() for p in v] for k, v in PLACEMENTS.items()}
+        out = {}
+        t0 = clock()
+        for d in defs:
+            if tpl[d.kind] is None:
+                out[d.key] = (tuple(0 for _ in d.shape), tuple(d.shape))
+            else:
+                shape, offs = compute_local_shape_and_global_offset(d.shape, dm, tpl[d.kind])
+                out[d.key] = (tuple(int(o) for o in offs), tuple(int(s) for s in shape))
+        return out, clock() - t0
+    finally:
+        dist.destroy_process_group()
+
+
+class Store:
+    """The part limits planning reads from a store (S3's)."""
+
+    min_part_size, max_part_size = MIN_PART, MAX_PART
+
+
+def chunk_records(items: list, plan: Any, rng: random.Random) -> list[tuple]:
+    """What a rank reports per chunk after writing: (key, offsets, shape, blob, offset, length,
+    crc32c, block crcs), crcs random."""
+    where = {f"{it.key}\x00{i}": (it.key, it.offsets) for i, it in enumerate(items)}
+    out = []
+    for c in plan.chunks:
+        key, base = where[c.key]
+        nb = -(-c.length // CRC_BLOCK) if c.length > CRC_BLOCK else 0
+        out.append((key, tuple(b + o for b, o in zip(base, c.offsets)), c.shape, c.blob, c.offset, c.length,
+                    rng.getrandbits(32), tuple(rng.getrandbits(32) for _ in range(nb))))
+    return out
+
+
+#: CPU seconds of this process by default: the planning code is single-threaded Python, and
+#: CPU time leaves out other processes and hypervisor steal on a shared machine.
+clock = time.process_time
+
+
+def set_clock(name: str) -> None:
+    global clock
+    clock = time.process_time if name == "cpu" else time.perf_counter
+
+
+class Timer:
+    """Accumulates ``clock`` seconds over every ``with`` block."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __enter__(self) -> "Timer":
+        self._t0 = clock()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.t += clock() - self._t0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
