@@ -8,11 +8,11 @@ load take, for two sample ranks (rank 0 and a middle one), in CPU seconds:
 
 save: torch's ``compute_local_shape_and_global_offset`` for every tensor (what a real rank runs,
 on a fake process group); the description (placements, mesh, ``cell_box``, digest); the tree
-digest; unpickling every rank's first-round payload; ``plan_for_rank_symbolic`` on a cache miss
+digest; unpickling every rank's first-round payload; ``SymbolicLayout.plan`` on a cache miss
 and a hit; this rank's index object (``rank_index.encode``, random crcs) and its size. Rank 0
-also unpickles every rank's outcome, runs ``build_manifest_v2`` + ``encode``; the manifest's size.
+also unpickles every rank's outcome, runs ``SymbolicLayout.manifest`` + ``encode``; the manifest's size.
 
-load: ``manifest.decode``; ``ChunkResolver.prefetch`` (the rank indexes this rank needs, from an
+load: ``manifest.decode``; ``RankIndexResolver.prefetch`` (the rank indexes this rank needs, from an
 in-memory store, checked and decoded); ``overlapping`` + ``plan_piece`` for every tensor it holds.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import random
 from typing import Any
 
 from . import harness as h
-from .planning_model import (ATTEMPT, BLOB_SIZE, CRC_BLOCK, PART_SIZE, PLACEMENTS, Store, Timer, chunk_records,
+from .planning_model import (ATTEMPT, CRC_BLOCK, PLACEMENTS, Timer, chunk_records,
                              encoded_tree, internals, llama_defs, log, set_clock, torch_boxes)
 
 
@@ -52,9 +52,15 @@ def rank_index(descs: list, meshes: list, digest: bytes, rank: int, rng: random.
     ock = internals()
     boxes = {t.key: ock.cell_box(t.shape, meshes[t.mesh].shape, t.placements, meshes[t.mesh].coordinate(rank))
              for t in descs}
-    _, items, plan = ock.rank_plan.plan_for_rank_symbolic(digest, descs, meshes, boxes, rank, Store(), BLOB_SIZE,
-                                                          PART_SIZE)
-    return ock.rank_index.encode(ATTEMPT, rank, chunk_records(items, plan, rng)), [b.size for b in plan.blobs]
+    _, w = ock.plan_rank_writes_symbolic(descs, meshes, boxes, rank, ock.limits)
+    return ock.rank_index.encode(ATTEMPT, rank, chunk_records(w.items, w.plan, rng)), [b.size for b in w.plan.blobs]
+
+
+def layout(defs: list, tree: Any, descs: list, meshes: list, digest: bytes) -> Any:
+    """The ``SymbolicLayout`` a save holds once the ranks' digests agreed."""
+    ock = internals()
+    return ock.SymbolicLayout(ock.SymbolicDescription(descs, meshes, digest), {d.key: d.dtype for d in defs}, {}, tree,
+                              None)
 
 
 def save_side(defs: list, tree: Any, mesh_shape: tuple[int, int], rank: int, rng: random.Random) -> dict[str, Any]:
@@ -72,11 +78,11 @@ def save_side(defs: list, tree: Any, mesh_shape: tuple[int, int], rank: int, rng
         for p in payloads:
             pickle.loads(p)
     r["round1_unpickle_s"], r["round1_bytes_total"] = t.t, sum(map(len, payloads))
-    ock.rank_plan._PLAN_CACHE.clear()
+    ock.PLAN_CACHE._plans.clear()
+    lay = layout(defs, tree, descs, meshes, digest)
     for case in ("miss", "hit"):
         with Timer() as t:
-            _, _, plan = ock.rank_plan.plan_for_rank_symbolic(digest, descs, meshes, boxes, rank, Store(), BLOB_SIZE,
-                                                              PART_SIZE)
+            plan = lay.plan(rank, boxes, ock.limits).plan
         r[f"plan_{case}_s"] = t.t
     with Timer() as t:
         idx, _ = rank_index(descs, meshes, digest, rank, rng)
@@ -120,16 +126,18 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0) -> dict[str, Any]
         run_(store.put(ock.keys.join("ck", ock.keys.index_name(ATTEMPT, w)), data))
         refs[w] = (len(data), ock.crc32c(data), sizes)
     avg = sum(v[0] for v in refs.values()) // len(refs)  # other ranks: the average index, a middle rank's blobs
-    outcomes = [pickle.dumps(((refs[w][0], refs[w][1]) if w in refs else (avg, 0),
-                              [(ock.keys.blob_name(ATTEMPT, w, i), sz)
-                               for i, sz in enumerate(refs.get(w, refs[mid])[2])], None)) for w in range(world)]
+    outcomes = [pickle.dumps(ock.RankOutcome(
+        blobs=[ock.Blob(ock.keys.blob_name(ATTEMPT, w, i), sz, w) for i, sz in enumerate(refs.get(w, refs[mid])[2])],
+        index=ock.RankIndexRef(ock.keys.index_name(ATTEMPT, w), *((refs[w][0], refs[w][1]) if w in refs else (avg, 0)))))
+        for w in range(world)]
     s0 = out["save"][0]
     with Timer() as t:
         results = [pickle.loads(p) for p in outcomes]
     s0["round2_unpickle_s"], s0["round2_bytes_total"] = t.t, sum(map(len, outcomes))
     with Timer() as t:
-        m = ock.build_manifest_v2(descs, meshes, layouts, {d.key: d.dtype for d in defs}, {}, tree, None, results,
-                                  ATTEMPT, {}, CRC_BLOCK)
+        lay = layout(defs, tree, descs, meshes, digest)
+        lay.layouts = layouts
+        m = lay.manifest(results, ock.ManifestCommon(ATTEMPT, {}, CRC_BLOCK))
         data = ock.encode(m)
     s0["manifest_build_encode_s"] = t.t
     out["manifest_json_bytes"] = len(json.dumps(ock.to_json_obj(m), separators=(",", ":")).encode())
@@ -141,7 +149,7 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0) -> dict[str, Any]
         with Timer() as t:
             mm = ock.decode(run_(store.get(ock.keys.manifest_key("ck"))))
         r["decode_s"] = t.t
-        res = ock.ChunkResolver(mm, store, "ck")
+        res = ock.RankIndexResolver(mm, store, "ck")
         with Timer() as t:
             run_(res.prefetch(targets))
         r.update(prefetch_s=t.t, indexes_fetched=len(res._ranks), index_bytes_fetched=sum(refs[w][0] for w in res._ranks))

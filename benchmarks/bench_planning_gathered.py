@@ -10,7 +10,7 @@ ranks). Each world runs in its own subprocess. Per world, in CPU seconds of one 
 
 save: every rank's metadata payload built, pickled and unpickled (what ``all_gather_object``
 does); the plan-cache key (pickle + blake2b of all gathered metas); ``check_consistent`` and
-``assign_writes``; ``plan_save`` for two sample ranks; ``plan_for_rank`` itself (miss and hit)
+``assign_writes``; ``pack_items`` for two sample ranks; ``GatheredLayout.plan`` itself (miss and hit)
 up to ``--plan-for-rank-max-world``; every rank's chunk records, then the manifest: JSON bytes
 (streamed tensor by tensor, byte-identical to ``encode``, which runs and is timed up to
 ``--full-manifest-max-chunks``) and zstd bytes.
@@ -24,6 +24,7 @@ and ``create_read_items_for_chunk_list`` per target rank.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import hashlib
 import json
@@ -36,7 +37,7 @@ from typing import Any, Optional
 
 from . import harness as h
 from . import planning_model as pm
-from .planning_model import (BLOB_SIZE, CRC_BLOCK, MAX_PART, MIN_PART, PART_SIZE, PLACEMENTS, Store, Timer,
+from .planning_model import (CRC_BLOCK, PLACEMENTS, Timer,
                              chunk_records, encoded_tree, internals, llama_defs, local_box, log, set_clock, torch_boxes)
 
 
@@ -48,12 +49,10 @@ def rank_metas(defs: list, mesh: tuple[int, int], rank: int) -> dict:
             for d in defs}
 
 
-def plan_rank(items: list, metas: list) -> Any:
+def plan_rank(items: list, itemsizes: dict[str, int]) -> Any:
+    """One rank's blob layout for its write items."""
     ock = internals()
-    specs = [ock.TensorSpec(f"{it.key}\x00{i}", tuple(it.shape), ock.rank_plan.metas_itemsize(metas, it.key))
-             for i, it in enumerate(items)]
-    return ock.plan_save(specs, blob_bytes=BLOB_SIZE, part_bytes=PART_SIZE, chunk_bytes=PART_SIZE,
-                         max_part_bytes=MAX_PART)
+    return ock.pack_items(items, itemsizes, ock.limits)
 
 
 def manifest_json(header: dict[str, Any], entries: Any, tree: Any) -> list[bytes]:
@@ -89,8 +88,9 @@ def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
                    "unpickle_s_all_ranks": t_unpickle.t, "bytes_per_rank_mean": sum(sizes) / world,
                    "bytes_total": sum(sizes), "boxes_total": sum(len(t.boxes) for m in metas for t in m.values())}
     log(f"world {world}: metadata {sum(sizes) / 1e6:.0f} MB pickled, unpickled in {t_unpickle.t:.1f} s")
-    with Timer() as t_key:  # 2. save planning, as plan_for_rank does on a cache miss
-        hashlib.blake2b(pickle.dumps((metas, (0, BLOB_SIZE, PART_SIZE, MIN_PART, MAX_PART))), digest_size=20).digest()
+    itemsizes = {d.key: d.itemsize for d in defs}
+    with Timer() as t_key:  # 2. save planning, as GatheredLayout.plan does on a cache miss
+        hashlib.blake2b(pickle.dumps((metas, 0, ock.limits)), digest_size=20).digest()
     with Timer() as t_check:
         ock.check_consistent(metas)
     with Timer() as t_assign:
@@ -99,31 +99,32 @@ def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
                             "ranks": {}}
     for r in sample:
         with Timer() as t:
-            plan = plan_rank(writes[r], metas)
+            plan = plan_rank(writes[r], itemsizes)
         save["ranks"][r] = {"items": len(writes[r]), "plan_save_s": t.t, "chunks": len(plan.chunks)}
     save["per_rank_s"] = t_assign.t + max(v["plan_save_s"] for v in save["ranks"].values())
     if world <= args.plan_for_rank_max_world:
-        ock.rank_plan._PLAN_CACHE.clear()
+        ock.PLAN_CACHE._plans.clear()
+        lay = ock.GatheredLayout([ock.RankReport(m, tree, {}, dtypes) for m in metas])
         for case in ("miss", "hit"):
             with Timer() as t:
-                ock.rank_plan.plan_for_rank(metas, 0, Store(), BLOB_SIZE, PART_SIZE)
+                lay.plan(0, {}, ock.limits)
             save[f"plan_for_rank_{case}_s"] = t.t
-        ock.rank_plan._PLAN_CACHE.clear()
+        ock.PLAN_CACHE._plans.clear()
     res["save"] = save
     log(f"world {world}: assign_writes {t_assign.t:.2f} s, cache key {t_key.t:.2f} s")
     rng, results = random.Random(world), []  # 3. every rank's chunk records -> the manifest
     for r in range(world):
-        plan = plan_rank(writes[r], metas)
-        names = [ock.keys.blob_name(attempt, r, b.index) for b in plan.blobs]
-        results.append((chunk_records(writes[r], plan, rng), [(n, b.size) for n, b in zip(names, plan.blobs)], None))
+        plan = plan_rank(writes[r], itemsizes)
+        blobs = [ock.Blob(ock.keys.blob_name(attempt, r, b.index), b.size, r) for b in plan.blobs]
+        results.append(ock.RankOutcome(blobs=blobs, records=chunk_records(writes[r], plan, rng)))
         writes[r] = None
-    man: dict[str, Any] = {"chunks": sum(len(x[0]) for x in results), "blobs": sum(len(x[1]) for x in results)}
+    man: dict[str, Any] = {"chunks": sum(len(x.records) for x in results), "blobs": sum(len(x.blobs) for x in results)}
     full = man["chunks"] <= args.full_manifest_max_chunks
     m, data = None, b""
     if full:
-        gathered = [(metas[r], tree, {}, dtypes, False, attempt, None) for r in range(world)]
+        gathered = ock.GatheredLayout([ock.RankReport(metas[r], tree, {}, dtypes) for r in range(world)])
         with Timer() as t_bm:
-            m = ock.build_manifest(gathered, results, attempt, {}, CRC_BLOCK, world)
+            m = gathered.manifest(results, ock.ManifestCommon(attempt, {}, CRC_BLOCK))
         with Timer() as t_enc:
             data = ock.encode(m)
         man.update(build_manifest_s=t_bm.t, encode_s=t_enc.t, json_bytes_encode=len(ock.encode(m, compress=False)))
@@ -131,17 +132,17 @@ def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
     del metas, writes
     by_key: dict[str, list] = {d.key: [] for d in defs}
     blobs = []
-    for rank, (recs, rblobs, _) in enumerate(results):
+    for rank, out in enumerate(results):
         base = len(blobs)
-        blobs += [{"name": n, "size": s, "rank": rank} for n, s in rblobs]
-        for key, offs, shape, b, off, length, crc, blocks in recs:
-            by_key[key].append((tuple(offs), tuple(shape), base + b, off, length, crc, tuple(blocks)))
-        results[rank] = None
+        blobs += [{"name": b.name, "size": b.size, "rank": b.rank} for b in out.blobs]
+        for rec in out.records:
+            by_key[rec.key].append(dataclasses.replace(rec.chunk, blob=base + rec.chunk.blob))
+        results[rank] = None  # type: ignore[call-overload]
     header = {"format": "objckpt", "format_version": 1,
               "writer": m.writer if m else f"objckpt {ock.objckpt.__version__}", "created": m.created if m else time.time(),
               "attempt": attempt, "world_size": world, "metadata": {}, "blobs": blobs}
     entries = ((d.key, {"dtype": d.dtype, "shape": list(d.shape), "chunks": [
-        ock._chunk_to_json(ock.Chunk(*c)) for c in sorted(by_key.pop(d.key), key=lambda c: c[0])]}) for d in defs)
+        ock._chunk_to_json(c) for c in sorted(by_key.pop(d.key), key=lambda c: c.offsets)]}) for d in defs)
     raw = b"".join(manifest_json(header, entries, tree))
     man["json_bytes"] = len(raw)
     if full:
@@ -153,7 +154,7 @@ def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
     log(f"world {world}: {man['chunks']} chunks, manifest {man['json_bytes'] / 1e6:.1f} MB JSON, "
         f"{man['zstd_bytes'] / 1e6:.1f} MB zstd")
-    with Timer() as t_dec:  # 4. load: decode (every loading rank), then what fill_boxes plans per rank
+    with Timer() as t_dec:  # 4. load: decode (every loading rank), then what plan_fill plans per rank
         m2 = ock.decode(data)
     man["decode_s"] = t_dec.t
     lworld = max(args.load_tp, int(world * args.load_ratio))
@@ -167,7 +168,7 @@ def run_objckpt(world: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plan_load_rank(m: Any, defs: list, lmesh: tuple[int, int], rank: int) -> dict[str, Any]:
-    """What ``fill_boxes`` computes before any read for one target rank holding one box of every
+    """What ``plan_fill`` computes before any read for one target rank holding one box of every
     tensor: ``check_coverage`` + ``ChunkIndex`` per tensor, ``overlapping``, ``plan_piece`` per overlap."""
     ock, coord = internals(), (rank // lmesh[1], rank % lmesh[1])
     st = {"check_coverage_index_s": 0.0, "overlap_plan_s": 0.0, "overlaps": 0}
@@ -257,8 +258,8 @@ def table(rows: list[dict[str, Any]], dcp: dict[int, dict[str, Any]]) -> str:
                     s(mn["decode_s"]), s(lr["check_coverage_index_s"]), s(lr["overlap_plan_s"]),
                     s(d.get("create_global_plan_s")), s(d.get("load_per_rank_s"))])
     return h.md_table(["world", "boxes gathered", "chunks", "unpickle gathered metadata s", "cache key s",
-                       "`assign_writes` s", "`plan_save` s", "metadata per rank / total", "manifest JSON / zstd MB",
-                       "rank 0 `build_manifest` + `encode` s", "decode s/rank", "load `check_coverage`+`ChunkIndex` "
+                       "`assign_writes` s", "`pack_items` s", "metadata per rank / total", "manifest JSON / zstd MB",
+                       "rank 0 `GatheredLayout.manifest` + `encode` s", "decode s/rank", "load `check_coverage`+`ChunkIndex` "
                        "s/rank", "overlap + `plan_piece` s/rank", "DCP `create_global_plan` s (rank 0)",
                        "DCP load s/rank"], out)
 
@@ -273,7 +274,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world subprocess")
     ap.add_argument("--full-manifest-max-chunks", type=int, default=2_000_000,
-                    help="above this, build_manifest + encode are not run (the JSON is streamed only)")
+                    help="above this, GatheredLayout.manifest + encode are not run (the JSON is streamed only)")
     ap.add_argument("--plan-for-rank-max-world", type=int, default=1024)
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", choices=["objckpt", "dcp"], help=argparse.SUPPRESS)

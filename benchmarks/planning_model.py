@@ -34,21 +34,22 @@ def internals() -> types.SimpleNamespace:
     import objckpt
     from objckpt import _runtime
     from objckpt.checksum import crc32c
-    from objckpt.engine.commit import build_manifest, build_manifest_v2
-    from objckpt.engine.fill import check_coverage
-    from objckpt.engine.resolve import ChunkResolver
-    from objckpt.format import layout as keys
-    from objckpt.format import rank_index
-    from objckpt.format.manifest import Chunk, Mesh, _chunk_to_json, decode, encode, to_json_obj
+    from objckpt.format import keys, rank_index
+    from objckpt.format.manifest import (Blob, Chunk, ChunkRecord, Mesh, RankIndexRef, _chunk_to_json, decode, encode,
+                                         to_json_obj)
     from objckpt.format.tree import encode_tree
-    from objckpt.planning import rank_plan
-    from objckpt.planning.layout import TensorDesc, assign_layouts, cell_box, overlapping_pieces
-    from objckpt.planning.pack import TensorSpec, plan_save
-    from objckpt.planning.reshard import ChunkIndex, plan_piece
-    from objckpt.planning.shard import TensorMeta, assign_writes, check_consistent
-    from objckpt.saving import _tree_digest
+    from objckpt.layout.base import PLAN_CACHE, ManifestCommon, RankOutcome
+    from objckpt.layout.gathered import GatheredLayout, RankReport, check_coverage
+    from objckpt.layout.symbolic import RankIndexResolver, SymbolicLayout
+    from objckpt.planning.assign import TensorMeta, assign_writes, check_consistent
+    from objckpt.planning.pack import PackLimits, pack_items
+    from objckpt.planning.read_plan import ChunkIndex, plan_piece
+    from objckpt.planning.symbolic import (SymbolicDescription, TensorDesc, assign_layouts, cell_box, overlapping_pieces,
+                                           plan_rank_writes_symbolic)
+    from objckpt.save.pipeline import _tree_digest
     from objckpt.storage.memory import MemoryStore
 
+    limits = PackLimits(BLOB_SIZE, PART_SIZE, MIN_PART, MAX_PART)  # what a save to S3 packs to
     return types.SimpleNamespace(**{k: v for k, v in locals().items()})
 
 
@@ -153,22 +154,17 @@ def torch_boxes(defs: list[TDef], mesh: tuple[int, int], rank: int) -> tuple[dic
         dist.destroy_process_group()
 
 
-class Store:
-    """The part limits planning reads from a store (S3's)."""
-
-    min_part_size, max_part_size = MIN_PART, MAX_PART
-
-
-def chunk_records(items: list, plan: Any, rng: random.Random) -> list[tuple]:
-    """What a rank reports per chunk after writing: (key, offsets, shape, blob, offset, length,
-    crc32c, block crcs), crcs random."""
+def chunk_records(items: list, plan: Any, rng: random.Random) -> list:
+    """What a rank reports per chunk after writing (``ChunkRecord``s, crcs random)."""
+    ock = internals()
     where = {f"{it.key}\x00{i}": (it.key, it.offsets) for i, it in enumerate(items)}
     out = []
     for c in plan.chunks:
         key, base = where[c.key]
         nb = -(-c.length // CRC_BLOCK) if c.length > CRC_BLOCK else 0
-        out.append((key, tuple(b + o for b, o in zip(base, c.offsets)), c.shape, c.blob, c.offset, c.length,
-                    rng.getrandbits(32), tuple(rng.getrandbits(32) for _ in range(nb))))
+        chunk = ock.Chunk(tuple(b + o for b, o in zip(base, c.offsets)), tuple(c.shape), c.blob, c.offset, c.length,
+                          rng.getrandbits(32), tuple(rng.getrandbits(32) for _ in range(nb)))
+        out.append(ock.ChunkRecord(key, chunk))
     return out
 
 
