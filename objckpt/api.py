@@ -85,6 +85,8 @@ def async_save(state_dict: Any, uri: str, *, lazy: bool = False, max_in_flight: 
     """
     opts, where = split_save_args("async_save", dict(kwargs))
     comm = _comm(opts.no_dist, where["process_group"])
+    # before background_comm, whose first call creates a gloo group (a collective) on NCCL jobs
+    join(comm, f"async save to {uri!r}", opts.collective_timeout)
     bg_comm = background_comm(comm, where["process_group"])
     st, prefix = _open(uri, where["storage_options"], where["store"])
     return start_save(state_dict, uri, st, prefix, comm, bg_comm, opts, lazy=lazy, max_in_flight=max_in_flight)

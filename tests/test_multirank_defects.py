@@ -89,6 +89,11 @@ def one_rank_alone(rank: int, world: int, root: str) -> dict[str, Any]:
         except RanksDidNotJoinError as e:
             out["save_error"] = str(e)
         out["save_seconds"] = time.monotonic() - t0
+        try:
+            objckpt.async_save(state, f"{root}/forgot-async", collective_timeout=1).result(timeout=60)
+            out["async_error"] = "no error"
+        except RanksDidNotJoinError as e:
+            out["async_error"] = str(e)
         os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = "2"
         t0 = time.monotonic()
         try:
@@ -115,6 +120,7 @@ def test_one_rank_alone_no_dist_and_timeout(tmp_path: Any) -> None:
     root = str(tmp_path)
     r0, r1 = run_multiprocess(2, one_rank_alone, root, timeout=float(os.environ.get("MP_TIMEOUT", "240")))
     assert r0["loaded"] and r0["together"] and r1["together"] and r1["read"] == 7
+    assert "async save" in r0["async_error"] and "no_dist=True" in r0["async_error"], r0
     for what in ("save", "load"):
         msg = r0[f"{what}_error"]
         assert "not every rank of the process group called it" in msg and "no_dist=True" in msg, msg
