@@ -33,7 +33,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(t: torch.Tensor) -> int:
-    """crc32c of the tensor's bytes, or of fixed samples of them when large."""
+    """crc32c of the tensor's bytes, or of fixed samples of them when large;
+    -1 (the same on every rank: not compared) for a tensor whose bytes cannot
+    be viewed (the save itself reports such a tensor, if it cannot store it)."""
+    try:
+        return _fingerprint(t)
+    except (RuntimeError, TypeError, ValueError):
+        return -1
+
+
+def _fingerprint(t: torch.Tensor) -> int:
     b = _bytes(t)
     n = b.numel()
     if n > WHOLE_BYTES:
