@@ -183,3 +183,40 @@ def test_refusal_class_unit() -> None:
     assert isinstance(e2, StateDictMismatchError) and e2.failures == {1: "x"}
     assert refusal_class("KeyError", RemoteError) is RemoteError  # only objckpt's own classes
     assert refusal_class("UnsupportedValueError", RemoteError) is type(e)  # made once
+
+
+def test_join_generations_with_a_real_store(monkeypatch: Any) -> None:
+    """Two 'ranks' as threads over one real c10d HashStore: a lone rank's operation is
+    cancelled, and the next operation of both ranks (a new generation) pairs them up."""
+    import threading
+
+    import torch.distributed as dist
+
+    from objckpt.distributed import join as join_mod
+    from objckpt.distributed.comm import TorchComm
+
+    store = dist.HashStore()
+    monkeypatch.setattr(join_mod, "_default_store", lambda: store)
+    monkeypatch.setattr(join_mod, "_seq", {})
+
+    class FakeGroup(TorchComm):  # a 2-rank group's identity, without a process group
+        def __init__(self, rank: int) -> None:
+            self.rank, self.world_size, self.group = rank, 2, None
+
+    def attempt(rank: int, timeout: float, out: dict[int, str]) -> None:
+        try:
+            join_mod.join(FakeGroup(rank), "save", timeout)
+            out[rank] = "joined"
+        except join_mod.RanksDidNotJoinError:
+            out[rank] = "refused"
+
+    out: dict[int, str] = {}
+    attempt(0, 0.2, out)  # rank 0 alone: cancelled
+    assert out == {0: "refused"}
+    # both sequence counters stay at 0 (one process stands for both ranks here)
+    threads = [threading.Thread(target=attempt, args=(r, 10, out)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: "joined", 1: "joined"}
