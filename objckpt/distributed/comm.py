@@ -209,6 +209,8 @@ def refusal_class(kind: str, base: "type[E]") -> "type[E]":
     cls = getattr(_errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, ObjckptError)) or issubclass(base, cls):
         return base
+    if any("__init__" in vars(c) for c in cls.__mro__ if issubclass(c, ObjckptError)):
+        return base  # e.g. CollectiveLoadError(message, failures): not made from a message alone
     if issubclass(cls, base):
         return cls
     with _lock:
