@@ -10,7 +10,8 @@ from typing import Any, Iterable, Optional
 
 from typing_extensions import Unpack
 
-from .distributed.comm import background_comm, get_comm
+from .distributed.comm import Comm, LocalComm, background_comm, get_comm
+from .distributed.join import join
 from .format.manifest import Manifest
 from .load.collective import CollectiveReader
 from .load.pipeline import inspect_checkpoint, load_into, read_checkpoint
@@ -29,6 +30,11 @@ def _open(uri: str, storage_options: Optional[dict[str, Any]], store: Optional[O
     if store is None:
         return open_store(uri, storage_options)
     return store, split_uri(uri)[2].strip("/")
+
+
+def _comm(no_dist: bool, process_group: Any) -> Comm:
+    """This rank alone with ``no_dist`` (no collective, whatever process group exists), else the group's."""
+    return LocalComm() if no_dist else get_comm(process_group)
 
 
 def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
@@ -51,9 +57,16 @@ def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
     ``staging_bytes`` (512 MiB for the parts that need staging), ``crc_block``
     (1 MiB), ``store`` (an ObjectStore replacing the backend the URI would
     open; the URI's path is then the prefix).
+
+    ``no_dist=True``: this rank saves alone, with no collective, even when a
+    process group exists (e.g. ``if rank == 0: save(..., no_dist=True)``); its
+    tensors are saved whole, as a single process would.  Without it every rank
+    of the group must call ``save``: a rank whose peers do not join within
+    ``collective_timeout`` seconds (default ``$OBJCKPT_COLLECTIVE_TIMEOUT``,
+    else 600) raises :class:`RanksDidNotJoinError` instead of hanging.
     """
     opts, where = split_save_args("save", dict(kwargs))
-    comm = get_comm(where["process_group"])
+    comm = _comm(opts.no_dist, where["process_group"])
     st, prefix = _open(uri, where["storage_options"], where["store"])
     return save_now(state_dict, uri, st, prefix, comm, opts, host_pool())
 
@@ -71,7 +84,9 @@ def async_save(state_dict: Any, uri: str, *, lazy: bool = False, max_in_flight: 
     part is staged).
     """
     opts, where = split_save_args("async_save", dict(kwargs))
-    comm = get_comm(where["process_group"])
+    comm = _comm(opts.no_dist, where["process_group"])
+    # before background_comm, whose first call creates a gloo group (a collective) on NCCL jobs
+    join(comm, f"async save to {uri!r}", opts.collective_timeout)
     bg_comm = background_comm(comm, where["process_group"])
     st, prefix = _open(uri, where["storage_options"], where["store"])
     return start_save(state_dict, uri, st, prefix, comm, bg_comm, opts, lazy=lazy, max_in_flight=max_in_flight)
@@ -97,13 +112,17 @@ def read(
     storage_options: Optional[dict[str, Any]] = None,
     allow_pickle: bool = False,
     store: Optional[ObjectStore] = None,
+    no_dist: bool = False,
 ) -> Any:
     """Tensors (on CPU) and values of a checkpoint, without a template.
 
     ``keys=None`` returns the whole saved structure (nested as it was saved,
     tied tensors tied again, sharded tensors assembled whole).  With ``keys``,
     returns ``{key: value}`` for just those leaves and fetches only their bytes.
+    ``read`` never communicates with other ranks; ``no_dist`` is accepted for
+    symmetry with :func:`load` and changes nothing.
     """
+    del no_dist  # read is always this rank alone
     st, prefix = _open(uri, storage_options, store)
     return read_checkpoint(st, prefix, uri, keys, allow_pickle)
 
@@ -119,6 +138,8 @@ def load(
     store: Optional[ObjectStore] = None,
     read_strategy: "str | ReadStrategy" = "auto",
     collective_bytes: int = 256 * MiB,
+    no_dist: bool = False,
+    collective_timeout: Optional[float] = None,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place (any device) from the checkpoint.
 
@@ -140,12 +161,19 @@ def load(
     value.  Collectives run in batches of at most ``collective_bytes``; a
     failed read on any rank makes every rank raise.  See
     :mod:`objckpt.load.collective`.
+
+    ``no_dist=True``: this rank loads alone (every tensor read directly, no
+    collective) even when a process group exists.  Without it every rank must
+    call ``load``; one whose peers do not join within ``collective_timeout``
+    seconds raises :class:`RanksDidNotJoinError` (as :func:`save`).
     """
-    comm = get_comm(process_group)
+    comm = _comm(no_dist, process_group)
+    join(comm, f"load of {uri!r}", collective_timeout)
     # a bad option on one rank must still reach the others' first exchange: parse inside the guard
     strategy = read_strategy if read_strategy in tuple(ReadStrategy) else ReadStrategy.AUTO
     reader = CollectiveReader(comm, ReadStrategy(strategy), Budget(max(collective_bytes, 1)))
     with reader.failing_together():
-        opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes)  # type: ignore[arg-type]
+        opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes,  # type: ignore[arg-type]
+                           no_dist, collective_timeout)
         st, prefix = _open(uri, storage_options, store)
         return load_into(state_dict, uri, st, prefix, reader, opts)

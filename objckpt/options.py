@@ -50,6 +50,11 @@ def check_metadata(metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
     return metadata
 
 
+def _check_timeout(value: Optional[float]) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"collective_timeout must be a positive number of seconds or None, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """Everything a save needs besides the state, the URI and the store."""
@@ -62,6 +67,10 @@ class SaveOptions:
     #: host memory for staging; None: this rank's whole share (async) / 512 MiB (sync)
     staging_bytes: Optional[int] = None
     crc_block: int = 1 * MiB
+    #: this rank alone: no collectives even in a process group (e.g. a save on rank 0 only)
+    no_dist: bool = False
+    #: seconds to wait for the other ranks to join (None: $OBJCKPT_COLLECTIVE_TIMEOUT, else 600)
+    collective_timeout: Optional[float] = None
 
     def checked(self) -> "SaveOptions":
         """These options, checked (metadata made a JSON object).  The save calls it
@@ -74,6 +83,7 @@ class SaveOptions:
             raise ValueError(f"crc_block must be 0 (whole-chunk crc only) or positive, got {self.crc_block}")
         if self.staging_bytes is not None and self.staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {self.staging_bytes}")
+        _check_timeout(self.collective_timeout)
         return dataclasses.replace(self, metadata=check_metadata(self.metadata))
 
 
@@ -85,11 +95,16 @@ class LoadOptions:
     allow_pickle: bool = False
     read_strategy: ReadStrategy = ReadStrategy.AUTO
     collective_bytes: int = 256 * MiB
+    #: this rank alone: no collectives even in a process group (e.g. a load on rank 0 only)
+    no_dist: bool = False
+    #: seconds to wait for the other ranks to join (None: $OBJCKPT_COLLECTIVE_TIMEOUT, else 600)
+    collective_timeout: Optional[float] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_strategy", ReadStrategy.parse(self.read_strategy))
         if self.collective_bytes <= 0:
             raise ValueError(f"collective_bytes must be positive, got {self.collective_bytes}")
+        _check_timeout(self.collective_timeout)
 
 
 class SaveArgs(TypedDict, total=False):
@@ -104,6 +119,8 @@ class SaveArgs(TypedDict, total=False):
     part_size: int
     staging_bytes: Optional[int]
     crc_block: int
+    no_dist: bool
+    collective_timeout: Optional[float]
     store: Any  # an objckpt.storage.ObjectStore
 
 

@@ -16,6 +16,9 @@ coordination:
 * :func:`background_comm`: a gloo group over the same ranks, for collectives
   issued from a background thread (an async save's commit), never NCCL.
 * :class:`TensorGroup`: the tensor collectives of a replica group (collective loads).
+* :func:`join`: every rank of the group has entered the same objckpt operation,
+  or :class:`RanksDidNotJoinError` within the collective timeout, never a hang.
+* :func:`refusal_class`: the error class to raise for another rank's refusal.
 """
 from __future__ import annotations
 
@@ -25,10 +28,14 @@ from typing import Any, Callable, Optional, Protocol, TypeVar
 
 import torch
 
+from .. import errors as _errors
 from ..errors import ObjckptError
 
 T = TypeVar("T")
 R = TypeVar("R")
+E = TypeVar("E", bound=ObjckptError)
+
+_lock = threading.Lock()
 
 
 class Comm(Protocol):
@@ -179,12 +186,45 @@ def get_comm(process_group: Optional[Any] = None) -> Comm:
 
 class RemoteError(ObjckptError):
     """Rank 0's decision failed; raised on the other ranks.  ``kind`` names the
-    exception type rank 0 raised, ``message`` its text."""
+    exception type rank 0 raised, ``message`` its text; when ``kind`` is an
+    objckpt error class the exception is also an instance of it (see
+    :func:`refusal_class`)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"rank 0: {kind}: {message}")
         self.kind = kind
         self.message = message
+
+
+_refusal_classes: dict[tuple[str, type], type] = {}
+
+
+def refusal_class(kind: str, base: "type[E]") -> "type[E]":
+    """The class to raise on this rank for an error of type ``kind`` (a class
+    name) that another rank raised: a subclass of both ``base`` and the objckpt
+    error class named ``kind`` (``except UnsupportedValueError`` catches it on
+    every rank alike), or ``base`` itself when ``kind`` names no objckpt error.
+    Exceptions cross ranks as (class name, text), never pickled: the name is
+    only looked up in :mod:`objckpt.errors`."""
+    cls = getattr(_errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, ObjckptError)) or issubclass(base, cls):
+        return base
+    if any("__init__" in vars(c) for c in cls.__mro__ if issubclass(c, ObjckptError)):
+        return base  # e.g. CollectiveLoadError(message, failures): not made from a message alone
+    if issubclass(cls, base):
+        return cls
+    with _lock:
+        made = _refusal_classes.get((kind, base))
+        if made is None:
+            made = type(kind, (cls, base), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                            "__doc__": cls.__doc__})
+            _refusal_classes[(kind, base)] = made
+    return made  # type: ignore[return-value]
+
+
+def refusal(kind: str, message: str) -> ObjckptError:
+    """An exception of the objckpt class named ``kind`` (else ObjckptError) with ``message``."""
+    return refusal_class(kind, ObjckptError)(message)
 
 
 @dataclass(frozen=True)
@@ -197,7 +237,8 @@ class _Verdict:
 def decide_on_root(comm: Comm, mine: T, decide: Callable[[list[T]], R]) -> R:
     """Gather ``mine`` from every rank; rank 0 computes ``decide(everyone)``;
     every rank returns that value.  If ``decide`` raises, rank 0 re-raises its
-    own exception and every other rank raises :class:`RemoteError`, so no rank
+    own exception and every other rank raises :class:`RemoteError` (of the same
+    objckpt error class as rank 0's, see :func:`refusal_class`), so no rank
     is left waiting in a collective the others will never join."""
     everyone = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
     verdict = _Verdict()
@@ -212,13 +253,12 @@ def decide_on_root(comm: Comm, mine: T, decide: Callable[[list[T]], R]) -> R:
     if failure is not None:
         raise failure
     if verdict.kind:
-        raise RemoteError(verdict.kind, verdict.message)
+        raise refusal_class(verdict.kind, RemoteError)(verdict.kind, verdict.message)
     return verdict.value
 
 
 # --------------------------------------------------------------------------- groups made by objckpt
 
-_lock = threading.Lock()
 _gloo_groups: dict[Any, Any] = {}
 _subgroups: dict[tuple[int, tuple[int, ...]], Any] = {}
 

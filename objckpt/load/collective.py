@@ -53,13 +53,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..distributed.comm import Comm, TensorGroup, TorchComm, subgroup
+from ..distributed.comm import Comm, TensorGroup, TorchComm, refusal_class, subgroup
 from ..distributed.placements import Ranks, mesh_group, replica_group
 from ..errors import CollectiveLoadError
 from ..format.manifest import Manifest
@@ -209,7 +210,9 @@ class CollectiveReader:
     def _raise_for(self, errors: dict[int, str], uri: str, when: str) -> None:
         detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(errors.items()))
         msg = f"collective load of {uri!r} failed {when} on rank(s) {sorted(errors)}: {detail}"
-        raise CollectiveLoadError(msg, dict(errors)) from self._cause
+        # the class of the first rank's error too (e.g. StateDictMismatchError), so every rank raises alike
+        kind = re.match(r"(\w+): ", errors[min(errors)])
+        raise refusal_class(kind.group(1) if kind else "", CollectiveLoadError)(msg, dict(errors)) from self._cause
 
     # ----------------------------------------------------------------- the read path
 

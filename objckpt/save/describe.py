@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,6 +21,7 @@ from ..planning.assign import TensorMeta
 from ..planning.boxes import Box
 from ..planning.symbolic import SymbolicDescription, TensorDesc, cell_box
 from ..statedict import collect
+from .fingerprint import fingerprint
 
 #: ``mirror(key, local)`` starts a host copy of ``local`` and returns the tensor to read from
 Mirror = Callable[[str, torch.Tensor], torch.Tensor]
@@ -45,6 +46,8 @@ class LocalState:
     dtypes: dict[str, str]
     #: None: some tensor has no symbolic form, or a single process
     symbolic: Optional[SymbolicDescription] = None
+    #: plain tensors' fingerprints (multi-rank only): the save checks that they agree on every rank
+    fingerprints: dict[str, int] = field(default_factory=dict)
 
     @property
     def boxes(self) -> dict[str, Box]:
@@ -81,6 +84,8 @@ def describe_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None,
     out = LocalState(col.tree, metas, sources, dict(col.alias_of), dtypes)
     if comm is not None and comm.world_size > 1:
         out.symbolic = describe_symbolic(out, values, comm)
+        out.fingerprints = {k: fingerprint(v) for k, v in values.items()
+                            if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.device.type != "meta"}
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -22,8 +23,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _runtime
-from ..distributed.comm import Comm, decide_on_root
-from ..errors import CheckpointExistsError, ObjckptError, StateDictMismatchError
+from ..distributed.comm import Comm, decide_on_root, refusal_class
+from ..distributed.join import join
+from ..errors import CheckpointExistsError, ObjckptError, StateDictMismatchError, UnsupportedValueError
 from ..format import keys
 from ..format.manifest import Blob, Chunk, ChunkRecord
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
@@ -34,6 +36,8 @@ from ..results import IOStats, SaveResult
 from ..storage import ObjectStore
 from .commit import CommitState, CommitStatus, commit, delete_quietly
 from .describe import LocalState, Mirror, describe_local
+from .fingerprint import differing
+from .fingerprint import digest as prints_digest
 from .upload import write_plan
 
 
@@ -46,6 +50,10 @@ class Hello:
     exists: bool  # rank 0: a checkpoint is committed at the URI
     attempt: str  # rank 0: the new attempt id
     error: Optional[str]  # this rank could not describe its state
+    #: the class name of that error (re-raised as that class on every rank, see refusal_class)
+    error_kind: str = ""
+    #: digest of the plain tensors' fingerprints (differs when some plain tensor differs between ranks)
+    prints_digest: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,29 @@ def _tree_digest(tree: Any) -> bytes:
     return hashlib.blake2b(json.dumps(tree, sort_keys=True).encode(), digest_size=20).digest()
 
 
+def _check_replicated(local: LocalState, hellos: list[Hello], comm: Comm, uri: str) -> None:
+    """Refuse (on every rank alike) plain tensors whose values differ between ranks:
+    stored once as replicated, they would come back as one rank's values or a mix."""
+    if all(h.prints_digest == hellos[0].prints_digest for h in hellos):
+        return
+    everyone: list[dict[str, int]] = comm.all_gather_object(local.fingerprints)
+    bad = differing(everyone)
+    if not bad:
+        return
+    groups: dict[int, list[int]] = {}
+    for r, prints in enumerate(everyone):
+        if bad[0] in prints:
+            groups.setdefault(prints[bad[0]], []).append(r)
+    shown = ", ".join(map(repr, bad[:10])) + (" ..." if len(bad) > 10 else "")
+    raise UnsupportedValueError(
+        f"save to {uri!r}: plain tensor(s) {shown} hold different values on different ranks "
+        f"(key {bad[0]!r}: ranks {' vs '.join(str(g) for g in groups.values())}). A plain tensor counts as "
+        "replicated and is stored once, so the ranks' values would be merged. Save per-rank values as an "
+        "objckpt.Shard (e.g. Shard(t.unsqueeze(0), (world_size, *t.shape), (rank, *[0] * t.dim()))), "
+        "under per-rank keys, or from each rank alone with no_dist=True to its own URI."
+    )
+
+
 def _choose_layout(local: LocalState, hellos: list[Hello], comm: Comm) -> SaveLayout:
     """Symbolic when every rank reports the same description (DTensors and plain
     tensors, the common case): nothing more is exchanged.  Otherwise a second
@@ -129,6 +160,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     local_exc: Optional[BaseException] = None
     err: Optional[str] = None
     exists = False
+    join(comm, f"save to {uri!r}", opts.collective_timeout)
     try:
         opts = opts.checked()
         local = describe_local(state, opts.allow_pickle, comm, mirror)
@@ -140,14 +172,17 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
             raise
         local_exc, err = e, f"{type(e).__name__}: {e}"
     hello = Hello(
+        error_kind=type(local_exc).__name__ if local_exc is not None else "",
+        prints_digest=prints_digest(local.fingerprints) if local is not None and world > 1 else b"",
         symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
         tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
         exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err,
     )
     hellos: list[Hello] = comm.all_gather_object(hello) if world > 1 else [hello]
     failed = [(r, h.error) for r, h in enumerate(hellos) if h.error]
-    if failed:
-        raise ObjckptError(
+    if failed:  # every rank raises the class of the first refusal (e.g. UnsupportedValueError)
+        kind = next(h.error_kind for h in hellos if h.error)
+        raise refusal_class(kind, ObjckptError)(
             f"save to {uri!r} not started: " + "; ".join(f"rank {r}: {m}" for r, m in failed)
         ) from local_exc
     if local is None:  # unreachable: a failed describe is in ``failed``
@@ -155,6 +190,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     if hellos[0].exists and not opts.overwrite:
         raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
     attempt = hellos[0].attempt
+    _check_replicated(local, hellos, comm, uri)
     layout = _choose_layout(local, hellos, comm)
     limits = PackLimits(opts.blob_size, opts.part_size, st.min_part_size, st.max_part_size)
     writes = layout.plan(comm.rank, local.boxes, limits)
@@ -230,7 +266,8 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         delete_quietly(st, prep.written_keys)
-        raise ObjckptError(
+        kind = re.match(r"(\w+): ", failed[0][1] or "")  # the class of the first failure, on every rank
+        raise refusal_class(kind.group(1) if kind else "", ObjckptError)(
             f"save to {prep.uri!r} failed on {len(failed)} of {prep.world_size} rank(s), nothing committed: "
             + "; ".join(f"rank {r}: {m}" for r, m in failed)
         ) from outcome.exc
