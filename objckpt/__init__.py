@@ -14,6 +14,7 @@ from .errors import (
     CorruptCheckpointError,
     NotFoundError,
     ObjckptError,
+    RanksDidNotJoinError,
     StateDictMismatchError,
     UnsupportedFormatError,
     UnsupportedValueError,
@@ -40,4 +41,5 @@ __all__ = [
     "StateDictMismatchError",
     "UnsupportedValueError",
     "CollectiveLoadError",
+    "RanksDidNotJoinError",
 ]

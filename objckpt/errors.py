@@ -58,3 +58,9 @@ class CollectiveLoadError(ObjckptError):
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+class RanksDidNotJoinError(ObjckptError, TimeoutError):
+    """Some ranks of the process group did not enter the same objckpt operation
+    within the collective timeout (e.g. a save called on rank 0 only: pass
+    ``no_dist=True`` for a one-rank save or load)."""

@@ -72,7 +72,7 @@ def test_fingerprints_see_small_and_sampled_differences() -> None:
 def one_rank_alone(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from objckpt.distributed.join import RanksDidNotJoinError
+    from objckpt import RanksDidNotJoinError
 
     out: dict[str, Any] = {}
     state = {"w": torch.arange(64, dtype=torch.float32), "step": 7}
@@ -208,7 +208,7 @@ def test_join_generations_with_a_real_store(monkeypatch: Any) -> None:
         try:
             join_mod.join(FakeGroup(rank), "save", timeout)
             out[rank] = "joined"
-        except join_mod.RanksDidNotJoinError:
+        except objckpt.RanksDidNotJoinError:
             out[rank] = "refused"
 
     out: dict[int, str] = {}

@@ -29,7 +29,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from ..errors import ObjckptError
+from ..errors import RanksDidNotJoinError
 from .comm import Comm, TorchComm
 
 #: default of ``collective_timeout`` (seconds); the environment variable overrides it
@@ -39,11 +39,6 @@ TIMEOUT_ENV = "OBJCKPT_COLLECTIVE_TIMEOUT"
 _DONE, _CANCELLED = b"done", b"cancelled"
 _lock = threading.Lock()
 _seq: dict[str, int] = {}
-
-
-class RanksDidNotJoinError(ObjckptError, TimeoutError):
-    """Some ranks of the process group did not enter the same objckpt operation
-    within the collective timeout (e.g. a save called on rank 0 only)."""
 
 
 def collective_timeout(value: Optional[float]) -> float:
