@@ -39,6 +39,20 @@ def _signature(t: Trial) -> str:
     return re.sub(r"\d+", "N", text)
 
 
+_TMP = re.compile(r"/?(?:[\w.-]+/)*objckpt-(?:campaign|hostile|corrupt)-[\w]+")
+
+
+def sanitize(x: Any) -> Any:
+    """Replace this run's temporary directories by ``<tmp>`` (no machine paths in results)."""
+    if isinstance(x, str):
+        return _TMP.sub("<tmp>", x)
+    if isinstance(x, dict):
+        return {k: sanitize(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [sanitize(v) for v in x]
+    return x
+
+
 def _run(label: str, n: int, make: Callable[[int], Trial], trials: list[Trial]) -> None:
     t0 = time.perf_counter()
     for i in range(n):
@@ -152,12 +166,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         for s in servers:
             s.stop()
+    tables = sanitize(tables)
     for kind, table in tables.items():
         print(f"\n### {kind}\n\n{table}")
     totals = collections.Counter(t.outcome for t in trials)
     print(f"\n{len(trials)} trials: {totals['ok']} ok, {totals['detected']} detected, {totals['FAILED']} FAILED")
     rel = harness.write_results(a.out, {"environment": harness.environment(), "args": vars(a), "tables": tables,
-                                        "totals": dict(totals), "trials": [t.to_json() for t in trials]})
+                                        "totals": dict(totals), "trials": sanitize([t.to_json() for t in trials])})
     print(f"results: {rel}")
     return 0
 
