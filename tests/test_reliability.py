@@ -52,23 +52,24 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 # --------------------------------------------------------------------------- kill
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kill_during_local_save(tmp_path: Any, seed: int) -> None:
-    r = kill_trial(Target("local", str(tmp_path)), seed)
-    assert r.outcome == OK, r.to_json()
+@pytest.mark.parametrize("seed,fresh", [(1, False), (18, False), (2, True)])  # seeds whose kill lands inside the save
+def test_kill_during_local_save(tmp_path: Any, seed: int, fresh: bool) -> None:
+    r = kill_trial(Target("local", str(tmp_path)), seed, fresh=fresh)
+    assert r.outcome == OK and r.faults == 1, r.to_json()  # killed, and judged sound
 
 
-@pytest.mark.parametrize("seed", [3, 4])
-def test_kill_during_s3_save(s3_server: S3Server, seed: int) -> None:
+@pytest.mark.parametrize("seed,fresh", [(3, False), (4, True)])
+def test_kill_during_s3_save(s3_server: S3Server, seed: int, fresh: bool) -> None:
+    """``fresh``: the killed save is the prefix's first: nothing may show, gc leaves nothing."""
     bucket = make_bucket(s3_server.endpoint_url, f"kill-{seed}")
-    r = kill_trial(Target("s3", bucket, s3_options(s3_server.endpoint_url)), seed)
-    assert r.outcome == OK, r.to_json()
+    r = kill_trial(Target("s3", bucket, s3_options(s3_server.endpoint_url)), seed, fresh=fresh)
+    assert r.outcome == OK and r.faults == 1, r.to_json()
 
 
 def test_kill_during_moto_save(moto_s3: tuple[str, dict[str, Any]]) -> None:
     bucket, opts = moto_s3
-    r = kill_trial(Target("s3", bucket, opts), 5)
-    assert r.outcome == OK, r.to_json()
+    r = kill_trial(Target("s3", bucket, opts), 14)
+    assert r.outcome == OK and r.faults == 1, r.to_json()
 
 
 # --------------------------------------------------------------------------- faults

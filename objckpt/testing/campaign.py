@@ -174,16 +174,42 @@ def last_json(out: str) -> Optional[dict[str, Any]]:
 # --------------------------------------------------------------------------- kill
 
 
-def _after_crash(uri: str, opts: dict[str, Any], versions: dict[int, Any]) -> tuple[str, str, dict[str, Any]]:
-    """What must hold after a crashed save: the prefix reads as exactly one saved version,
-    gc (grace 0) removes every orphan (objects and uploads) and nothing the manifest names."""
+def _after_uncommitted(uri: str, opts: dict[str, Any], why: str) -> tuple[str, str, dict[str, Any]]:
+    """No manifest: gc (grace 0) must leave nothing under the prefix, no upload either."""
+    from objckpt import _runtime
+    from objckpt.garbage import collect_garbage
+    from objckpt.storage import open_store
+
+    st, prefix = open_store(uri, opts)
+    before = len(_runtime.run(st.list(prefix + "/")))
+    report = _runtime.run(collect_garbage(st, prefix, grace=0))
+    left = [o.key for o in _runtime.run(st.list(prefix + "/"))]
+    uploads = _runtime.run(st.list_uploads(prefix + "/"))
+    figures = {"version": None, "orphans": before, "gc_deleted": len(report.deleted),
+               "gc_aborted": len(report.aborted_uploads)}
+    if left or uploads:
+        return FAILED, f"gc left {left[:5]} and {len(uploads)} upload(s) of an uncommitted save", figures
+    return OK, "nothing committed, nothing left after gc", figures
+
+
+def _after_crash(uri: str, opts: dict[str, Any], versions: dict[int, Any],
+                 fresh: bool = False) -> tuple[str, str, dict[str, Any]]:
+    """What must hold after a crashed save: the prefix reads as exactly one saved version
+    (or, for a ``fresh`` first save, as no checkpoint at all), gc (grace 0) removes every
+    orphan (objects and uploads) and nothing the manifest names."""
     import objckpt
     from objckpt import _runtime
     from objckpt.garbage import collect_garbage
     from objckpt.storage import open_store
 
+    from objckpt.errors import NotFoundError
+
     try:
         back = objckpt.read(uri, storage_options=opts)
+    except NotFoundError as e:
+        if fresh:  # a first save that died before its commit: nothing visible, gc leaves nothing
+            return _after_uncommitted(uri, opts, str(e))
+        return FAILED, f"the previous checkpoint is gone: {judge_error(e)[1]}", {}
     except Exception as e:  # noqa: BLE001
         return FAILED, f"the previous checkpoint no longer reads: {judge_error(e)[1]}", {}
     seen = which_version(back, versions)
@@ -211,29 +237,32 @@ def _after_crash(uri: str, opts: dict[str, Any], versions: dict[int, Any]) -> tu
     return OK, f"version {seen} intact", figures
 
 
-def kill_trial(target: Target, seed: int, *, max_ops: int = 24, timeout: float = 120.0) -> Trial:
+def kill_trial(target: Target, seed: int, *, max_ops: int = 12, timeout: float = 120.0,
+               fresh: bool = False) -> Trial:
     """Save version ``seed`` (committed), then in a subprocess overwrite it with version
     ``seed + 1`` and SIGKILL that process just before its N-th storage request (N random
     in 1..max_ops; beyond the save's request count the save completes).  Then judge with
-    :func:`_after_crash`."""
+    :func:`_after_crash`.  ``fresh``: no earlier version, the killed save is the first."""
     rng = random.Random(seed)
-    kill_at = rng.randint(1, max_ops)
-    params = {"target": target.kind, "seed": seed, "kill_at_request": kill_at}
+    kill_at = rng.randint(1, min(max_ops, 10) if fresh else max_ops)  # a first save makes fewer requests
+    params = {"target": target.kind, "seed": seed, "kill_at_request": kill_at, "fresh": fresh}
 
     def body() -> Trial:
         import objckpt
 
         uri = target.uri(f"kill-{seed}-{os.getpid()}-{time.time_ns()}")
         old, new = make_state(seed), make_state(seed + 1)
-        objckpt.save(old, uri, storage_options=target.storage_options, part_size=64 << 10, blob_size=96 << 10)
+        if not fresh:
+            objckpt.save(old, uri, storage_options=target.storage_options, part_size=64 << 10, blob_size=96 << 10)
         code, out = run_child("save", {"uri": uri, "opts": target.storage_options, "seed": seed + 1,
-                                       "kill_at": kill_at, "overwrite": True}, timeout)
+                                       "kill_at": kill_at, "overwrite": not fresh}, timeout)
         killed = code == -signal.SIGKILL
         if code is None:
             return Trial("kill", params, FAILED, f"the saving subprocess hung ({timeout:.0f} s): {out[-500:]}")
         if not killed and code != 0:
             return Trial("kill", params, FAILED, f"the save failed by itself (exit {code}): {out[-800:]}")
-        outcome, detail, figures = _after_crash(uri, target.storage_options, {seed: old, seed + 1: new})
+        versions = {seed + 1: new} if fresh else {seed: old, seed + 1: new}
+        outcome, detail, figures = _after_crash(uri, target.storage_options, versions, fresh)
         return Trial("kill", params, outcome, f"{'killed' if killed else 'completed'}; {detail}",
                      faults=int(killed), extra=figures)
 
