@@ -118,8 +118,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             def kill(i: int) -> Trial:
                 t = moto_t if moto_t is not None and i % 10 == 9 else targets[i % 2]
-                r = kill_trial(t, a.seed + 2 * i, fresh=i % 5 == 4)
-                r.params["target"] = ("moto" if t is moto_t else t.kind) + (", first save" if i % 5 == 4 else "")
+                r = kill_trial(t, a.seed + 2 * i, fresh=i % 5 == 3)
+                r.params["target"] = ("moto" if t is moto_t else t.kind) + (", first save" if i % 5 == 3 else "")
                 return r
 
             _run("kill", a.kills, kill, trials)
