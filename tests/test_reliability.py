@@ -1,0 +1,225 @@
+"""The reliability suite: a bounded, seeded sample of every fault-campaign kind
+(objckpt.testing.campaign*) on each test run; ``python -m benchmarks.fault_campaign``
+runs the large campaign with the same trial functions.
+
+Cases marked ``xfail(strict=True)`` fail on purpose today: each names the item of
+issue 10 being fixed in parallel.  Once the fix merges the case passes, strict makes
+it fail loudly, and the mark must go.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Iterator
+
+import pytest
+
+import objckpt
+from objckpt.testing.campaign import (
+    FAILED, OK, Target, dead_endpoint_trial, kill_trial, make_bucket, make_state, race_trial, s3_options, same,
+)
+from objckpt.testing.campaign_hostile import CASES, hostile_trial
+from objckpt.testing.campaign_io import FaultProxy, corrupt_trial, fault_trial, make_v2_checkpoint
+from objckpt.testing.s3server import S3Server
+
+
+def _issue(n: str, what: str) -> Any:
+    return pytest.mark.xfail(strict=True, reason=f"issue 10 item {n}: {what}")
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[S3Server]:
+    """A dedicated in-memory S3 server (fault trials reset it between trials)."""
+    srv = S3Server()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Committed pristine checkpoints on local files: v1 (one process) and v2 (two gloo ranks)."""
+    root = tmp_path_factory.mktemp("bases")
+    v1 = str(root / "v1")
+    state = make_state(3)
+    objckpt.save(state, v1, crc_block=4096)
+    v2 = str(root / "v2")
+    return {"v1": v1, "v2": v2, "v1_state": state, "v2_state": make_v2_checkpoint(v2)}
+
+
+# --------------------------------------------------------------------------- kill
+
+
+@pytest.mark.parametrize("seed,fresh", [(1, False), (18, False), (2, True)])  # seeds whose kill lands inside the save
+def test_kill_during_local_save(tmp_path: Any, seed: int, fresh: bool) -> None:
+    r = kill_trial(Target("local", str(tmp_path)), seed, fresh=fresh)
+    assert r.outcome == OK and r.faults == 1, r.to_json()  # killed, and judged sound
+
+
+@pytest.mark.parametrize("seed,fresh", [(3, False), (4, True)])
+def test_kill_during_s3_save(s3_server: S3Server, seed: int, fresh: bool) -> None:
+    """``fresh``: the killed save is the prefix's first: nothing may show, gc leaves nothing."""
+    bucket = make_bucket(s3_server.endpoint_url, f"kill-{seed}")
+    r = kill_trial(Target("s3", bucket, s3_options(s3_server.endpoint_url)), seed, fresh=fresh)
+    assert r.outcome == OK and r.faults == 1, r.to_json()
+
+
+def test_kill_during_moto_save(moto_s3: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = moto_s3
+    r = kill_trial(Target("s3", bucket, opts), 14)
+    assert r.outcome == OK and r.faults == 1, r.to_json()
+
+
+# --------------------------------------------------------------------------- faults
+
+
+# Found by this campaign, not yet in issue 10's list: an error while streaming the body of a
+# whole-object GET (the manifest) escapes un-retried and un-wrapped.  The random samples
+# tolerate exactly these two signatures; the two strict xfails below pin the defect.
+KNOWN_BODY_READ_LEAKS = ("ClientPayloadError", "AioReadTimeoutError")
+
+
+@pytest.mark.parametrize("kind,seeds", [("503", range(4)), ("500", range(4, 8)), ("reset", range(8, 22)),
+                                        ("stall", range(22, 28))])
+def test_round_trips_under_faults(s3_server: S3Server, kind: str, seeds: range) -> None:
+    results = [fault_trial(s3_server.endpoint_url, s, kind) for s in seeds]
+    failed = [r.to_json() for r in results
+              if r.outcome == FAILED and not any(k in r.detail for k in KNOWN_BODY_READ_LEAKS)]
+    assert not failed, failed
+    assert sum(r.faults for r in results) >= len(results) // 2  # the faults really fired
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("cut", marks=pytest.mark.xfail(strict=True, reason="new (campaign): a truncated GET body leaks "
+                                                "aiohttp ClientPayloadError instead of a retry or an ObjckptError")),
+    pytest.param("stall", marks=pytest.mark.xfail(strict=True, reason="new (campaign), near issue 10 item 12: a "
+                                                  "read timeout in a GET body leaks aiobotocore AioReadTimeoutError")),
+])
+def test_broken_response_bodies_are_retried_or_named(s3_server: S3Server, kind: str) -> None:
+    """Every response longer than 600 bytes breaks (cut, or a stall beyond the read timeout)
+    once per connection: the read must retry to a bit-exact result or raise an ObjckptError."""
+    make_bucket(s3_server.endpoint_url, f"body-{kind}")
+    uri = f"s3://body-{kind}/ck"
+    objckpt.save(make_state(1), uri, storage_options=s3_options(s3_server.endpoint_url))
+    with FaultProxy(s3_server.endpoint_url, kind=kind, probability=1.0, direction="down", min_offset=600,
+                    max_offset=700, stall_s=1.5) as proxy:
+        try:
+            back = objckpt.read(uri, storage_options=s3_options(proxy.url, read_timeout=1, max_attempts=3))
+            assert same(make_state(1), back)
+        except objckpt.ObjckptError:
+            pass  # named after the retries: fine
+        assert proxy.injected > 0
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+@pytest.mark.parametrize("fmt,where,seeds", [("v1", "blob", range(10)), ("v2", "blob", range(10, 16)),
+                                             ("v2", "index", range(16, 22))])
+def test_flipped_bytes_are_detected(bases: dict[str, Any], fmt: str, where: str, seeds: range) -> None:
+    results = [corrupt_trial(bases[fmt], bases[f"{fmt}_state"], s, where) for s in seeds]
+    assert all(r.outcome in ("detected", "ok") for r in results), [r.to_json() for r in results if r.outcome == FAILED]
+    assert sum(r.outcome == "detected" for r in results) >= len(results) // 2
+
+
+@pytest.mark.parametrize("fmt,seeds", [("v1", range(22, 27)), ("v2", range(27, 32))])
+def test_flipped_manifest_bytes_never_leak_builtin_errors(bases: dict[str, Any], fmt: str, seeds: range) -> None:
+    """Random manifest flips: never a built-in exception.  A flip in a value of the tree
+    or a length still reads as silently different data until the manifest checksum
+    (issue 10, item 7) lands: :func:`test_manifest_value_flip_is_detected` pins that."""
+    results = [corrupt_trial(bases[fmt], bases[f"{fmt}_state"], s, "manifest") for s in seeds]
+    leaked = [r.to_json() for r in results if r.outcome == FAILED and "silently wrong" not in r.detail]
+    assert not leaked, leaked
+
+
+@_issue("7", "no manifest checksum: a flipped digit in a stored value reads back silently different")
+def test_manifest_value_flip_is_detected(bases: dict[str, Any], tmp_path: Any) -> None:
+    import shutil
+
+    ck = str(tmp_path / "ck")
+    shutil.copytree(bases["v1"], ck)
+    path = os.path.join(ck, "manifest.json")
+    data = open(path, "rb").read()
+    assert data.count(b'"step": 3') + data.count(b'"step":3') == 1
+    open(path, "wb").write(data.replace(b'"step": 3', b'"step": 7').replace(b'"step":3', b'"step":7'))
+    with pytest.raises(objckpt.errors.CorruptCheckpointError):
+        objckpt.read(ck)
+
+
+# --------------------------------------------------------------------------- hostile manifests
+
+_HOSTILE_DEFECTS = {"tensor_missing_key", "blob_name_dotdot", "blob_name_nul", "shape_2_40", "tuple_5", "size_x",
+                    "float_zzz", "dict_list", "device_warp", "bytes_bang", "nesting_10000", "v2_split_1e12",
+                    "zstd_bomb_4gib"}
+
+
+def _hostile_mark(case: str) -> Any:
+    if case.startswith("blob_name"):
+        return _issue("5 and 9", "blob names outside blobs/ (.., NUL) must be refused with an ObjckptError")
+    return _issue("9", "hostile manifests must raise ObjckptError only, in bounded time and memory")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_hostile_mark(c)) if c in _HOSTILE_DEFECTS else c
+                                  for c in CASES])
+def test_hostile_manifest(bases: dict[str, Any], case: str) -> None:
+    r = hostile_trial(case, bases, timeout=8 if case == "v2_split_1e12" else 30)
+    assert r.outcome == "detected", r.to_json()
+    assert (r.extra.get("peak_rss") or 0) < 1 << 30, r.to_json()  # a manifest never costs a GiB
+
+
+# --------------------------------------------------------------------------- races
+
+
+def test_racing_writers_without_overwrite_have_one_winner(tmp_path: Any) -> None:
+    r = race_trial(Target("local", str(tmp_path)), 1, overwrite=False)
+    assert r.outcome == OK, r.to_json()
+
+
+def test_racing_overwrites_stay_whole(s3_server: S3Server) -> None:
+    bucket = make_bucket(s3_server.endpoint_url, "race-ow")
+    r = race_trial(Target("s3", bucket, s3_options(s3_server.endpoint_url)), 2, overwrite=True, reads=0)
+    assert r.outcome == OK, r.to_json()
+
+
+@_issue("2", "a load racing an overwrite fails on the old manifest's deleted blobs instead of retrying")
+def test_read_racing_an_overwrite_returns_one_version(tmp_path: Any) -> None:
+    """Deterministic interleaving: the overwrite (another process) commits and deletes the
+    old blobs right after this read fetched the old manifest."""
+    from objckpt.storage import open_store
+    from objckpt.testing.campaign import child_env
+    from objckpt.testing.stores import CountingStore
+
+    uri = str(tmp_path / "ck")
+    objckpt.save(make_state(1), uri)
+    arg = json.dumps({"uri": uri, "seed": 2, "overwrite": True})
+
+    class OverwriteAfterManifest(CountingStore):
+        fired = False
+
+        async def get(self, key: str) -> bytes:
+            data = await super().get(key)
+            if key.endswith("manifest.json") and not self.fired:
+                self.fired = True
+                subprocess.run([sys.executable, "-m", "objckpt.testing.campaign_child", "save", arg], env=child_env(),
+                               check=True, capture_output=True, timeout=120)
+            return data
+
+    back = objckpt.read(uri, store=OverwriteAfterManifest(open_store(uri)[0]))
+    assert same(make_state(1), back) or same(make_state(2), back)
+
+
+# --------------------------------------------------------------------------- dead endpoints
+
+
+@_issue("12", "a refused endpoint takes ~30 s of retries to fail with default settings")
+def test_refused_endpoint_fails_fast() -> None:
+    r = dead_endpoint_trial("refused", limit=12)
+    assert r.outcome == "detected" and r.extra["detect_s"] < 10, r.to_json()
+
+
+@_issue("12", "a silent endpoint (accepts TCP, never answers) hangs for read_timeout x attempts")
+def test_silent_endpoint_fails_fast() -> None:
+    r = dead_endpoint_trial("silent", limit=12)
+    assert r.outcome == "detected" and r.extra["detect_s"] < 10, r.to_json()
