@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any, Optional, Sequence
 
 from .. import _runtime
 from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
 from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
+from .limiter import AimdLimiter
 from .retry import Failure, RetryPolicy, classify
 
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
@@ -130,6 +132,9 @@ class S3Store(ObjectStore):
         self.bucket = bucket
         self.concurrency = int(options.pop("concurrency", 32))
         self.policy = RetryPolicy.from_options(options)
+        # adaptive=False keeps a fixed number of requests in flight (no AIMD)
+        adaptive = str(options.pop("adaptive", True)).lower() not in ("false", "0", "no")
+        self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
         self._options = options
         self._client: Any = None
         self._body_client: Any = None
@@ -163,6 +168,8 @@ class S3Store(ObjectStore):
     def _forget(self) -> None:
         self._client = self._body_client = self._lock = None
         self._client_cms = []
+        if self.limiter is not None:
+            self.limiter._cond = None  # bound to the loop that is gone
 
     async def client(self) -> Any:
         """The client for calls without a body: botocore retries them itself."""
@@ -238,15 +245,25 @@ class S3Store(ObjectStore):
 
     async def _retrying(self, fn: Any, kw: dict[str, Any], extra: Any) -> Any:
         attempt = 0
+        sent_at = time.monotonic()
         while True:
             try:
-                return await fn(**kw, **extra())
+                if self.limiter is None:
+                    r = await fn(**kw, **extra())
+                else:
+                    async with self.limiter:
+                        sent_at = time.monotonic()
+                        r = await fn(**kw, **extra())
+                    self.limiter.succeeded()
+                return r
             except Exception as e:
                 if _is_no_bucket(e):
                     raise self._no_bucket() from None
                 if _is_missing(e) or _is_precondition(e):
                     raise
                 kind = classify(e)
+                if kind is Failure.THROTTLE and self.limiter is not None:
+                    self.limiter.throttled(sent_at)
                 attempt += 1
                 if attempt >= self.policy.attempts(kind):
                     where = f"s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
