@@ -90,3 +90,85 @@ def test_overwrite_still_deletes_the_replaced_blobs(tmp_path: Any) -> None:
     old = {p for p in (ck / "blobs").rglob("*") if p.is_file()}
     objckpt.save(_state(2), str(ck), overwrite=True)
     assert old and not any(p.exists() for p in old)
+
+
+# --------------------------------------------------------------------------- item 7: chunks tile the tensor
+
+
+def _chunked(tmp_path: Any) -> tuple[str, torch.Tensor]:
+    """A local checkpoint whose tensor ``w`` is stored as 10 chunks of 40 rows."""
+    ck = str(tmp_path / "ck")
+    w = torch.arange(40000.0).reshape(400, 100)
+    objckpt.save({"w": w, "b": torch.ones(3)}, ck, part_size=16384)
+    assert len(objckpt.inspect(ck).tensors["w"].chunks) == 10
+    return ck, w
+
+
+def _set_offsets(index: int, offsets: list[int]) -> Callable[[dict[str, Any]], None]:
+    def edit(m: dict[str, Any]) -> None:
+        chunks = sorted(m["tensors"]["w"]["chunks"], key=lambda c: c["offsets"])
+        chunks[index]["offsets"] = offsets
+    return edit
+
+
+def _assert_all_refuse(ck: str, capsys: pytest.CaptureFixture[str], *named: str) -> None:
+    from objckpt.cli import main
+
+    # a non-contiguous template reads through temporaries: each chunk's crc holds, and
+    # before the tiling check that load succeeded with rows never written
+    for attempt in (lambda: objckpt.load({"w": torch.zeros(100, 400).t(), "b": torch.zeros(3)}, ck),
+                    lambda: objckpt.read(ck), lambda: objckpt.read(ck, keys=["w"]),
+                    lambda: objckpt.load({"w": torch.zeros(400, 100), "b": torch.zeros(3)}, ck)):
+        with pytest.raises(objckpt.errors.CorruptCheckpointError) as e:
+            attempt()
+        assert "'w'" in str(e.value) and all(n in str(e.value) for n in named), str(e.value)
+    assert main(["verify", ck]) != 0
+    err = capsys.readouterr().err
+    assert "'w'" in err and all(n in err for n in named), err
+
+
+def test_a_shifted_chunk_is_refused(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rows 120..160 moved one row down: every crc still valid, row 120 never
+    written, row 160 written twice.  Read, load and verify must all refuse."""
+    ck, _ = _chunked(tmp_path)
+    assert objckpt.read(ck, keys=["w"])  # fine before the edit
+    edit_manifest(ck, {}, _set_offsets(3, [121, 0]))
+    _assert_all_refuse(ck, capsys, "[121, 0]", "overlap")
+
+
+def test_a_chunk_outside_the_tensor_is_refused(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    ck, _ = _chunked(tmp_path)
+    edit_manifest(ck, {}, _set_offsets(9, [361, 0]))
+    _assert_all_refuse(ck, capsys)  # decode refuses it already; the tiling check would name [361, 0]
+
+
+def test_a_chunk_moved_sideways_is_refused(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A chunk shifted along dim 1 (stays inside the rows, leaves the shape): refused."""
+    ck, _ = _chunked(tmp_path)
+    edit_manifest(ck, {}, _set_offsets(4, [160, 1]))
+    _assert_all_refuse(ck, capsys)
+
+
+def test_tiling_finds_overlaps_and_gaps_among_many_chunks() -> None:
+    """Unit cases of the pure check (rows, columns, grids, 3-d, 0-d) at 100k+ chunks."""
+    from objckpt.planning.tiling import tiling_defect
+
+    rows = [((i, 0), (1, 8)) for i in range(100_000)]
+    cols = [((0, j), (8, 1)) for j in range(100_000)]
+    grid = [((i * 2, j * 3), (2, 3)) for i in range(300) for j in range(400)]
+    assert tiling_defect(rows[::-1], ((0, 0), (100_000, 8))) is None
+    assert tiling_defect(cols, ((0, 0), (8, 100_000))) is None
+    assert tiling_defect(grid, ((0, 0), (600, 1200))) is None
+    assert tiling_defect([((), ())], ((), ())) is None
+    cube = [((i, j, k), (1, 2, 2)) for i in range(4) for j in (0, 2) for k in (0, 2)]
+    assert tiling_defect(cube, ((0, 0, 0), (4, 4, 4))) is None
+    cube[5] = ((1, 2, 1), (1, 2, 2))
+    assert tiling_defect(cube, ((0, 0, 0), (4, 4, 4))).kind in ("overlap", "outside")  # type: ignore[union-attr]
+    grid[12345] = ((grid[12345][0][0], grid[12345][0][1] + 1), (2, 3))
+    d = tiling_defect(grid, ((0, 0), (600, 1200)))
+    assert d is not None and d.kind == "overlap" and grid[12345] in d.boxes
+    cols[500] = ((0, 501), (8, 1))
+    d = tiling_defect(cols, ((0, 0), (8, 100_000)))
+    assert d is not None and d.kind == "overlap" and {b[0] for b in d.boxes} == {(0, 501)}
+    assert tiling_defect(rows[:-1], ((0, 0), (100_000, 8))).kind == "gap"  # type: ignore[union-attr]
+    assert tiling_defect([((), ()), ((), ())], ((), ())).kind == "overlap"  # type: ignore[union-attr]
