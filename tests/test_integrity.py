@@ -172,3 +172,56 @@ def test_tiling_finds_overlaps_and_gaps_among_many_chunks() -> None:
     assert d is not None and d.kind == "overlap" and {b[0] for b in d.boxes} == {(0, 501)}
     assert tiling_defect(rows[:-1], ((0, 0), (100_000, 8))).kind == "gap"  # type: ignore[union-attr]
     assert tiling_defect([((), ()), ((), ())], ((), ())).kind == "overlap"  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------- item 9: verify checks block crcs
+
+
+def _blocked(tmp_path: Any) -> tuple[str, dict[str, Any]]:
+    """A local checkpoint whose tensor ``w`` (3 MiB) is one chunk of 3 crc blocks of 1 MiB,
+    plus tensors of other dtypes stored in chunks with blocks."""
+    ck = str(tmp_path / "ck")
+    state = {"w": torch.arange(3 * 262144, dtype=torch.float32).reshape(768, 1024),
+             "h": torch.arange(1 << 20, dtype=torch.float32).to(torch.bfloat16).reshape(1024, 1024),
+             "c": torch.randn(300000, dtype=torch.complex64), "flag": torch.ones(5, dtype=torch.bool)}
+    objckpt.save(state, ck)
+    m = objckpt.inspect(ck)
+    assert m.crc_block == 1 << 20 and [len(c.block_crc32c) for c in m.tensors["w"].chunks] == [3]
+    return ck, state
+
+
+def test_verify_checks_every_block_crc(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from objckpt.cli import main
+
+    ck, state = _blocked(tmp_path)
+    assert main(["verify", ck]) == 0
+    assert "block crc(s)" in capsys.readouterr().out
+
+    def flip(m: dict[str, Any]) -> None:
+        m["tensors"]["w"]["chunks"][0]["block_crc32c"][1] ^= 0x10
+
+    edit_manifest(ck, {}, flip)
+    assert torch.equal(objckpt.read(ck)["w"], state["w"])  # a full read checks the chunk crc only: fine
+    assert main(["verify", ck]) != 0
+    err = capsys.readouterr().err
+    assert "'w'" in err and "block 1" in err and "[0, 0]" in err, err
+    with pytest.raises(objckpt.errors.CorruptCheckpointError):  # what verify warns of: a partial load fails
+        objckpt.load({"w": objckpt.Shard(torch.zeros(256, 1024), (768, 1024), (256, 0))}, ck, strict=False)
+
+
+def test_verify_refuses_block_crcs_that_do_not_combine_to_the_chunk_crc(tmp_path: Any) -> None:
+    from objckpt.load.verify import verify_block_crcs
+    from objckpt.checksum import combine_blocks, block_crcs
+
+    ck, state = _blocked(tmp_path)
+    m = objckpt.inspect(ck)
+    got = objckpt.read(ck)
+    assert verify_block_crcs(m, lambda k: got[k]) >= 3
+    c = m.tensors["w"].chunks[0]
+    data = memoryview(state["w"].reshape(-1).view(torch.uint8).numpy())
+    total, blocks = block_crcs(data, 1 << 20)
+    assert combine_blocks(blocks, len(data), 1 << 20) == total == c.crc32c
+    m.tensors["w"].chunks[0] = type(c)(c.offsets, c.shape, c.blob, c.offset, c.length, c.crc32c ^ 1,
+                                       c.block_crc32c)
+    with pytest.raises(objckpt.errors.CorruptCheckpointError, match="combine"):
+        verify_block_crcs(m, lambda k: got[k])
