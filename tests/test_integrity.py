@@ -225,3 +225,44 @@ def test_verify_refuses_block_crcs_that_do_not_combine_to_the_chunk_crc(tmp_path
                                        c.block_crc32c)
     with pytest.raises(objckpt.errors.CorruptCheckpointError, match="combine"):
         verify_block_crcs(m, lambda k: got[k])
+
+
+def _v2_checkpoint(ck: Any, second_row: int) -> torch.Tensor:
+    """A one-rank format-v2 checkpoint on local files whose one piece (all of ``w``,
+    4 x 3) is stored as two chunks of 2 rows, the second one at row ``second_row``."""
+    from objckpt.checksum import crc32c
+    from objckpt.format import rank_index
+    from objckpt.format.manifest import (Blob, Chunk, ChunkRecord, Manifest, Mesh, RankIndexRef, TensorEntry,
+                                         TensorLayout, encode)
+
+    w = torch.arange(12.0).reshape(4, 3)
+    data = w.reshape(-1).view(torch.uint8).numpy().tobytes()
+    attempt = keys.new_attempt_id()
+    records = [ChunkRecord("w", Chunk((0, 0), (2, 3), 0, 0, 24, crc32c(data[:24]))),
+               ChunkRecord("w", Chunk((second_row, 0), (2, 3), 0, 24, 24, crc32c(data[24:])))]
+    index = rank_index.encode(attempt, 0, records)
+    blob, iname = keys.blob_name(attempt, 0, 0), keys.index_name(attempt, 0)
+    m = Manifest({"w": TensorEntry("w", "float32", (4, 3), layout=TensorLayout(0, ("S0",)))},
+                 [Blob(blob, len(data), 0)], {"w": {"$tensor": "w"}}, attempt=attempt, world_size=1,
+                 meshes=[Mesh((1,), (0,))], rank_indexes=[RankIndexRef(iname, len(index), crc32c(index))],
+                 format_version=2)
+    for name, body in ((blob, data), (iname, index), (keys.MANIFEST_NAME, encode(m))):
+        (ck / name).parent.mkdir(parents=True, exist_ok=True)
+        (ck / name).write_bytes(body)
+    return w
+
+
+def test_v2_pieces_must_be_tiled_by_their_chunks(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """v2: a rank index whose second chunk starts one row early (row 3 never written,
+    row 1 twice, every crc valid) is refused by read, load and verify."""
+    from objckpt.cli import main
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    w = _v2_checkpoint(good, 2)
+    assert torch.equal(objckpt.read(str(good))["w"], w) and main(["verify", str(good)]) == 0
+    _v2_checkpoint(bad, 1)
+    for attempt in (lambda: objckpt.load({"w": torch.zeros(3, 4).t()}, str(bad)), lambda: objckpt.read(str(bad)),
+                    lambda: objckpt.load({"w": torch.zeros(4, 3)}, str(bad))):
+        with pytest.raises(objckpt.errors.CorruptCheckpointError, match=r"'w'.*\[1, 0\].*overlap"):
+            attempt()
+    assert main(["verify", str(bad)]) != 0 and "[1, 0]" in capsys.readouterr().err
