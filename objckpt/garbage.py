@@ -49,8 +49,9 @@ def attempt_time(attempt: str) -> Optional[float]:
         return None
 
 
-#: the file names a save writes under ``blobs/<attempt>/`` (blobs and v2 rank index objects)
-_BLOB_FILE = re.compile(r"r\d+(-\d+\.bin|\.index\.json)")
+#: the file names a save writes under ``blobs/<attempt>/``: blobs and v2 rank index objects,
+#: and the local store's temporaries of them (``<name>.tmp-<hex>``, left by a killed save)
+_BLOB_FILE = re.compile(r"r\d+(-\d+\.bin|\.index\.json)(\.tmp-[0-9a-f]+)?")
 
 
 def _split(key: str) -> Optional[tuple[str, str]]:

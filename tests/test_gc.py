@@ -109,7 +109,8 @@ def test_gc_keeps_a_checkpoint_under_a_folder_named_blobs_on_local_files(tmp_pat
     ck = tmp_path / "team" / "blobs" / "ck1"
     objckpt.save(_state(1), str(ck))
     committed = _files(ck)
-    orphans = [ck / f"blobs/{OLD}/r00000-0000.bin", tmp_path / f"team/blobs/ck2/blobs/{OLD}/r00000-0000.bin"]
+    orphans = [ck / f"blobs/{OLD}/r00000-0000.bin", tmp_path / f"team/blobs/ck2/blobs/{OLD}/r00000-0000.bin",
+               ck / f"blobs/{OLD}/r00001.index.json.tmp-0a1b2c"]  # a killed local put's temporary
     notes = tmp_path / "team" / "blobs" / "notes.txt"  # a user's file, not anything a save wrote
     for p in orphans + [notes]:
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +118,7 @@ def test_gc_keeps_a_checkpoint_under_a_folder_named_blobs_on_local_files(tmp_pat
 
     store, prefix = open_store(str(tmp_path / "team"))
     r = _runtime.run(collect_garbage(store, prefix, grace=0))
-    assert r.checkpoints == 1 and len(r.deleted) == 2 and not any(p.exists() for p in orphans)
+    assert r.checkpoints == 1 and len(r.deleted) == 3 and not any(p.exists() for p in orphans)
     assert _files(ck) == committed and notes.exists()  # bit-exact, and the user's file stays
     assert main(["gc", str(tmp_path), "--grace-hours", "0"]) == 0
     assert _files(ck) == committed
