@@ -58,7 +58,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Read every stored byte and check every crc32c, block crcs included."""
     from .api import inspect, read
-
     from .load.verify import verify_block_crcs
 
     t = time.perf_counter()
