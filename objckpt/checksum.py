@@ -70,3 +70,13 @@ def block_crcs(data: memoryview, block: int) -> tuple[int, list[int]]:
     for i, c in enumerate(blocks[1:], 1):
         total = crc32c_combine(total, c, min(block, n - i * block))
     return total, blocks
+
+
+def combine_blocks(blocks: Sequence[int], length: int, block: int) -> int:
+    """The crc32c of ``length`` bytes from the crcs of its ``block``-byte blocks (the last one shorter)."""
+    if not blocks:
+        return 0
+    total = blocks[0]
+    for i, c in enumerate(blocks[1:], 1):
+        total = crc32c_combine(total, c, min(block, length - i * block))
+    return total

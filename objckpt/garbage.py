@@ -18,6 +18,7 @@ them following the rules of docs/format.md §8:
 from __future__ import annotations
 
 import calendar
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -48,13 +49,25 @@ def attempt_time(attempt: str) -> Optional[float]:
         return None
 
 
+#: the file names a save writes under ``blobs/<attempt>/``: blobs and v2 rank index objects,
+#: and the local store's temporaries of them (``<name>.tmp-<hex>``, left by a killed save)
+_BLOB_FILE = re.compile(r"r\d+(-\d+\.bin|\.index\.json)(\.tmp-[0-9a-f]+)?")
+
+
 def _split(key: str) -> Optional[tuple[str, str]]:
-    """(checkpoint prefix, path relative to it) of an object under a ``blobs/`` dir."""
+    """(checkpoint prefix, path relative to it) of an object a save wrote, else None.
+
+    Only keys of the exact shape ``<prefix>/blobs/<attempt>/<blob or index file>``
+    qualify: a folder *above* a checkpoint may itself be named ``blobs``
+    (``team/blobs/ck1/manifest.json``), and taking any ``blobs`` component would
+    attribute that checkpoint's manifest and blobs to a wrong, manifest-less
+    prefix and delete them."""
     parts = key.split("/")
-    for i in range(len(parts) - 1, -1, -1):
-        if parts[i] == keys.BLOB_DIR and i < len(parts) - 1:
-            return "/".join(parts[:i]), "/".join(parts[i:])
-    return None
+    if len(parts) < 3 or parts[-3] != keys.BLOB_DIR or parts[-2] in ("", ".", ".."):
+        return None
+    if not _BLOB_FILE.fullmatch(parts[-1]):
+        return None
+    return "/".join(parts[:-3]), "/".join(parts[-3:])
 
 
 def _age(rel: str, info: Optional[ObjectInfo], now: float) -> Optional[float]:

@@ -98,3 +98,52 @@ def test_gc_aborts_stale_multipart_uploads_on_s3(moto_s3: Any) -> None:
     left = [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
     assert left == [young_key] and stale not in str(left)
     assert torch.equal(objckpt.read(uri, storage_options=opts)["w"], _state(1)["w"])
+
+
+def _files(root: Any) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_gc_keeps_a_checkpoint_under_a_folder_named_blobs_on_local_files(tmp_path: Any) -> None:
+    """A folder named ``blobs`` above a checkpoint is not its blob dir (issue item 5)."""
+    ck = tmp_path / "team" / "blobs" / "ck1"
+    objckpt.save(_state(1), str(ck))
+    committed = _files(ck)
+    orphans = [ck / f"blobs/{OLD}/r00000-0000.bin", tmp_path / f"team/blobs/ck2/blobs/{OLD}/r00000-0000.bin",
+               ck / f"blobs/{OLD}/r00001.index.json.tmp-0a1b2c"]  # a killed local put's temporary
+    notes = tmp_path / "team" / "blobs" / "notes.txt"  # a user's file, not anything a save wrote
+    for p in orphans + [notes]:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x" * 10)
+
+    store, prefix = open_store(str(tmp_path / "team"))
+    r = _runtime.run(collect_garbage(store, prefix, grace=0))
+    assert r.checkpoints == 1 and len(r.deleted) == 3 and not any(p.exists() for p in orphans)
+    assert _files(ck) == committed and notes.exists()  # bit-exact, and the user's file stays
+    assert main(["gc", str(tmp_path), "--grace-hours", "0"]) == 0
+    assert _files(ck) == committed
+    assert torch.equal(objckpt.read(str(ck))["w"], _state(1)["w"])
+
+
+def test_gc_keeps_a_checkpoint_under_a_folder_named_blobs_on_s3(moto_s3: Any) -> None:
+    import boto3
+
+    bucket, opts = moto_s3
+    uri = f"s3://{bucket}/team/blobs/ck1"
+    objckpt.save(_state(1), uri, storage_options=opts)
+    s3 = boto3.client("s3", **opts)
+
+    def objects() -> dict[str, bytes]:
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix="team/").get("Contents", [])
+        return {o["Key"]: s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
+
+    committed = objects()
+    orphan = f"team/blobs/ck1/blobs/{OLD}/r00000-0000.bin"
+    s3.put_object(Bucket=bucket, Key=orphan, Body=b"junk")
+    store, prefix = open_store(f"s3://{bucket}/team", opts)
+    r = _runtime.run(collect_garbage(store, prefix, grace=0))
+    assert r.deleted == [orphan] and r.checkpoints == 1
+    assert objects() == committed
+    assert main(["gc", f"s3://{bucket}", "--grace-hours", "0", "--endpoint-url", opts["endpoint_url"]]) == 0
+    assert objects() == committed
+    assert torch.equal(objckpt.read(uri, storage_options=opts)["w"], _state(1)["w"])

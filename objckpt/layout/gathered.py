@@ -18,9 +18,10 @@ from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, TensorEntry
 from ..planning.assign import RankWrites, TensorMeta, plan_rank_writes
-from ..planning.boxes import Box
+from ..planning.boxes import Box, whole
 from ..planning.pack import PackLimits
 from ..planning.read_plan import ChunkIndex, Overlap
+from ..planning.tiling import describe, tiling_defect
 from ..results import IOStats
 from ..storage import ObjectStore
 from .base import PLAN_CACHE, WRITER, ManifestCommon, RankOutcome, SaveLayout
@@ -88,16 +89,20 @@ class GatheredLayout(SaveLayout):
 
 
 def check_coverage(entry: TensorEntry) -> None:
-    """The chunks hold exactly the tensor's elements (each once, inside it)."""
+    """The chunks tile the tensor exactly (each element once, every chunk inside
+    it) and each chunk's length matches its shape: an element count alone would
+    accept a chunk whose offsets were changed, and rows never written would load."""
     isz = itemsize(dtype_from_name(entry.dtype, entry.key))
-    ok = all(c.length == math.prod(c.shape) * isz for c in entry.chunks)  # as_strided stays in bounds
-    if entry.shape:
-        ok = ok and sum(math.prod(c.shape) for c in entry.chunks) == entry.numel
-    else:
-        ok = ok and len(entry.chunks) == 1
-    if not ok:
+    for c in entry.chunks:
+        if c.length != math.prod(c.shape) * isz:  # as_strided stays in bounds
+            raise CorruptCheckpointError(
+                f"tensor {entry.key!r}: the chunk at {list(c.offsets)} of shape {list(c.shape)} is {c.length} bytes, "
+                f"not {math.prod(c.shape) * isz}"
+            )
+    defect = tiling_defect([(c.offsets, c.shape) for c in entry.chunks], whole(entry.shape))
+    if defect is not None:
         raise CorruptCheckpointError(
-            f"tensor {entry.key!r}: its chunks do not cover shape {list(entry.shape)} exactly once"
+            f"tensor {entry.key!r}: its chunks do not tile shape {list(entry.shape)} exactly: {describe(defect)}"
         )
 
 

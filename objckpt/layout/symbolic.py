@@ -26,6 +26,7 @@ from ..planning.assign import RankWrites
 from ..planning.boxes import Box, intersect
 from ..planning.pack import PackLimits
 from ..planning.read_plan import ChunkIndex, Overlap
+from ..planning.tiling import describe, tiling_defect
 from ..planning.symbolic import Intervals, StoredPiece, SymbolicDescription, overlapping_pieces, plan_rank_writes_symbolic
 from ..results import IOStats
 from ..storage import ObjectStore
@@ -161,13 +162,14 @@ class RankIndexResolver(InlineResolver):
         if idx is None:
             idx = self._rank_idx[(rank, key)] = ChunkIndex(list(self._ranks[rank].get(key, {}).values()))
         found = [c for c, inter in idx.overlapping(piece)]
-        inside = all(intersect((c.offsets, c.shape), piece) == (c.offsets, c.shape) or not c.shape for c in found)
-        ok = inside and all(c.length == math.prod(c.shape) * isz for c in found)
-        ok = ok and sum(math.prod(c.shape) for c in found) == math.prod(piece[1])
-        if not ok or not found:
+        bad = [c for c in found if c.length != math.prod(c.shape) * isz]
+        defect = tiling_defect([(c.offsets, c.shape) for c in found], piece) if found else None
+        if bad or defect is not None or not found:
+            why = (f"the chunk at {list(bad[0].offsets)} has a length that does not match its shape" if bad
+                   else describe(defect) if defect is not None else "no chunk holds it")
             raise CorruptCheckpointError(
                 f"tensor {key!r}: the piece at {list(piece[0])} of shape {list(piece[1])} is not stored whole in "
-                f"rank {rank}'s index ({self.m.rank_indexes[rank].name})"
+                f"rank {rank}'s index ({self.m.rank_indexes[rank].name}): {why}"
             )
         return found
 

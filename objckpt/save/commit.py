@@ -70,10 +70,34 @@ def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
         if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
             live = {b.name for b in m.blobs} | {r.name for r in m.rank_indexes}
             dead = [b.name for b in old.blobs] + [r.name for r in old.rank_indexes]
-            await _delete_async(st, [keys.join(prefix, n) for n in dead if n not in live])
+            await _delete_async(st, replaced_objects(prefix, old.attempt, [n for n in dead if n not in live]))
         return CommitStatus(CommitState.OK, "", len(data))
 
     return _runtime.run(go())
+
+
+def replaced_objects(prefix: str, attempt: str, names: list[str]) -> list[str]:
+    """The keys of ``names`` (a replaced manifest's blobs) that are safe to delete.
+
+    Only names of the form ``blobs/<attempt>/<file>`` of the replaced attempt
+    qualify: a damaged or hostile old manifest that lists ``manifest.json``,
+    ``../other/x`` or another attempt's blob must not make a successful
+    overwrite delete the new commit record or anything outside the old
+    attempt's directory (what is skipped is left for gc)."""
+    if not _plain_segment(attempt):
+        return []
+    out = []
+    for n in names:
+        parts = n.split("/")
+        if (len(parts) == 3 and parts[0] == keys.BLOB_DIR and parts[1] == attempt and _plain_segment(parts[2])
+                and not parts[2].startswith(keys.MANIFEST_NAME)):
+            out.append(keys.join(prefix, n))
+    return out
+
+
+def _plain_segment(name: str) -> bool:
+    """One ordinary path component: not empty, not ``.``/``..``, no separators or NUL."""
+    return name not in ("", ".", "..") and not any(ch in name for ch in "/\\\0")
 
 
 async def _committed_attempt(store: ObjectStore, mkey: str) -> Optional[str]:
