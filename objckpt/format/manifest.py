@@ -308,7 +308,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
                     and _int(c.get("crc32c"), 0, 2**32 - 1)
                     and c["offset"] + c["length"] <= blobs[c["blob"]].size
                 )
-                blocks = c.get("block_crc32c", [])
+                blocks = c.get("block_crc32c", []) if isinstance(c, dict) else None
                 ok = ok and isinstance(blocks, list) and all(_int(x, 0, 2**32 - 1) for x in blocks)
                 ok = ok and (not blocks or (crc_block > 0 and len(blocks) == -(-c["length"] // crc_block)))
                 _need(ok, where, f"tensor {k!r}: chunk #{j} malformed")

@@ -250,16 +250,16 @@ def iter_leaves(tree: Any, prefix: str = ""):
     if isinstance(tree, dict):
         if len(tree) == 1:
             (tag, v), = tree.items()
-            if tag == "$tuple":
+            if tag == "$tuple" and isinstance(v, list):
                 for i, e in enumerate(v):
                     yield from iter_leaves(e, _child_key(prefix, i))
                 return
-            if tag == "$dict":
+            if tag == "$dict" and isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
                 for k, val in v:
                     kk = k if not isinstance(k, dict) else decode_tree(k, lambda _: None)
                     yield from iter_leaves(val, _child_key(prefix, kk))
                 return
-            if tag.startswith("$"):
+            if tag.startswith("$"):  # a malformed $tuple/$dict too: decode_tree refuses it
                 yield prefix, tree
                 return
         for k, v in tree.items():
