@@ -580,3 +580,19 @@ def test_save_refuses_state_nested_past_the_depth_limit(tmp_path: Path) -> None:
     for _ in range(90):
         got = got[0]
     assert torch.equal(got, torch.ones(2))
+
+
+def test_read_refuses_a_tensor_larger_than_its_stored_bytes_before_allocating(
+        saved: tuple[str, dict[str, Any], dict[str, Any]], tmp_path: Path) -> None:
+    """Chunks that are each valid but cover a sliver of a 4 TiB tensor: no allocation, a clear error."""
+    import shutil
+
+    root, _, m = saved
+    ck = tmp_path / "ck"
+    shutil.copytree(root, ck)
+    c = json.loads(json.dumps(m))
+    big = _first(c)
+    big["shape"] = [1 << 40, big["shape"][1]] if len(big["shape"]) == 2 else [1 << 40]
+    (ck / "manifest.json").write_bytes(_reseal(json.dumps(c).encode()))
+    with pytest.raises(CorruptCheckpointError, match="model.big.*needs"):
+        objckpt.read(str(ck))
