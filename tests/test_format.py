@@ -112,7 +112,8 @@ def test_schema_rejects_malformed(saved: tuple[str, dict[str, Any], dict[str, An
     assert _invalid(mutated(lambda c: c.pop("crc32c")))  # v3 carries its checksum
     assert _invalid(mutated(lambda c: c["blobs"][0].update(name="blobs/../../etc/passwd")))
     assert _invalid(mutated(lambda c: c.update(format_version=2)))  # v2 needs meshes and rank_indexes
-    assert _invalid(mutated(lambda c: c.update(format_version=1, meshes=[], rank_indexes=[])))  # ... which v1 must not have
+    # ... which v1 must not have
+    assert _invalid(mutated(lambda c: c.update(format_version=1, meshes=[], rank_indexes=[])))
     assert _invalid(mutated(lambda c: c.update(format="other")))
     assert _invalid(mutated(lambda c: chunk(c).pop("crc32c")))
     assert _invalid(mutated(lambda c: chunk(c).update(offset=-64)))
@@ -313,7 +314,8 @@ json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
 def manifests(draw: Any) -> Manifest:
     blobs = draw(
         st.lists(
-            st.builds(Blob, name=st.from_regex(r"blobs/[a-z0-9_.-]{0,12}[a-z0-9]", fullmatch=True), size=st.integers(0, 2**40),
+            st.builds(Blob, name=st.from_regex(r"blobs/[a-z0-9_.-]{0,12}[a-z0-9]", fullmatch=True),
+                      size=st.integers(0, 2**40),
                       rank=st.integers(0, 4096)),
             max_size=4,
         )
@@ -339,7 +341,8 @@ def manifests(draw: Any) -> Manifest:
                 length = draw(st.integers(0, size - offset))
                 offs = tuple(draw(st.integers(0, d)) for d in shape)  # the box lies inside the tensor
                 box = tuple(draw(st.integers(0, d - o)) for d, o in zip(shape, offs))
-                length = math.prod(box) * (itemsize(NAME_TO_DTYPE[dtype]) if dtype in NAME_TO_DTYPE else 1)  # v3 decode checks the length
+                isz = itemsize(NAME_TO_DTYPE[dtype]) if dtype in NAME_TO_DTYPE else 1
+                length = math.prod(box) * isz  # decode checks the length against the box
                 if offset + length > size or any(c.offsets == offs for c in entry.chunks):
                     continue  # decode refuses chunks past their blob and repeated offsets
                 entry.chunks.append(Chunk(offs, box, b, offset, length, draw(st.integers(0, 2**32 - 1))))

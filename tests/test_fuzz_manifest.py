@@ -24,9 +24,11 @@ from objckpt.format.tree import check_tree, decode_tree, iter_leaves
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
-json_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-                | st.text(max_size=8) | st.sampled_from(["blobs/a/x.bin", "$tensor", "w", "float32", "S0", "R", "!!!"]))
-tags = st.sampled_from(["$tensor", "$tuple", "$dict", "$float", "$size", "$dtype", "$device", "$bytes", "$pickle", "$x"])
+json_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
+                | st.sampled_from(["blobs/a/x.bin", "$tensor", "w", "float32", "S0", "R", "!!!"]))
+tags = st.sampled_from(["$tensor", "$tuple", "$dict", "$float", "$size", "$dtype", "$device", "$bytes", "$pickle",
+                        "$x"])
 json_values = st.recursive(
     json_scalars,
     lambda ch: st.lists(ch, max_size=4) | st.dictionaries(st.text(max_size=6) | tags, ch, max_size=3)

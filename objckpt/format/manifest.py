@@ -1,4 +1,4 @@
-"""The manifest (format v1 and v2): typed objects, JSON encode/decode, version check.
+"""The manifest (format v1, v2, v3): typed objects, JSON encode/decode, version check.
 
 The manifest is the only metadata object of a checkpoint and its commit
 record.  It is plain JSON (zstd-compressed when large, detected by magic), so
@@ -13,6 +13,14 @@ chunk records go to that rank's index object, fetched only by readers that
 need that rank's pieces: the manifest stays small at any world size.  A
 writer emits version 1 whenever it lists chunks inline, so older readers keep
 reading single-process checkpoints.
+
+Version 3 (what this release writes) is version 2 plus the manifest's own
+``crc32c`` over its canonical JSON (:mod:`objckpt.format.sealed_json`), so a
+changed metadata value or tree key is detected, not returned; v1 and v2
+manifests, which lack it, are still read.  :func:`reseal` recomputes it for
+hand-edited manifests.  A manifest is untrusted input: :func:`decode` checks every
+field a reader later trusts (names under ``blobs/``, chunk lengths against shapes,
+layouts against meshes, tree tags) before anything is allocated.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ import zstandard
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import NAME_TO_DTYPE, itemsize
 from .keys import is_safe_object_name
-from .sealed_json import ZSTD_MAGIC, load_json, reseal, seal, verify
+from .sealed_json import ZSTD_MAGIC, load_json, reseal, seal, verify  # noqa: F401  (re-exported)
 from .tree import check_tree
 
 FORMAT_NAME = "objckpt"
@@ -36,7 +44,6 @@ SEALED_VERSION = 3
 #: no integer in a manifest (size, offset, length, dim) may reach this: keeps arithmetic
 #: on hostile values away from 64-bit overflow in the OS, torch and HTTP ranges
 MAX_INT = 1 << 62
-__all__ = ["ZSTD_MAGIC", "load_json", "reseal"]  # re-exported for tools and tests
 COMPRESS_ABOVE = 1 << 20  # manifests larger than this are stored zstd-compressed
 
 
@@ -315,7 +322,8 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
                 _need(not isz or c["length"] == math.prod(c["shape"]) * isz, where,
                       f"tensor {k!r}: chunk #{j} length {c['length']} is not its shape's {math.prod(c['shape'])} "
                       f"elements of {isz} bytes")
-                _need(tuple(c["offsets"]) not in seen, where, f"tensor {k!r}: chunk #{j} repeats offsets {c['offsets']}")
+                _need(tuple(c["offsets"]) not in seen, where,
+                      f"tensor {k!r}: chunk #{j} repeats offsets {c['offsets']}")
                 seen.add(tuple(c["offsets"]))
                 entry.chunks.append(
                     Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"],
