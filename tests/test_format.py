@@ -599,3 +599,10 @@ def test_read_refuses_a_tensor_larger_than_its_stored_bytes_before_allocating(
     (ck / "manifest.json").write_bytes(_reseal(json.dumps(c).encode()))
     with pytest.raises(CorruptCheckpointError, match="model.big.*needs"):
         objckpt.read(str(ck))
+
+
+def test_metadata_with_non_string_keys_seals_and_reads_back(tmp_path: Path) -> None:
+    """The checksum is of what a reader parses (JSON turns int keys into strings, tuples into lists)."""
+    uri = str(tmp_path / "ck")
+    objckpt.save({"w": torch.ones(2)}, uri, metadata={10: "a", 2: (1, 2), "b": {3: None}})
+    assert objckpt.inspect(uri).metadata == {"10": "a", "2": [1, 2], "b": {"3": None}}

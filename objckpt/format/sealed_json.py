@@ -51,9 +51,10 @@ def seal(obj: dict[str, Any]) -> bytes:
     """Compact JSON of ``obj`` in its own key order (tensor order is meaningful) with a
     ``crc32c`` field appended last: the crc32c of the *canonical* JSON of the rest."""
     body = {k: v for k, v in obj.items() if k != CRC_FIELD}
-    out = dict(body)
-    out[CRC_FIELD] = crc32c(canonical(body))
-    return json.dumps(out, separators=(",", ":"), allow_nan=False).encode()
+    raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    # the crc is of what a reader parses back (int dict keys become strings, tuples lists)
+    crc = crc32c(canonical(json.loads(raw)))
+    return raw[:-1] + (b"," if body else b"") + f'"{CRC_FIELD}":{crc}}}'.encode()
 
 
 def reseal(data: bytes) -> bytes:
