@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import objckpt
 from objckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from objckpt.format import manifest as mf
-from objckpt.format.dtypes import NAME_TO_DTYPE, _NAMES
+from objckpt.format.dtypes import NAME_TO_DTYPE, _NAMES, itemsize
 from objckpt.format.manifest import Blob, Chunk, Manifest, TensorEntry, decode, encode
 from objckpt.format.tree import decode_tree, encode_tree, iter_leaves
 
@@ -108,9 +108,12 @@ def test_schema_rejects_malformed(saved: tuple[str, dict[str, Any], dict[str, An
 
     chunk = lambda c: c["tensors"]["model.big"]["chunks"][0]  # noqa: E731
     assert _invalid(mutated(lambda c: c.pop("tensors")))
-    assert _invalid(mutated(lambda c: c.update(format_version=3)))
+    assert _invalid(mutated(lambda c: c.update(format_version=4)))
+    assert _invalid(mutated(lambda c: c.pop("crc32c")))  # v3 carries its checksum
+    assert _invalid(mutated(lambda c: c["blobs"][0].update(name="blobs/../../etc/passwd")))
     assert _invalid(mutated(lambda c: c.update(format_version=2)))  # v2 needs meshes and rank_indexes
-    assert _invalid(mutated(lambda c: c.update(meshes=[], rank_indexes=[])))  # ... which v1 must not have
+    # ... which v1 must not have
+    assert _invalid(mutated(lambda c: c.update(format_version=1, meshes=[], rank_indexes=[])))
     assert _invalid(mutated(lambda c: c.update(format="other")))
     assert _invalid(mutated(lambda c: chunk(c).pop("crc32c")))
     assert _invalid(mutated(lambda c: chunk(c).update(offset=-64)))
@@ -126,7 +129,9 @@ def test_schema_rejects_malformed(saved: tuple[str, dict[str, Any], dict[str, An
     # top level is open (forward compatibility within v1), for the schema and the decoder
     fwd = mutated(lambda c: c.update(future_field={"x": 1}))
     _validate(fwd)
-    decode(json.dumps(fwd).encode())
+    decode(mf.reseal(json.dumps(fwd).encode()))  # a newer writer seals the fields it adds
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        decode(json.dumps(fwd).encode())  # ... and a field added after sealing is a change
 
 
 def test_doc_example_manifest_validates_and_decodes() -> None:
@@ -267,8 +272,8 @@ def _small_manifest(**kw: Any) -> Manifest:
 
 def test_newer_version_is_rejected_clearly() -> None:
     obj = mf.to_json_obj(_small_manifest())
-    obj["format_version"] = 3
-    with pytest.raises(UnsupportedFormatError, match="format_version 3.*versions 1 to 2"):
+    obj["format_version"] = 4
+    with pytest.raises(UnsupportedFormatError, match="format_version 4.*versions 1 to 3"):
         decode(json.dumps(obj).encode())
     obj["format_version"] = 1
     obj["format"] = "safetensors"
@@ -298,7 +303,8 @@ json_scalars = (
 )
 json_values = st.recursive(
     json_scalars,
-    lambda ch: st.lists(ch, max_size=4) | st.dictionaries(st.text(max_size=8), ch, max_size=4),
+    lambda ch: st.lists(ch, max_size=4)
+    | st.dictionaries(st.text(max_size=8).filter(lambda k: not k.startswith("$")), ch, max_size=4),
     max_leaves=15,
 )
 json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
@@ -308,7 +314,8 @@ json_objects = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
 def manifests(draw: Any) -> Manifest:
     blobs = draw(
         st.lists(
-            st.builds(Blob, name=st.text(min_size=1, max_size=30), size=st.integers(0, 2**40),
+            st.builds(Blob, name=st.from_regex(r"blobs/[a-z0-9_.-]{0,12}[a-z0-9]", fullmatch=True),
+                      size=st.integers(0, 2**40),
                       rank=st.integers(0, 4096)),
             max_size=4,
         )
@@ -318,7 +325,7 @@ def manifests(draw: Any) -> Manifest:
     stored: list[str] = []
     for k in keys:
         ndim = draw(st.integers(0, 3))
-        dims = st.lists(st.integers(0, 2**31), min_size=ndim, max_size=ndim).map(tuple)
+        dims = st.lists(st.integers(0, 2**18), min_size=ndim, max_size=ndim).map(tuple)
         shape = draw(dims)
         dtype = draw(st.sampled_from(DTYPE_NAMES))
         if stored and draw(st.booleans()):
@@ -334,6 +341,10 @@ def manifests(draw: Any) -> Manifest:
                 length = draw(st.integers(0, size - offset))
                 offs = tuple(draw(st.integers(0, d)) for d in shape)  # the box lies inside the tensor
                 box = tuple(draw(st.integers(0, d - o)) for d, o in zip(shape, offs))
+                isz = itemsize(NAME_TO_DTYPE[dtype]) if dtype in NAME_TO_DTYPE else 1
+                length = math.prod(box) * isz  # decode checks the length against the box
+                if offset + length > size or any(c.offsets == offs for c in entry.chunks):
+                    continue  # decode refuses chunks past their blob and repeated offsets
                 entry.chunks.append(Chunk(offs, box, b, offset, length, draw(st.integers(0, 2**32 - 1))))
         tensors[k] = entry
         stored.append(k)
@@ -355,7 +366,7 @@ def test_manifest_encode_decode_roundtrip(m: Manifest, compress: bool) -> None:
     data = encode(m, compress=compress)
     assert (data[:4] == mf.ZSTD_MAGIC) == compress
     back = decode(data)
-    assert back.format_version == m.format_version == 1
+    assert back.format_version == m.format_version == mf.FORMAT_VERSION == 3
     assert back.blobs == m.blobs
     assert list(back.tensors) == list(m.tensors)
     for k, t in m.tensors.items():
@@ -364,7 +375,7 @@ def test_manifest_encode_decode_roundtrip(m: Manifest, compress: bool) -> None:
     assert back.tree == m.tree and back.metadata == m.metadata
     assert (back.attempt, back.world_size, back.created, back.writer) == (m.attempt, m.world_size, m.created, m.writer)
     assert back == m
-    _validate(mf.to_json_obj(m))  # whatever encode writes, the schema accepts
+    _validate(json.loads(encode(m, compress=False)))  # whatever encode writes, the schema accepts
 
 
 # ----------------------------------------------------------------------------- tree round trip
@@ -440,3 +451,158 @@ def test_unknown_tag_rejected_and_pickle_needs_opt_in() -> None:
     with pytest.raises(objckpt.UnsupportedValueError):
         decode_tree(blob, lambda k: None)
     assert decode_tree(blob, lambda k: None, allow_pickle=True) == 5
+
+
+# ----------------------------------------------------------------------------- v3 seal, hostile manifests
+
+DATA = Path(__file__).with_name("data")
+_reseal = getattr(mf, "reseal", lambda b: b)  # so these tests also run (and fail) on the code before v3
+
+
+def test_unsealed_v1_checkpoint_from_the_previous_release_still_loads(tmp_path: Path) -> None:
+    """tests/data/v1_unsealed was written by objckpt before format v3 (no manifest crc32c)."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(DATA / "v1_unsealed", ck)
+    assert "crc32c\":" not in (ck / "manifest.json").read_text().split('"tensors"')[0]
+    got = objckpt.read(str(ck))
+    assert got["step"] == 11 and got["betas"] == (0.9, 0.999) and got["name"] == "old"
+    assert torch.equal(got["model"]["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert objckpt.inspect(str(ck)).format_version == 1
+
+
+def test_v3_manifest_any_changed_value_or_key_is_detected(saved: tuple[str, dict[str, Any], dict[str, Any]]) -> None:
+    root, _, m = saved
+    data = Path(root, "manifest.json").read_bytes()
+    assert m["format_version"] == 3 and isinstance(m["crc32c"], int)
+    decode(json.dumps(m, indent=2).encode())  # reformatting is not a change
+    for edit in (lambda c: c["metadata"].update(nested={"a": [1, 2.5, 7]}),
+                 lambda c: c["tree"].update(renamed=c["tree"].pop("scalar")),
+                 lambda c: c.update(format_version=1),  # a flipped version digit is caught too
+                 lambda c: c.update(writer="other")):
+        c = json.loads(data)
+        edit(c)
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            decode(json.dumps(c).encode())
+        decode(_reseal(json.dumps(c).encode()))  # resealed, the edit is accepted
+
+
+def _hostile_v1(base: dict[str, Any], edit: Any) -> bytes:
+    c = json.loads(json.dumps(base))
+    edit(c)
+    return _reseal(json.dumps(c).encode())
+
+
+def _first(c: dict[str, Any]) -> dict[str, Any]:
+    return c["tensors"]["model.big"]
+
+
+HOSTILE_SEALED = {  # each is refused by decode even with a valid checksum
+    "tensor_missing_key": lambda c: c["tree"].update(h={"$tensor": "no.such.key"}),
+    "duplicate_chunks": lambda c: _first(c).update(chunks=_first(c)["chunks"] + _first(c)["chunks"][:1]),
+    "blob_dotdot": lambda c: c["blobs"][0].update(name="blobs/../../../etc/passwd"),
+    "blob_nul": lambda c: c["blobs"][0].update(name="blobs/a\u0000b.bin"),
+    "blob_outside": lambda c: c["blobs"][0].update(name="other/ck/blobs/x.bin"),
+    "shape_2_40": lambda c: [_first(c).update(shape=[1 << 40, 4]), _first(c)["chunks"][0].update(shape=[1 << 40, 4])],
+    "length_not_numel": lambda c: _first(c)["chunks"][0].update(length=_first(c)["chunks"][0]["length"] - 4),
+    "offset_2_64": lambda c: [c["blobs"][0].update(size=1 << 64), _first(c)["chunks"][0].update(offset=(1 << 64) - 16)],
+    "tuple_5": lambda c: c["tree"].update(h={"$tuple": 5}),
+    "size_x": lambda c: c["tree"].update(h={"$size": ["x"]}),
+    "float_zzz": lambda c: c["tree"].update(h={"$float": "zzz"}),
+    "dict_list": lambda c: c["tree"].update(h={"$dict": [[1]]}),
+    "dict_unhashable": lambda c: c["tree"].update(h={"$dict": [[[1], 2]]}),
+    "device_warp": lambda c: c["tree"].update(h={"$device": "warp"}),
+    "bytes_bang": lambda c: c["tree"].update(h={"$bytes": "!!!"}),
+    "nesting_300": lambda c: c["tree"].update(h=json.loads("[" * 300 + "]" * 300)),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_SEALED))
+def test_sealed_hostile_manifest_is_refused_by_decode_and_read(
+        saved: tuple[str, dict[str, Any], dict[str, Any]], tmp_path: Path, case: str) -> None:
+    import shutil
+
+    root, _, m = saved
+    data = _hostile_v1(m, HOSTILE_SEALED[case])
+    with pytest.raises(CorruptCheckpointError):
+        decode(data)
+    ck = tmp_path / "ck"
+    shutil.copytree(root, ck)
+    (ck / "manifest.json").write_bytes(data)
+    with pytest.raises(objckpt.errors.ObjckptError):
+        objckpt.read(str(ck))
+
+
+def test_v2_layout_split_beyond_rows_is_refused() -> None:
+    from objckpt.format.manifest import Mesh, RankIndexRef, TensorLayout
+
+    t = TensorEntry("w", "float32", (8, 4), layout=TensorLayout(0, ("S0", "R"), 2, 1))
+    refs = [RankIndexRef(f"blobs/a/r{r:05d}.index.json", 10, 0) for r in range(4)]
+    m = Manifest({"w": t}, [Blob("blobs/a/r00000-0000.bin", 64, 0)], {"w": {"$tensor": "w"}}, attempt="a",
+                 world_size=4, meshes=[Mesh((2, 2), (0, 1, 2, 3))], rank_indexes=refs)
+    obj = json.loads(encode(m))
+    old = {k: v for k, v in obj.items() if k != "crc32c"}
+    old["format_version"] = 2  # what the previous release wrote: unsealed v2
+    assert decode(json.dumps(old).encode()).tensors["w"].layout == t.layout
+    for field, value in (("split", 10**12), ("rot", 10**12)):
+        bad = json.loads(json.dumps(obj))
+        bad["tensors"]["w"]["layout"][field] = value
+        with pytest.raises(CorruptCheckpointError, match=f"layout {field}"):
+            decode(_reseal(json.dumps(bad).encode()))
+
+
+def test_manifest_size_is_bounded_while_decompressing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zstandard
+
+    obj = json.loads(encode(_small_manifest(metadata={"pad": " " * (3 << 20)}), compress=False))
+    bomb = zstandard.ZstdCompressor(level=1).compress(json.dumps(obj).encode())
+    assert len(bomb) < 64 << 10
+    monkeypatch.setenv("OBJCKPT_MAX_MANIFEST_BYTES", str(1 << 20))
+    with pytest.raises(CorruptCheckpointError, match="more than 1048576 bytes.*OBJCKPT_MAX_MANIFEST_BYTES"):
+        decode(bomb)
+    with pytest.raises(CorruptCheckpointError, match="OBJCKPT_MAX_MANIFEST_BYTES"):
+        decode(json.dumps(obj).encode())  # uncompressed too
+    monkeypatch.setenv("OBJCKPT_MAX_MANIFEST_BYTES", str(8 << 20))
+    assert decode(bomb).metadata["pad"] == " " * (3 << 20)
+
+
+def test_save_refuses_state_nested_past_the_depth_limit(tmp_path: Path) -> None:
+    from objckpt.errors import UnsupportedValueError
+
+    deep: Any = 1
+    for _ in range(150):
+        deep = {"x": deep}
+    with pytest.raises(UnsupportedValueError, match="nested more than 100"):
+        objckpt.save({"deep": deep}, str(tmp_path / "ck"))
+    ok: Any = torch.ones(2)
+    for _ in range(90):
+        ok = [ok]
+    objckpt.save({"ok": ok}, str(tmp_path / "ck2"))
+    got = objckpt.read(str(tmp_path / "ck2"))["ok"]
+    for _ in range(90):
+        got = got[0]
+    assert torch.equal(got, torch.ones(2))
+
+
+def test_read_refuses_a_tensor_larger_than_its_stored_bytes_before_allocating(
+        saved: tuple[str, dict[str, Any], dict[str, Any]], tmp_path: Path) -> None:
+    """Chunks that are each valid but cover a sliver of a 4 TiB tensor: no allocation, a clear error."""
+    import shutil
+
+    root, _, m = saved
+    ck = tmp_path / "ck"
+    shutil.copytree(root, ck)
+    c = json.loads(json.dumps(m))
+    big = _first(c)
+    big["shape"] = [1 << 40, big["shape"][1]] if len(big["shape"]) == 2 else [1 << 40]
+    (ck / "manifest.json").write_bytes(_reseal(json.dumps(c).encode()))
+    with pytest.raises(CorruptCheckpointError, match="model.big.*needs"):
+        objckpt.read(str(ck))
+
+
+def test_metadata_with_non_string_keys_seals_and_reads_back(tmp_path: Path) -> None:
+    """The checksum is of what a reader parses (JSON turns int keys into strings, tuples into lists)."""
+    uri = str(tmp_path / "ck")
+    objckpt.save({"w": torch.ones(2)}, uri, metadata={10: "a", 2: (1, 2), "b": {3: None}})
+    assert objckpt.inspect(uri).metadata == {"10": "a", "2": [1, 2], "b": {"3": None}}

@@ -134,7 +134,6 @@ def test_flipped_manifest_bytes_never_leak_builtin_errors(bases: dict[str, Any],
     assert not leaked, leaked
 
 
-@_issue("7", "no manifest checksum: a flipped digit in a stored value reads back silently different")
 def test_manifest_value_flip_is_detected(bases: dict[str, Any], tmp_path: Any) -> None:
     import shutil
 
@@ -150,19 +149,7 @@ def test_manifest_value_flip_is_detected(bases: dict[str, Any], tmp_path: Any) -
 
 # --------------------------------------------------------------------------- hostile manifests
 
-_HOSTILE_DEFECTS = {"tensor_missing_key", "blob_name_dotdot", "blob_name_nul", "shape_2_40", "tuple_5", "size_x",
-                    "float_zzz", "dict_list", "device_warp", "bytes_bang", "nesting_10000", "v2_split_1e12",
-                    "zstd_bomb_4gib"}
-
-
-def _hostile_mark(case: str) -> Any:
-    if case.startswith("blob_name"):
-        return _issue("5 and 9", "blob names outside blobs/ (.., NUL) must be refused with an ObjckptError")
-    return _issue("9", "hostile manifests must raise ObjckptError only, in bounded time and memory")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_hostile_mark(c)) if c in _HOSTILE_DEFECTS else c
-                                  for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_hostile_manifest(bases: dict[str, Any], case: str) -> None:
     r = hostile_trial(case, bases, timeout=8 if case == "v2_split_1e12" else 30)
     assert r.outcome == "detected", r.to_json()

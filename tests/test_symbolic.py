@@ -105,7 +105,7 @@ def test_manifest_v2_round_trip_and_checks() -> None:
     schema = json.loads((Path(mf.__file__).with_name("manifest.schema.json")).read_text())
     jsonschema.Draft202012Validator(schema).validate(json.loads(data))
     back = mf.decode(data)
-    assert back.format_version == 2 and back.meshes == m.meshes and back.rank_indexes == m.rank_indexes
+    assert back.format_version == 3 and back.meshes == m.meshes and back.rank_indexes == m.rank_indexes
     assert back.tensors["w"].layout == m.tensors["w"].layout and not back.tensors["w"].chunks
     obj = json.loads(data)
     for bad, what in [
@@ -217,7 +217,7 @@ def test_symbolic_save_is_v2_loads_anywhere_and_checks_indexes(moto_s3: Any) -> 
     uri = f"s3://{bucket}/sym/ck"
     written = [b for b, _ in run_multiprocess(4, save_v2, uri, opts, "")]
     m = objckpt.inspect(uri, storage_options=opts, chunks=False)
-    assert m.format_version == 2 and len(m.rank_indexes) == 4 and m.rank_trees is not None
+    assert m.format_version == 3 and len(m.rank_indexes) == 4 and m.rank_trees is not None
     assert all(t.layout is not None for k, t in m.tensors.items())
     assert m.tensors["rep_big"].layout.split == 4  # type: ignore[union-attr]
     assert m.tensors["tp_only"].layout.placements == ("R", "S1")  # type: ignore[union-attr]

@@ -44,3 +44,14 @@ def index_name(attempt: str, rank: int) -> str:
 def attempt_of(blob_rel: str) -> str:
     parts = blob_rel.split("/")
     return parts[1] if len(parts) >= 3 and parts[0] == BLOB_DIR else ""
+
+
+def is_safe_object_name(name: object) -> bool:
+    """Whether ``name`` (a blob or rank-index name read from a manifest) is a plain path
+    under ``blobs/``: a hostile manifest must not make a reader or gc touch
+    ``../../etc/passwd`` or another checkpoint's objects, nor pass NUL to the OS."""
+    if not isinstance(name, str) or not name.startswith(BLOB_DIR + "/") or len(name) > 1024:
+        return False
+    if any(ch in name for ch in ("\x00", "\\")) or any(ord(ch) < 0x20 for ch in name):
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))

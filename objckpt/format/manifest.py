@@ -1,4 +1,4 @@
-"""The manifest (format v1 and v2): typed objects, JSON encode/decode, version check.
+"""The manifest (format v1, v2, v3): typed objects, JSON encode/decode, version check.
 
 The manifest is the only metadata object of a checkpoint and its commit
 record.  It is plain JSON (zstd-compressed when large, detected by magic), so
@@ -13,10 +13,17 @@ chunk records go to that rank's index object, fetched only by readers that
 need that rank's pieces: the manifest stays small at any world size.  A
 writer emits version 1 whenever it lists chunks inline, so older readers keep
 reading single-process checkpoints.
+
+Version 3 (what this release writes) is version 2 plus the manifest's own
+``crc32c`` over its canonical JSON (:mod:`objckpt.format.sealed_json`), so a
+changed metadata value or tree key is detected, not returned; v1 and v2
+manifests, which lack it, are still read.  :func:`reseal` recomputes it for
+hand-edited manifests.  A manifest is untrusted input: :func:`decode` checks every
+field a reader later trusts (names under ``blobs/``, chunk lengths against shapes,
+layouts against meshes, tree tags) before anything is allocated.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,10 +32,18 @@ from typing import Any, Optional
 import zstandard
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from .dtypes import NAME_TO_DTYPE, itemsize
+from .keys import is_safe_object_name
+from .sealed_json import ZSTD_MAGIC, load_json, reseal, seal, verify  # noqa: F401  (re-exported)
+from .tree import check_tree
 
 FORMAT_NAME = "objckpt"
-FORMAT_VERSION = 2  # the newest version this release reads and writes
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+FORMAT_VERSION = 3  # the newest version this release reads and writes
+#: the first version whose manifests (and rank indexes) must carry their own "crc32c"
+SEALED_VERSION = 3
+#: no integer in a manifest (size, offset, length, dim) may reach this: keeps arithmetic
+#: on hostile values away from 64-bit overflow in the OS, torch and HTTP ranges
+MAX_INT = 1 << 62
 COMPRESS_ABOVE = 1 << 20  # manifests larger than this are stored zstd-compressed
 
 
@@ -132,7 +147,7 @@ class Manifest:
     world_size: int = 1
     created: float = field(default_factory=time.time)
     writer: str = ""
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION  # what decode read; encode always writes FORMAT_VERSION
     #: block size of Chunk.block_crc32c (0: chunks carry only their whole crc)
     crc_block: int = 0
     #: non-tensor values per rank, when ranks saved different ones (else None)
@@ -191,7 +206,7 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
     v2 = any(t.layout is not None for t in m.tensors.values())
     out = {
         "format": FORMAT_NAME,
-        "format_version": 2 if v2 else 1,
+        "format_version": FORMAT_VERSION,
         "writer": m.writer,
         "created": m.created,
         "attempt": m.attempt,
@@ -212,8 +227,9 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
 
 
 def encode(m: Manifest, *, compress: Optional[bool] = None) -> bytes:
-    """JSON bytes of ``m``; zstd-compressed when larger than 1 MiB (or as told)."""
-    raw = json.dumps(to_json_obj(m), separators=(",", ":"), allow_nan=False).encode()
+    """Sealed canonical JSON of ``m`` (format v3, its ``crc32c`` last: docs/format.md §9.1);
+    zstd-compressed when larger than 1 MiB (or as told)."""
+    raw = seal(to_json_obj(m))
     if compress is None:
         compress = len(raw) > COMPRESS_ABOVE
     return zstandard.ZstdCompressor(level=3).compress(raw) if compress else raw
@@ -224,27 +240,13 @@ def _need(cond: bool, where: str, what: str) -> None:
         raise CorruptCheckpointError(f"manifest {where}: {what}")
 
 
-def _int(v: Any, lo: int = 0, hi: Optional[int] = None) -> bool:
-    """A real JSON integer (not a bool) within [lo, hi]."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+def _int(v: Any, lo: int = 0, hi: int = MAX_INT - 1) -> bool:
+    """A real JSON integer (not a bool) within [lo, hi] (by default below :data:`MAX_INT`)."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
 def _int_list(v: Any) -> bool:
     return isinstance(v, list) and all(_int(x) for x in v)
-
-
-def load_json(data: bytes, bad: Any) -> Any:
-    """zstd-decompress (when it starts with the magic) and parse; ``bad(what)``
-    builds the error that names the object."""
-    if data[:4] == ZSTD_MAGIC:
-        try:
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 34)
-        except zstandard.ZstdError as e:
-            raise bad(f"bad zstd stream ({e})") from None
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(f"not valid JSON: {e}") from None
 
 
 def decode(data: bytes, where: str = "<manifest>") -> Manifest:
@@ -258,7 +260,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     _need(isinstance(obj, dict), where, "top level is not an object")
     _need(obj.get("format") == FORMAT_NAME, where, f"'format' is {obj.get('format')!r}, not {FORMAT_NAME!r}")
     version = obj.get("format_version")
-    _need(_int(version, lo=-(2**63)), where, "'format_version' missing or not an integer")
+    _need(_int(version, lo=-(2**63), hi=2**63), where, "'format_version' missing or not an integer")
     if version > FORMAT_VERSION or version < 1:
         raise UnsupportedFormatError(
             f"manifest {where} has format_version {version}; this objckpt release reads "
@@ -276,6 +278,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     blobs = []
     for i, b in enumerate(blobs_raw):
         _need(isinstance(b, dict) and isinstance(b.get("name"), str) and b["name"], where, f"blob #{i}: name malformed")
+        _need(is_safe_object_name(b["name"]), where, f"blob #{i}: name {b['name'][:200]!r} is not a plain path under blobs/")
         _need(_int(b.get("size")), where, f"blob #{i}: size malformed")
         _need(_int(b.get("rank", 0)), where, f"blob #{i}: rank malformed")
         blobs.append(Blob(b["name"], b["size"], b.get("rank", 0)))
@@ -286,6 +289,9 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
         _need(isinstance(t, dict), where, f"tensor {k!r} malformed")
         _need(isinstance(t.get("dtype"), str), where, f"tensor {k!r}: dtype missing")
         _need(_int_list(t.get("shape")), where, f"tensor {k!r}: shape malformed")
+        dt = NAME_TO_DTYPE.get(t["dtype"])
+        isz = itemsize(dt) if dt is not None else 0  # unknown dtypes fail when read (UnsupportedFormatError)
+        _need(math.prod(t["shape"]) * max(isz, 1) < MAX_INT, where, f"tensor {k!r}: shape {t['shape']} is too large")
         alias = t.get("alias_of")
         _need(alias is None or isinstance(alias, str), where, f"tensor {k!r}: alias_of malformed")
         _need(alias is None or "chunks" not in t, where, f"tensor {k!r}: has both chunks and alias_of")
@@ -295,6 +301,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
             entry.layout = _layout(t["layout"], entry.shape, meshes, where, k)
         elif alias is None:
             _need(isinstance(t.get("chunks"), list), where, f"tensor {k!r}: chunks missing")
+            seen: set[tuple[int, ...]] = set()
             for j, c in enumerate(t["chunks"]):
                 ok = (
                     isinstance(c, dict)
@@ -308,10 +315,16 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
                     and _int(c.get("crc32c"), 0, 2**32 - 1)
                     and c["offset"] + c["length"] <= blobs[c["blob"]].size
                 )
-                blocks = c.get("block_crc32c", [])
+                blocks = c.get("block_crc32c", []) if isinstance(c, dict) else None
                 ok = ok and isinstance(blocks, list) and all(_int(x, 0, 2**32 - 1) for x in blocks)
                 ok = ok and (not blocks or (crc_block > 0 and len(blocks) == -(-c["length"] // crc_block)))
                 _need(ok, where, f"tensor {k!r}: chunk #{j} malformed")
+                _need(not isz or c["length"] == math.prod(c["shape"]) * isz, where,
+                      f"tensor {k!r}: chunk #{j} length {c['length']} is not its shape's {math.prod(c['shape'])} "
+                      f"elements of {isz} bytes")
+                _need(tuple(c["offsets"]) not in seen, where,
+                      f"tensor {k!r}: chunk #{j} repeats offsets {c['offsets']}")
+                seen.add(tuple(c["offsets"]))
                 entry.chunks.append(
                     Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"],
                           tuple(blocks))
@@ -328,11 +341,14 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     _need(isinstance(meta, dict), where, "'metadata' is not an object")
     world = obj.get("world_size", 1)
     _need(_int(world, lo=1), where, "'world_size' malformed")
-    if version >= 2:
+    if version == 2 or rank_indexes or meshes:
         _need(len(rank_indexes) == world, where, f"{len(rank_indexes)} rank indexes for world size {world}")
         _need(all(r < world for me in meshes for r in me.ranks), where, "a mesh names a rank >= world_size")
     created = obj.get("created", 0.0)
     _need(isinstance(created, (int, float)) and not isinstance(created, bool), where, "'created' malformed")
+    for t_where, tree in [("", obj.get("tree"))] + [(f" rank_trees[{i}]", r) for i, r in enumerate(rank_trees or [])]:
+        check_tree(tree, tensors, f"{where}{t_where}")
+    verify(obj, lambda what: CorruptCheckpointError(f"manifest {where}: {what}"), required=version >= SEALED_VERSION)
     return Manifest(
         tensors=tensors,
         blobs=blobs,
@@ -354,6 +370,8 @@ def _v2_tables(obj: dict, version: int, where: str) -> tuple[list[Mesh], list[Ra
     if version < 2:
         _need("meshes" not in obj and "rank_indexes" not in obj, where, "v2 tables in a v1 manifest")
         return [], []
+    if version >= 3 and "meshes" not in obj and "rank_indexes" not in obj:
+        return [], []  # v3: the tables only when some tensor has a layout
     meshes_raw, idx_raw = obj.get("meshes"), obj.get("rank_indexes")
     _need(isinstance(meshes_raw, list) and isinstance(idx_raw, list), where, "'meshes' or 'rank_indexes' missing")
     meshes = []
@@ -365,7 +383,7 @@ def _v2_tables(obj: dict, version: int, where: str) -> tuple[list[Mesh], list[Ra
         meshes.append(Mesh(tuple(me["shape"]), tuple(me["ranks"])))
     refs = []
     for i, r in enumerate(idx_raw):
-        ok = isinstance(r, dict) and isinstance(r.get("name"), str) and r["name"] and _int(r.get("size"))
+        ok = isinstance(r, dict) and is_safe_object_name(r.get("name")) and _int(r.get("size"))
         _need(ok and _int(r.get("crc32c"), 0, 2**32 - 1), where, f"rank index #{i} malformed")
         refs.append(RankIndexRef(r["name"], r["size"], r["crc32c"]))
     return meshes, refs
@@ -375,6 +393,10 @@ def _layout(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, ke
     ok = isinstance(raw, dict) and _int(raw.get("mesh"), 0, len(meshes) - 1)
     ok = ok and isinstance(raw.get("placements"), list) and _int(raw.get("split", 1), 1) and _int(raw.get("rot", 0))
     _need(ok, where, f"tensor {key!r}: layout malformed")
+    group = len(meshes[raw["mesh"]].ranks)
+    _need(raw.get("split", 1) <= max(1, min(group, shape[0] if shape else 1)), where,
+          f"tensor {key!r}: layout split {raw.get('split')} exceeds its rows and mesh")
+    _need(raw.get("rot", 0) < max(1, group), where, f"tensor {key!r}: layout rot {raw.get('rot')} exceeds its mesh")
     pl = raw["placements"]
     _need(len(pl) == len(meshes[raw["mesh"]].shape), where, f"tensor {key!r}: placements do not match mesh")
     for p in pl:

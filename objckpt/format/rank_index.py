@@ -5,19 +5,23 @@ manifest by name, size and crc32c, and fetched only by readers that need a
 piece that rank wrote.  JSON, zstd-compressed (detected by magic, like the manifest):
 
     {"format": "objckpt-rank-index", "attempt": "...", "rank": 3,
-     "chunks": {key: [[offsets, shape, blob, offset, length, crc32c, block_crc32c], ...], ...}}
+     "chunks": {key: [[offsets, shape, blob, offset, length, crc32c, block_crc32c], ...], ...},
+     "crc32c": N}
+
+``crc32c`` (since format v3) seals the index like the manifest: the crc32c of the
+canonical JSON of everything else (docs/format.md §9.1, §12.3).
 
 ``blob`` numbers the rank's own blobs in manifest order (its n-th blob).
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from .manifest import Chunk, ChunkRecord, load_json
+from .manifest import MAX_INT, Chunk, ChunkRecord
+from .sealed_json import load_json, seal, verify
 
 INDEX_FORMAT = "objckpt-rank-index"
 
@@ -28,20 +32,20 @@ def encode(attempt: str, rank: int, records: Sequence[ChunkRecord]) -> bytes:
         c = r.chunk
         by_key.setdefault(r.key, []).append([list(c.offsets), list(c.shape), c.blob, c.offset, c.length, c.crc32c,
                                              list(c.block_crc32c)])
-    raw = json.dumps({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": by_key},
-                     separators=(",", ":")).encode()
+    raw = seal({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": by_key})
     return zstandard.ZstdCompressor(level=3).compress(raw)  # internal: always compressed
 
 
 def _nat(v: Any) -> bool:
-    return type(v) is int and v >= 0
+    return type(v) is int and 0 <= v < MAX_INT
 
 
 def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[int], blob_sizes: Sequence[int],
-           crc_block: int) -> dict[str, dict[tuple[int, ...], Chunk]]:
+           crc_block: int, require_crc: bool = False) -> dict[str, dict[tuple[int, ...], Chunk]]:
     """Chunks by tensor key and global offsets; ``blobs`` maps the rank's n-th
     blob to its index in the manifest.  Everything is checked like the manifest
-    (a reader of thousands of records per index: the checks are kept cheap)."""
+    (a reader of thousands of records per index: the checks are kept cheap).
+    ``require_crc``: the manifest is v3 or later, so the index must carry its ``crc32c``."""
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"rank index {where}: {what}")
 
@@ -51,6 +55,7 @@ def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[
     if obj.get("attempt") != attempt or obj.get("rank") != rank:
         raise bad(f"belongs to attempt {obj.get('attempt')!r} rank {obj.get('rank')!r}, "
                   f"the manifest expects {attempt!r} rank {rank}")
+    verify(obj, bad, required=require_crc)
     by_key = obj.get("chunks")
     if not isinstance(by_key, dict):
         raise bad("'chunks' missing")
@@ -75,6 +80,8 @@ def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[
             if not ok:
                 raise bad(f"tensor {key!r}: chunk record #{j} malformed")
             offs = tuple(o)
+            if offs in mine:
+                raise bad(f"tensor {key!r}: chunk record #{j} repeats offsets {o}")
             mine[offs] = Chunk(offs, tuple(s), blobs[b], off, ln, crc, tuple(blk))
         out[key] = mine
     return out

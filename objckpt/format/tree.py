@@ -15,7 +15,7 @@ import base64
 import math
 import pickle
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 import torch
 
@@ -26,6 +26,13 @@ TensorSink = Callable[[str, Any], None]  # a torch.Tensor (DTensor included) or 
 TensorSource = Callable[[str], Any]
 
 _SCALARS = (str, int, bool, type(None))
+
+#: deepest nesting of containers (dict, list, tuple) that save accepts: deeper state
+#: cannot be read back portably (JSON parsers recurse), so it is refused up front
+MAX_DEPTH = 100
+#: deepest JSON nesting a manifest's tree may have: MAX_DEPTH containers, each tagged
+#: value adding up to two JSON levels, plus slack
+MAX_JSON_DEPTH = 2 * MAX_DEPTH + 8
 
 
 def _child_key(prefix: str, k: Any) -> str:
@@ -43,7 +50,11 @@ def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False,
     ``is_tensor`` accepts (the caller's notion of a tensor: objckpt.Shard too)."""
     seen_keys: set[str] = set()
 
-    def enc(x: Any, key: str) -> Any:
+    def enc(x: Any, key: str, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedValueError(
+                f"value at key {key or '<root>'!r} is nested more than {MAX_DEPTH} containers deep, "
+                "objckpt's limit (docs/format.md §7); flatten the state")
         if is_tensor(x):
             if key in seen_keys:
                 raise UnsupportedValueError(f"two entries flatten to the same key {key!r}; rename one")
@@ -67,15 +78,15 @@ def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False,
         if isinstance(x, Mapping):
             items = list(x.items())
             if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
-                return {k: enc(v, _child_key(key, k)) for k, v in items}
+                return {k: enc(v, _child_key(key, k), depth + 1) for k, v in items}
             for k, _ in items:
                 if not isinstance(k, (str, int, bool, float, type(None))):
                     raise UnsupportedValueError(f"{key or '<root>'!r}: dict key {k!r} of type {type(k).__name__} is not supported")
-            return {"$dict": [[enc(k, key), enc(v, _child_key(key, k))] for k, v in items]}
+            return {"$dict": [[enc(k, key, depth + 1), enc(v, _child_key(key, k), depth + 1)] for k, v in items]}
         if isinstance(x, list):
-            return [enc(v, _child_key(key, i)) for i, v in enumerate(x)]
+            return [enc(v, _child_key(key, i), depth + 1) for i, v in enumerate(x)]
         if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            return {"$tuple": [enc(v, _child_key(key, i)) for i, v in enumerate(x)]}
+            return {"$tuple": [enc(v, _child_key(key, i), depth + 1) for i, v in enumerate(x)]}
         if allow_pickle:
             return {"$pickle": base64.b64encode(pickle.dumps(x)).decode()}
         raise UnsupportedValueError(
@@ -87,12 +98,98 @@ def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False,
     return enc(obj, "")
 
 
-def decode_tree(tree: Any, get_tensor: TensorSource, *, allow_pickle: bool = False, where: str = "") -> Any:
-    """Rebuild the nested structure; ``get_tensor(key)`` supplies each tensor."""
+def _bad_tag(where: str, tag: str, v: Any, e: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"manifest {where}: tree value {{{tag!r}: {str(v)[:80]!r}}} malformed ({e})")
 
-    def dec(x: Any) -> Any:
+
+def _decode_tag(tag: str, v: Any, where: str) -> Any:
+    """The value of a leaf tag (not $tensor/$tuple/$dict/$pickle); a malformed payload is corrupt."""
+    try:
+        if tag == "$float":
+            if not isinstance(v, str):
+                raise TypeError("not a string")
+            return float(v)
+        if tag == "$size":
+            if not isinstance(v, list) or not all(type(d) is int and 0 <= d < 1 << 63 for d in v):
+                raise TypeError("not a list of sizes")
+            return torch.Size(v)
+        if tag == "$dtype":
+            if not isinstance(v, str):
+                raise TypeError("not a string")
+            return dtype_from_name(v)
+        if tag == "$device":
+            if not isinstance(v, str):
+                raise TypeError("not a string")
+            return torch.device(v)
+        if tag == "$bytes":
+            if not isinstance(v, str):
+                raise TypeError("not a string")
+            return base64.b64decode(v, validate=True)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise _bad_tag(where, tag, v, e) from None
+    raise CorruptCheckpointError(f"manifest {where}: unknown tree tag {tag!r}")
+
+
+def _pairs(v: Any, where: str) -> list[Any]:
+    if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 for p in v):
+        raise _bad_tag(where, "$dict", v, TypeError("not a list of [key, value] pairs"))
+    return v
+
+
+def check_tree(tree: Any, tensor_keys: Container[str], where: str) -> None:
+    """Validate an encoded tree as read from a manifest, without recursion: every tag's
+    payload well formed, every ``$tensor`` naming a tensor of the manifest, dict keys
+    hashable, nesting within :data:`MAX_JSON_DEPTH`.  Raises CorruptCheckpointError."""
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise CorruptCheckpointError(f"manifest {where}: tree nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(x, list):
-            return [dec(v) for v in x]
+            stack.extend((v, depth + 1) for v in x)
+            continue
+        if not isinstance(x, dict):
+            continue
+        if len(x) == 1:
+            (tag, v), = x.items()
+            if tag == "$tensor":
+                if not isinstance(v, str) or v not in tensor_keys:
+                    raise CorruptCheckpointError(f"manifest {where}: tree names tensor {v!r}, which it does not list")
+                continue
+            if tag == "$tuple":
+                if not isinstance(v, list):
+                    raise _bad_tag(where, tag, v, TypeError("not a list"))
+                stack.extend((e, depth + 2) for e in v)
+                continue
+            if tag == "$dict":
+                for k, val in _pairs(v, where):
+                    if isinstance(k, (list, dict)) and not (isinstance(k, dict) and len(k) == 1
+                                                             and next(iter(k)) in ("$float", "$tuple")):
+                        raise _bad_tag(where, tag, k, TypeError("unhashable key"))
+                    stack.append((k, depth + 3))
+                    stack.append((val, depth + 3))
+                continue
+            if tag == "$pickle":
+                if not isinstance(v, str):
+                    raise _bad_tag(where, tag, v, TypeError("not a string"))
+                continue
+            if tag.startswith("$"):
+                _decode_tag(tag, v, where)
+                continue
+        stack.extend((v, depth + 1) for v in x.values())
+
+
+def decode_tree(tree: Any, get_tensor: TensorSource, *, allow_pickle: bool = False, where: str = "") -> Any:
+    """Rebuild the nested structure; ``get_tensor(key)`` supplies each tensor.
+
+    Malformed tag payloads raise CorruptCheckpointError (the manifest decoder has already
+    refused them with :func:`check_tree`; this guards trees from other sources)."""
+
+    def dec(x: Any, depth: int) -> Any:
+        if depth > MAX_JSON_DEPTH:
+            raise CorruptCheckpointError(f"manifest {where}: tree nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(x, list):
+            return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             return x
         if len(x) == 1:
@@ -100,31 +197,30 @@ def decode_tree(tree: Any, get_tensor: TensorSource, *, allow_pickle: bool = Fal
             if tag == "$tensor":
                 return get_tensor(v)
             if tag == "$tuple":
-                return tuple(dec(e) for e in v)
+                if not isinstance(v, list):
+                    raise _bad_tag(where, tag, v, TypeError("not a list"))
+                return tuple(dec(e, depth + 2) for e in v)
             if tag == "$dict":
-                return {dec(k): dec(val) for k, val in v}
-            if tag == "$float":
-                return float(v)
-            if tag == "$size":
-                return torch.Size(v)
-            if tag == "$dtype":
-                return dtype_from_name(v)
-            if tag == "$device":
-                return torch.device(v)
-            if tag == "$bytes":
-                return base64.b64decode(v)
+                try:
+                    return {dec(k, depth + 3): dec(val, depth + 3) for k, val in _pairs(v, where)}
+                except TypeError as e:
+                    raise _bad_tag(where, tag, v, e) from None
             if tag == "$pickle":
                 if not allow_pickle:
                     raise UnsupportedValueError(
                         f"checkpoint {where} holds a pickled value; pass allow_pickle=True to load it "
                         "(only for checkpoints you trust: unpickling runs code)"
                     )
-                return pickle.loads(base64.b64decode(v))
+                try:
+                    raw = base64.b64decode(v, validate=True)
+                except (TypeError, ValueError) as e:
+                    raise _bad_tag(where, tag, v, e) from None
+                return pickle.loads(raw)
             if tag.startswith("$"):
-                raise CorruptCheckpointError(f"manifest {where}: unknown tree tag {tag!r}")
-        return {k: dec(v) for k, v in x.items()}
+                return _decode_tag(tag, v, where)
+        return {k: dec(v, depth + 1) for k, v in x.items()}
 
-    return dec(tree)
+    return dec(tree, 0)
 
 
 def has_tensor(tree: Any) -> bool:
@@ -154,16 +250,16 @@ def iter_leaves(tree: Any, prefix: str = ""):
     if isinstance(tree, dict):
         if len(tree) == 1:
             (tag, v), = tree.items()
-            if tag == "$tuple":
+            if tag == "$tuple" and isinstance(v, list):
                 for i, e in enumerate(v):
                     yield from iter_leaves(e, _child_key(prefix, i))
                 return
-            if tag == "$dict":
+            if tag == "$dict" and isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
                 for k, val in v:
                     kk = k if not isinstance(k, dict) else decode_tree(k, lambda _: None)
                     yield from iter_leaves(val, _child_key(prefix, kk))
                 return
-            if tag.startswith("$"):
+            if tag.startswith("$"):  # a malformed $tuple/$dict too: decode_tree refuses it
                 yield prefix, tree
                 return
         for k, v in tree.items():

@@ -21,7 +21,7 @@ from ..checksum import crc32c
 from ..errors import CorruptCheckpointError, NotFoundError
 from ..format import keys, rank_index
 from ..format.dtypes import dtype_from_name, itemsize
-from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, TensorEntry, TensorLayout
+from ..format.manifest import SEALED_VERSION, Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, TensorEntry, TensorLayout
 from ..planning.assign import RankWrites
 from ..planning.boxes import Box, intersect
 from ..planning.pack import PackLimits
@@ -82,7 +82,7 @@ class SymbolicLayout(SaveLayout):
         return Manifest(
             tensors=entries, blobs=blobs, tree=self.tree, metadata=common.metadata, attempt=common.attempt,
             world_size=len(outcomes), writer=WRITER, crc_block=common.crc_block, rank_trees=self.rank_trees,
-            format_version=2, meshes=list(self.desc.meshes), rank_indexes=refs,
+            format_version=SEALED_VERSION, meshes=list(self.desc.meshes), rank_indexes=refs,
         )
 
 
@@ -141,7 +141,8 @@ class RankIndexResolver(InlineResolver):
                     per[b.rank].append(i)
             self._blobs, self._blob_sizes = per, [b.size for b in m.blobs]
         return rank_index.decode(data, where, attempt=m.attempt, rank=rank, blobs=self._blobs[rank],
-                                 blob_sizes=self._blob_sizes, crc_block=m.crc_block)
+                                 blob_sizes=self._blob_sizes, crc_block=m.crc_block,
+                                 require_crc=m.format_version >= SEALED_VERSION)
 
     def overlapping(self, key: str, box: Box) -> list[Overlap]:
         e = self.m.tensors[key]

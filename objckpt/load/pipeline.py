@@ -15,9 +15,10 @@ import torch
 
 from .. import _runtime
 from ..distributed.placements import Shard, local_part
-from ..errors import BucketNotFoundError, MissingKeyError, NotFoundError, StateDictMismatchError
+from ..errors import (BucketNotFoundError, CorruptCheckpointError, MissingKeyError, NotFoundError,
+                      StateDictMismatchError)
 from ..format import keys as objkeys
-from ..format.dtypes import dtype_from_name
+from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Manifest, decode
 from ..format.tree import decode_tree, iter_leaves
 from ..layout import resolver_for
@@ -80,7 +81,12 @@ def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Itera
         sk = _stored_key(m, k)
         if sk not in bufs:
             e = m.tensors[sk]
-            bufs[sk] = torch.empty(e.shape, dtype=dtype_from_name(e.dtype, sk))
+            dt = dtype_from_name(e.dtype, sk)
+            stored = sum(c.length for c in e.chunks) if e.chunks else m.total_blob_bytes
+            if e.numel * itemsize(dt) > stored:  # refuse before allocating what no bytes back
+                raise CorruptCheckpointError(f"checkpoint {uri!r}: tensor {sk!r} of shape {list(e.shape)} needs "
+                                             f"{e.numel * itemsize(dt)} bytes but only {stored} are stored")
+            bufs[sk] = torch.empty(e.shape, dtype=dt)
     fill_boxes(st, prefix, m, [FillTarget(k, whole(t.shape), t) for k, t in bufs.items()], stats)
 
     def get_tensor(k: str) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""Sealed JSON: the bounded reading and the self-checksum of manifests and rank indexes.
+
+Why: a manifest is the commit record *and* the only metadata a reader trusts, so
+(1) any changed byte must be detected — the object carries a ``"crc32c"`` field,
+the crc32c of the *canonical* JSON of everything else (``docs/format.md`` §9.1),
+which survives re-indentation by tools yet catches every changed value or key;
+and (2) reading one must cost bounded memory and time, whatever it holds — the
+decompressed size is capped (:func:`max_manifest_bytes`, env
+``OBJCKPT_MAX_MANIFEST_BYTES``) while streaming, and nesting deeper than the
+parser's recursion is refused instead of escaping as ``RecursionError``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Any, Callable
+
+import zstandard
+
+from ..checksum import crc32c
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+CRC_FIELD = "crc32c"
+MAX_BYTES_ENV = "OBJCKPT_MAX_MANIFEST_BYTES"
+DEFAULT_MAX_BYTES = 256 << 20
+
+Bad = Callable[[str], Exception]
+
+
+def max_manifest_bytes() -> int:
+    """The largest (decompressed) manifest or rank index a reader accepts: 256 MiB, or
+    the env var ``OBJCKPT_MAX_MANIFEST_BYTES`` (read at each call, so tests and tools may set it)."""
+    raw = os.environ.get(MAX_BYTES_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value > 0:
+            return value
+    return DEFAULT_MAX_BYTES
+
+
+def canonical(obj: Any) -> bytes:
+    """The canonical JSON of ``obj``: keys sorted, no spaces, ASCII only (``\\uXXXX``), no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def seal(obj: dict[str, Any]) -> bytes:
+    """Compact JSON of ``obj`` in its own key order (tensor order is meaningful) with a
+    ``crc32c`` field appended last: the crc32c of the *canonical* JSON of the rest."""
+    body = {k: v for k, v in obj.items() if k != CRC_FIELD}
+    raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    # the crc is of what a reader parses back (int dict keys become strings, tuples lists)
+    crc = crc32c(canonical(json.loads(raw)))
+    return raw[:-1] + (b"," if body else b"") + f'"{CRC_FIELD}":{crc}}}'.encode()
+
+
+def reseal(data: bytes) -> bytes:
+    """Recompute the checksum of hand-edited manifest or rank-index JSON (for tests and tools).
+
+    ``data`` may be zstd-compressed; the result is uncompressed canonical JSON, sealed."""
+    obj = load_json(data, ValueError)
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return seal(obj)
+
+
+def verify(obj: dict[str, Any], bad: Bad, *, required: bool) -> None:
+    """Check ``obj``'s ``crc32c`` field (popping it); ``required``: its absence is an error."""
+    if CRC_FIELD not in obj:
+        if required:
+            raise bad(f"its '{CRC_FIELD}' checksum field is missing")
+        return
+    stored = obj.pop(CRC_FIELD)
+    try:
+        actual = crc32c(canonical(obj))
+    except (ValueError, RecursionError) as e:
+        raise bad(f"cannot be re-encoded to check its checksum ({e})") from None
+    if type(stored) is not int or stored != actual:
+        raise bad(f"checksum mismatch: '{CRC_FIELD}' is {stored!r}, the content has {actual} — "
+                  "the object was changed or damaged after it was written")
+
+
+def _decompress(data: bytes, limit: int, bad: Bad) -> bytes:
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as r:
+            while True:
+                piece = r.read(min(1 << 20, limit + 1 - len(out)))
+                if not piece:
+                    break
+                out += piece
+                if len(out) > limit:
+                    raise bad(_too_big(limit, "decompresses to"))
+    except zstandard.ZstdError as e:
+        raise bad(f"bad zstd stream ({e})") from None
+    return bytes(out)
+
+
+def _too_big(limit: int, how: str) -> str:
+    return (f"{how} more than {limit} bytes, the limit for a manifest or rank index; "
+            f"if it is genuine, raise the limit with the environment variable {MAX_BYTES_ENV}")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def load_json(data: bytes, bad: Bad) -> Any:
+    """zstd-decompress (when it starts with the magic) and parse, within the size bound;
+    ``bad(what)`` builds the error that names the object."""
+    limit = max_manifest_bytes()
+    if data[:4] == ZSTD_MAGIC:
+        data = _decompress(data, limit, bad)
+    elif len(data) > limit:
+        raise bad(_too_big(limit, "is"))
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad("nested too deeply to parse") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"not valid JSON: {e}") from None
