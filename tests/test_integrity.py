@@ -14,29 +14,8 @@ import torch
 import objckpt
 from objckpt import _runtime
 from objckpt.format import keys
-from objckpt.format.manifest import load_json
+from objckpt.format.manifest import load_json, reseal
 from objckpt.storage import open_store
-
-#: fields a manifest may carry to seal itself; recomputed after an edit when present
-_SEAL_FIELDS = ("checksum", "manifest_crc32c")
-
-
-def _reseal(obj: dict[str, Any]) -> None:
-    """Recompute the manifest's own checksum, if the format has one, after an edit."""
-    from objckpt.format import manifest as fmt
-
-    seal = getattr(fmt, "seal", None) or getattr(fmt, "manifest_checksum", None)
-    present = [f for f in _SEAL_FIELDS if f in obj]
-    if present and seal is not None:
-        for f in present:
-            obj.pop(f)
-        sealed = seal(obj)
-        if isinstance(sealed, dict):
-            obj.clear()
-            obj.update(sealed)
-        else:
-            obj[present[0]] = sealed
-
 
 def edit_manifest(uri: str, opts: dict[str, Any], edit: Callable[[dict[str, Any]], None]) -> None:
     """Load ``uri``'s manifest JSON, apply ``edit`` to it, reseal it, write it back (plain JSON)."""
@@ -48,8 +27,7 @@ def edit_manifest(uri: str, opts: dict[str, Any], edit: Callable[[dict[str, Any]
 
     obj = load_json(_runtime.run(store.get(mkey)), bad)
     edit(obj)
-    _reseal(obj)
-    _runtime.run(store.put(mkey, json.dumps(obj).encode()))
+    _runtime.run(store.put(mkey, reseal(json.dumps(obj).encode())))
 
 
 def _state(step: int) -> dict[str, Any]:
