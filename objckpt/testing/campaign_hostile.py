@@ -15,6 +15,7 @@ import tempfile
 import time
 from typing import Any, Callable, Optional
 
+from ..format.manifest import reseal
 from .campaign import DETECTED, FAILED, Trial, last_json, run_child, timed
 
 Edit = Callable[[dict[str, Any]], Any]  # edits the manifest dict in place, or returns raw bytes
@@ -100,7 +101,9 @@ def write_case(base: str, name: str, dest: str) -> None:
     with open(path, "rb") as f:
         m = json.loads(f.read())
     edited = CASES[name][1](m)
-    data = edited if isinstance(edited, bytes) else json.dumps(m).encode()
+    # resealed (format v3 checksum), so the reader's structural checks are what must catch the
+    # edit; the byte-level cases (deep nesting, a zstd bomb) stay unsealed
+    data = edited if isinstance(edited, bytes) else reseal(json.dumps(m).encode())
     with open(path, "wb") as f:
         f.write(data)
 
