@@ -54,20 +54,39 @@ def chunk_checks(chunk: Chunk, start: int, end: int, block: int) -> tuple[tuple[
     return tuple(out)
 
 
+def _overlapping(req: Request) -> bool:
+    """True when two pieces of ``req`` want the same bytes (two destinations of one
+    stored range: tied tensors loaded into separate template tensors)."""
+    pos = 0
+    for _, at, _, n in sorted(req.pieces, key=lambda p: p[1]):
+        if at < pos:
+            return True
+        pos = at + n
+    return False
+
+
 def _scatter_views(req: Request, reads: Sequence[RangeRead]) -> list[memoryview]:
-    """Consecutive buffers covering ``req``: destinations, with scratch for the gaps."""
+    """Consecutive buffers covering ``req`` (no two pieces overlap): destinations,
+    with scratch for the gaps."""
     views: list[memoryview] = []
     pos = 0
     for span, at, in_span, n in sorted(req.pieces, key=lambda p: p[1]):
         if at > pos:
             views.append(memoryview(bytearray(at - pos)))
-        if at < pos:  # overlapping spans (the same bytes wanted twice): copy afterwards
-            raise AssertionError("overlapping spans in one request")
         views.append(reads[span.target].dest[in_span : in_span + n])  # type: ignore[index]
         pos = at + n
     if pos < req.length:
         views.append(memoryview(bytearray(req.length - pos)))
     return views
+
+
+async def _fetch_copied(store: ObjectStore, req: Request, reads: Sequence[RangeRead]) -> None:
+    """Fetch ``req`` once into scratch and copy each piece to its destination: the
+    pieces overlap, so no single scatter list can serve them."""
+    scratch = memoryview(bytearray(req.length))
+    await store.get_range_into(str(req.obj), req.offset, scratch)
+    for span, at, in_span, n in req.pieces:
+        reads[span.target].dest[in_span : in_span + n] = scratch[at : at + n]  # type: ignore[index]
 
 
 async def read_ranges(
@@ -110,6 +129,8 @@ async def read_ranges(
                     span, _, in_span, n = req.pieces[0]
                     dest = reads[span.target].dest[in_span : in_span + n]  # type: ignore[index]
                     await store.get_range_into(str(req.obj), req.offset, dest)
+                elif _overlapping(req):
+                    await _fetch_copied(store, req, reads)
                 else:
                     await store.get_range_scatter(str(req.obj), req.offset, _scatter_views(req, reads))
             except NotFoundError:
