@@ -37,6 +37,13 @@ class CorruptCheckpointError(ObjckptError, ValueError):
     """Stored bytes or metadata do not match what the manifest promises."""
 
 
+class BlobMissingError(CorruptCheckpointError):
+    """An object the manifest names (a blob or a rank index) is gone.  Right after an
+    overwrite this is expected (the old attempt's blobs are deleted once the new
+    manifest is in place): readers re-fetch the manifest and retry; with the
+    manifest unchanged it is real damage."""
+
+
 class UnsupportedFormatError(ObjckptError, ValueError):
     """The manifest is of a format version this release cannot read."""
 

@@ -170,7 +170,6 @@ def test_racing_overwrites_stay_whole(s3_server: S3Server) -> None:
     assert r.outcome == OK, r.to_json()
 
 
-@_issue("2", "a load racing an overwrite fails on the old manifest's deleted blobs instead of retrying")
 def test_read_racing_an_overwrite_returns_one_version(tmp_path: Any) -> None:
     """Deterministic interleaving: the overwrite (another process) commits and deletes the
     old blobs right after this read fetched the old manifest."""

@@ -18,7 +18,7 @@ import pickle
 from typing import Any, Iterable, Optional
 
 from ..checksum import crc32c
-from ..errors import CorruptCheckpointError, NotFoundError
+from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
 from ..format import keys, rank_index
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import SEALED_VERSION, Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, TensorEntry, TensorLayout
@@ -129,7 +129,7 @@ class RankIndexResolver(InlineResolver):
         try:
             data = await self.store.get(keys.join(self.prefix, ref.name))
         except NotFoundError:
-            raise CorruptCheckpointError(f"rank index {where} (rank {rank}) is missing") from None
+            raise BlobMissingError(f"rank index {where} (rank {rank}) is missing") from None
         if stats is not None:
             stats.add(len(data))
         if len(data) != ref.size or crc32c(data) != ref.crc32c:

@@ -7,6 +7,7 @@ read, so a mismatch costs one GET and names every key it concerns.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -15,8 +16,8 @@ import torch
 
 from .. import _runtime
 from ..distributed.placements import Shard, local_part
-from ..errors import (BucketNotFoundError, CorruptCheckpointError, MissingKeyError, NotFoundError,
-                      StateDictMismatchError)
+from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointError, MissingKeyError, NotFoundError,
+                      ObjckptError, StateDictMismatchError)
 from ..format import keys as objkeys
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Manifest, decode
@@ -29,6 +30,13 @@ from ..statedict import Slot, template_slots
 from ..storage import ObjectStore
 from .collective import CollectiveReader
 from .fill import FillTarget, fill_boxes
+
+log = logging.getLogger("objckpt.load")
+
+#: how many times a read or load starts over on a re-fetched manifest when the one it
+#: read was replaced meanwhile (an overwrite deletes the old attempt's blobs once the
+#: new manifest is in place: docs/format.md, "readers")
+REPLACED_RETRIES = 3
 
 
 async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
@@ -60,13 +68,42 @@ def _stored_key(m: Manifest, key: str) -> str:
     return m.tensors[key].alias_of or key
 
 
+def replaced_since(st: ObjectStore, prefix: str, uri: str, m: Manifest, err: BlobMissingError, tries: int) -> bool:
+    """True (retry) when the checkpoint's manifest is no longer the one ``m`` was read
+    from: the object ``err`` names went with the old attempt.  False: ``err`` is real."""
+    if tries >= REPLACED_RETRIES:
+        return False
+    try:
+        now = _runtime.run(fetch_manifest(st, prefix, uri)).attempt
+    except (NotFoundError, CorruptCheckpointError):
+        return False
+    if now == m.attempt:
+        return False
+    log.info("checkpoint %r was replaced while reading it (%s); reading attempt %s", uri, err, now)
+    return True
+
+
 def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Iterable[str]],
                     allow_pickle: bool) -> Any:
-    """Tensors (on CPU) and values without a template; with ``keys``, only those leaves."""
-    stats = IOStats()
-    m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
-    leaves = dict(iter_leaves(m.tree))
+    """Tensors (on CPU) and values without a template; with ``keys``, only those leaves.
+
+    A checkpoint overwritten while it is read is read again from its new manifest."""
     wanted_keys = list(keys) if keys is not None else None
+    tries = 0
+    while True:
+        stats = IOStats()
+        m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
+        try:
+            return _read_from(st, prefix, uri, m, wanted_keys, allow_pickle, stats)
+        except BlobMissingError as e:
+            if not replaced_since(st, prefix, uri, m, e, tries):
+                raise
+            tries += 1
+
+
+def _read_from(st: ObjectStore, prefix: str, uri: str, m: Manifest, wanted_keys: Optional[list[str]],
+               allow_pickle: bool, stats: IOStats) -> Any:
+    leaves = dict(iter_leaves(m.tree))
     if wanted_keys is None:
         wanted = list(m.tensors)
     else:
@@ -160,18 +197,49 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
 
 def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: CollectiveReader,
               opts: LoadOptions) -> LoadResult:
-    """Fill ``state_dict`` in place; ``reader`` reads directly or once per replica group."""
-    t0 = time.perf_counter()
+    """Fill ``state_dict`` in place; ``reader`` reads directly or once per replica group.
+
+    A rank loading alone starts over from the new manifest when the checkpoint is
+    overwritten meanwhile (ranks loading together cannot agree on that cheaply: they
+    raise, saying the checkpoint was replaced)."""
+    tries = 0
+    while True:
+        t0 = time.perf_counter()
+        stats = IOStats()
+        m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
+        try:
+            return _load_from(state_dict, uri, st, prefix, reader, opts, m, stats, t0)
+        except BlobMissingError as e:
+            if reader.comm.world_size > 1 or not replaced_since(st, prefix, uri, m, e, tries):
+                raise
+            tries += 1
+
+
+def _load_from(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: CollectiveReader,
+               opts: LoadOptions, m: Manifest, stats: IOStats, t0: float) -> LoadResult:
     rank = reader.comm.rank
-    stats = IOStats()
-    m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
     tree = m.rank_trees[rank] if m.rank_trees and rank < len(m.rank_trees) else m.tree
     leaves = dict(iter_leaves(tree))
     match = match_template(state_dict, m, leaves, uri, opts.strict)
-    reader.fill(st, prefix, m, match.targets, match.sources, stats, uri)
+    try:
+        reader.fill(st, prefix, m, match.targets, match.sources, stats, uri)
+    except ObjckptError as e:
+        _say_template_touched(e, match.n_tensors)
+        raise
     for s in match.value_slots:
         if s.container is not None and not isinstance(s.container, tuple):
             s.container[s.index] = decode_tree(leaves[s.key], lambda k: None, allow_pickle=opts.allow_pickle,
                                                where=repr(uri))
     return LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, match.n_tensors, match.missing,
                       match.unexpected, reader.received_bytes, reader.strategy)
+
+
+def _say_template_touched(e: ObjckptError, n_tensors: int) -> None:
+    """Tensors are filled in place as their bytes arrive, so a load that fails while
+    reading may have overwritten some of the template's tensors: say so in the error
+    (``template_modified``) rather than leave the caller to guess."""
+    note = (f"the template may be partially overwritten: some of its {n_tensors} tensor(s) may already hold "
+            "checkpoint data (its non-tensor values are unchanged); load again or rebuild it")
+    e.template_modified = True  # type: ignore[attr-defined]
+    if e.args and isinstance(e.args[0], str) and note not in e.args[0]:
+        e.args = (f"{e.args[0]} [{note}]",) + e.args[1:]

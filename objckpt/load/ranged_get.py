@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 from .. import _runtime
 from ..checksum import crc32c
-from ..errors import CorruptCheckpointError, NotFoundError
+from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
 from ..format.manifest import Chunk
 from ..planning.ranges import Request, Span, plan_requests
 from ..results import IOStats
@@ -135,7 +135,7 @@ async def read_ranges(
                     await store.get_range_scatter(str(req.obj), req.offset, _scatter_views(req, reads))
             except NotFoundError:
                 keys = sorted({reads[s.target].key for s, *_ in req.pieces})  # type: ignore[index]
-                raise CorruptCheckpointError(
+                raise BlobMissingError(
                     f"blob {req.obj!r} is missing (needed by tensor(s) {', '.join(map(repr, keys[:5]))})"
                 ) from None
             except CorruptCheckpointError as e:
