@@ -9,6 +9,7 @@ from ._version import __version__
 from .api import async_save, inspect, load, read, save
 from .distributed.placements import Shard
 from .errors import (
+    BlobMissingError,
     BucketNotFoundError,
     CheckpointExistsError,
     CollectiveLoadError,
@@ -17,6 +18,7 @@ from .errors import (
     ObjckptError,
     RanksDidNotJoinError,
     StateDictMismatchError,
+    TensorChangedError,
     UnsupportedFormatError,
     UnsupportedValueError,
 )
@@ -44,4 +46,6 @@ __all__ = [
     "UnsupportedValueError",
     "CollectiveLoadError",
     "RanksDidNotJoinError",
+    "TensorChangedError",
+    "BlobMissingError",
 ]

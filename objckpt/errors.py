@@ -81,3 +81,10 @@ class RanksDidNotJoinError(ObjckptError, TimeoutError):
     """Some ranks of the process group did not enter the same objckpt operation
     within the collective timeout (e.g. a save called on rank 0 only: pass
     ``no_dist=True`` for a one-rank save or load)."""
+
+
+class TensorChangedError(ObjckptError, RuntimeError):
+    """A tensor was modified in place (by another thread) while a synchronous save
+    read it: the bytes uploaded may not be the bytes checksummed, so the save
+    refuses to commit.  Save from a quiescent state, or use ``async_save``, which
+    copies first."""

@@ -25,7 +25,8 @@ import torch
 from .. import _runtime
 from ..distributed.comm import Comm, decide_on_root, refusal_class
 from ..distributed.join import join
-from ..errors import CheckpointExistsError, ObjckptError, StateDictMismatchError, UnsupportedValueError
+from ..errors import (CheckpointExistsError, ObjckptError, StateDictMismatchError, TensorChangedError,
+                      UnsupportedValueError)
 from ..format import keys
 from ..format.manifest import Blob, Chunk, ChunkRecord
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
@@ -220,11 +221,22 @@ class UploadOutcome:
 
 async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: bool,
                  on_staged: Optional[Callable[[], None]] = None, stream: Any = None) -> UploadOutcome:
-    """Phase 2 (I/O loop): this rank's blobs, then its chunk records."""
+    """Phase 2 (I/O loop): this rank's blobs, then its chunk records.
+
+    ``zero_copy`` (a synchronous save) uploads tensors from their own memory after
+    checksumming it, so a tensor changed meanwhile would commit bytes that fail
+    their crc at load: the tensors' version counters are compared before and after,
+    and a change fails the save (:class:`TensorChangedError`) before anything commits."""
+    before = _versions(prep.tensors) if zero_copy else {}
     try:
         crcs = await write_plan(prep.store, prep.blob_keys, prep.plan, prep.tensors, pool, budget, prep.stats,
                                 zero_copy=zero_copy, crc_block=prep.opts.crc_block, on_staged=on_staged,
                                 stream=stream)
+        changed = sorted({prep.pieces[k].key for k, v in _versions(prep.tensors).items() if before.get(k, v) != v})
+        if changed:
+            raise TensorChangedError(
+                f"save to {prep.uri!r}: tensor(s) {changed[:10]} were modified in place while the save read them; "
+                "nothing was committed (save from a quiescent state, or use async_save, which copies first)")
     except Exception as e:
         return UploadOutcome.failed("", e)
     records = []
@@ -240,6 +252,18 @@ async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: b
     except Exception as e:
         return UploadOutcome.failed(f"publishing the chunk records of rank {prep.rank}: ", e)
     return UploadOutcome(shared)
+
+
+def _versions(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's version counter (bumped by every in-place op on it or on a view
+    of the same storage; not by writes through ``.data`` or raw pointers)."""
+    out = {}
+    for k, t in tensors.items():
+        try:
+            out[k] = t._version
+        except RuntimeError:  # inference-mode tensors keep no counter
+            continue
+    return out
 
 
 def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
