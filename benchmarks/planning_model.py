@@ -53,6 +53,10 @@ def internals() -> types.SimpleNamespace:
     return types.SimpleNamespace(**{k: v for k, v in locals().items()})
 
 
+#: a tensor leaf in the state skeleton (``None`` is a value: ``fused=None`` in param groups)
+TENSOR = "<tensor>"
+
+
 @dataclass(frozen=True)
 class TDef:
     key: str
@@ -65,7 +69,7 @@ class TDef:
 def llama_defs(layers: int = 80, hidden: int = 8192, heads: int = 64, kv_heads: int = 8, ffn: int = 28672,
                vocab: int = 128256) -> tuple[list[TDef], dict[str, Any]]:
     """Tensor definitions (keys as objckpt flattens them) and the nested state skeleton
-    (tensor leaves None) that ``save()`` would be given."""
+    (tensor leaves ``TENSOR``) that ``save()`` would be given."""
     kv = kv_heads * (hidden // heads)
     params: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "col")]
     for i in range(layers):
@@ -87,8 +91,9 @@ def llama_defs(layers: int = 80, hidden: int = 8192, heads: int = 64, kv_heads: 
     group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False, "foreach": None,
              "maximize": False, "capturable": False, "differentiable": False, "fused": None,
              "decoupled_weight_decay": False, "params": [fqn for fqn, _, _ in params]}
-    state = {"model": {fqn: None for fqn, _, _ in params},
-             "optim": {"state": {fqn: {"step": None, "exp_avg": None, "exp_avg_sq": None} for fqn, _, _ in params},
+    state = {"model": {fqn: TENSOR for fqn, _, _ in params},
+             "optim": {"state": {fqn: {"step": TENSOR, "exp_avg": TENSOR, "exp_avg_sq": TENSOR}
+                                 for fqn, _, _ in params},
                        "param_groups": [group]}}
     return defs, state
 
@@ -101,7 +106,7 @@ def encoded_tree(state: dict[str, Any]) -> Any:
 
     def fill(x: Any) -> Any:
         if isinstance(x, dict):
-            return {k: (leaf if v is None else fill(v)) for k, v in x.items()}
+            return {k: (leaf if v == TENSOR else fill(v)) for k, v in x.items()}
         return [fill(v) for v in x] if isinstance(x, list) else x
 
     return internals().encode_tree(fill(state), lambda k, t: None)
