@@ -9,6 +9,7 @@ from ._version import __version__
 from .api import async_save, inspect, load, read, save
 from .distributed.placements import Shard
 from .errors import (
+    BucketNotFoundError,
     CheckpointExistsError,
     CollectiveLoadError,
     CorruptCheckpointError,
@@ -35,6 +36,7 @@ __all__ = [
     "LoadResult",
     "ObjckptError",
     "NotFoundError",
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CorruptCheckpointError",
     "UnsupportedFormatError",

@@ -15,6 +15,16 @@ class NotFoundError(ObjckptError, FileNotFoundError):
     """A checkpoint or an object it needs does not exist."""
 
 
+class BucketNotFoundError(NotFoundError):
+    """The bucket named in the URI does not exist (or this account cannot see it).
+
+    ``bucket`` holds its name; the message names it too."""
+
+    def __init__(self, bucket: str, message: str = "") -> None:
+        super().__init__(message or f"bucket {bucket!r} does not exist")
+        self.bucket = bucket
+
+
 class CheckpointExistsError(ObjckptError, FileExistsError):
     """A committed checkpoint is already at the target path (pass ``overwrite=True``)."""
 

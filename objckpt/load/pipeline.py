@@ -15,7 +15,7 @@ import torch
 
 from .. import _runtime
 from ..distributed.placements import Shard, local_part
-from ..errors import MissingKeyError, NotFoundError, StateDictMismatchError
+from ..errors import BucketNotFoundError, MissingKeyError, NotFoundError, StateDictMismatchError
 from ..format import keys as objkeys
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest, decode
@@ -34,6 +34,8 @@ async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optio
     mkey = objkeys.manifest_key(prefix)
     try:
         data = await store.get(mkey)
+    except BucketNotFoundError:
+        raise  # names the bucket: more precise than "no checkpoint"
     except NotFoundError:
         raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)") from None
     if stats is not None:

@@ -4,9 +4,16 @@
 local files, ``memory://name/prefix`` -> in-process (tests), any other
 ``proto://`` -> fsspec.  Stores are cached per (URI root, options) so a
 training job reuses one connection pool across saves.
+
+An S3 client reads its endpoint, region and credentials from the environment
+when it is built, so the cache key of an S3 store also holds a fingerprint of
+those environment variables, read on every call: a process that changes
+``AWS_ENDPOINT_URL`` or its keys between saves (a test fixture, a credential
+refresh) gets a new client, and the superseded one is closed.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import os
@@ -22,8 +29,29 @@ from .memory import MemoryStore, namespace
 __all__ = ["ObjectStore", "ObjectInfo", "UploadInfo", "BlobWriter", "open_store", "split_uri"]
 
 _cache: dict[str, ObjectStore] = {}
+# (scheme, root, options) -> the cache key now holding that store, so a store
+# built under an older environment can be found and closed.
+_current: dict[str, str] = {}
 _cache_lock = threading.Lock()
 _runtime.on_reset(_cache.clear)
+_runtime.on_reset(_current.clear)
+
+# What botocore reads from the environment when it builds a client.
+_S3_ENV = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+    "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CA_BUNDLE", "AWS_S3_ADDRESSING_STYLE", "AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT",
+    "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_EC2_METADATA_DISABLED", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE",
+)
+
+
+def env_fingerprint(scheme: str) -> list[Optional[str]]:
+    """The environment a store of ``scheme`` depends on (cheap: a few dict lookups)."""
+    if scheme not in ("s3", "s3a"):
+        return []
+    return [os.environ.get(k) for k in _S3_ENV]
 
 
 def split_uri(uri: str) -> tuple[str, str, str]:
@@ -44,13 +72,38 @@ def open_store(uri: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     prefix = prefix.strip("/")
     if scheme in ("s3", "s3a") and not root:
         raise ValueError(f"{uri!r}: an S3 URI needs a bucket (s3://bucket/path)")
-    cache_key = json.dumps([scheme, root, opts], sort_keys=True, default=str)
+    base_key = json.dumps([scheme, root, opts], sort_keys=True, default=str)
+    cache_key = json.dumps([base_key, env_fingerprint(scheme)])
+    stale: Optional[ObjectStore] = None
     with _cache_lock:
         store = _cache.get(cache_key)
         if store is None:
             store = _make(scheme, root, opts)
             _cache[cache_key] = store
+            old_key = _current.get(base_key)
+            if old_key is not None and old_key != cache_key:
+                stale = _cache.pop(old_key, None)
+        _current[base_key] = cache_key
+    if stale is not None:
+        _close_later(stale)
     return store, prefix
+
+
+def _close_later(store: ObjectStore) -> None:
+    """Close a superseded store on the background loop, without waiting for it:
+    requests still in flight on it (another thread's save) keep their client."""
+    loop = _runtime._loop
+    if loop is None or not loop.is_running():
+        return  # no client was ever opened on a loop that is gone
+
+    async def close() -> None:
+        try:
+            await asyncio.sleep(1.0)  # let a save that already holds it start its requests
+            await store.close()
+        except Exception:
+            pass
+
+    asyncio.run_coroutine_threadsafe(close(), loop)
 
 
 def _make(scheme: str, root: str, opts: dict[str, Any]) -> ObjectStore:

@@ -23,7 +23,7 @@ import random
 from typing import Any, Optional, Sequence
 
 from .. import _runtime
-from ..errors import CorruptCheckpointError, PreconditionFailed, StorageError
+from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
 from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 
@@ -64,6 +64,10 @@ def _retryable(e: BaseException) -> bool:
 
 def _is_missing(e: BaseException) -> bool:
     return _code(e) in ("NoSuchKey", "404", "NotFound") or _status(e) == 404
+
+
+def _is_no_bucket(e: BaseException) -> bool:
+    return _code(e) == "NoSuchBucket"
 
 
 def _is_precondition(e: BaseException) -> bool:
@@ -151,7 +155,30 @@ class S3Store(ObjectStore):
         self._body_client: Any = None
         self._client_cms: list[Any] = []
         self._lock: Optional[asyncio.Lock] = None
+        self._bucket_seen = False  # a HeadBucket succeeded: 404s are about keys
         _runtime.on_reset(self._forget)
+
+    def _no_bucket(self) -> BucketNotFoundError:
+        return BucketNotFoundError(self.bucket, f"bucket {self.bucket!r} does not exist at {self.describe()}")
+
+    async def _check_bucket(self) -> None:
+        """Tell a missing key from a missing bucket.
+
+        A 404 on HEAD carries no body, so it cannot say which is missing; one
+        HeadBucket (once per store, while it succeeds) decides, so that callers
+        get :class:`BucketNotFoundError` naming the bucket rather than "no
+        checkpoint at ..." (and a save does not go on to fail in the middle).
+        """
+        if self._bucket_seen:
+            return
+        client = await self.client()
+        try:
+            await client.head_bucket(Bucket=self.bucket)
+        except Exception as e:
+            if _is_missing(e) or _is_no_bucket(e):
+                raise self._no_bucket() from None
+            return  # 403 etc.: let the original outcome stand
+        self._bucket_seen = True
 
     def _forget(self) -> None:
         self._client = self._body_client = self._lock = None
@@ -235,6 +262,8 @@ class S3Store(ObjectStore):
         try:
             return await fn(**kw)
         except Exception as e:
+            if _is_no_bucket(e):
+                raise self._no_bucket() from None
             if _is_missing(e) or _is_precondition(e):
                 raise
             raise StorageError(f"S3 {getattr(fn, '__name__', fn)} on s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))} failed: {e}") from e
@@ -247,6 +276,7 @@ class S3Store(ObjectStore):
                 return await body.read()
         except Exception as e:
             if _is_missing(e):
+                await self._check_bucket()
                 raise not_found(f"s3://{self.bucket}/{key}") from None
             raise
 
@@ -293,8 +323,11 @@ class S3Store(ObjectStore):
                             if vpos == len(v):
                                 vi, vpos = vi + 1, 0
                 break
+            except BucketNotFoundError:
+                raise
             except Exception as e:
                 if _is_missing(e):
+                    await self._check_bucket()
                     raise not_found(f"s3://{self.bucket}/{key}") from None
                 if _code(e) == "InvalidRange" or _status(e) == 416:
                     break  # object shorter than offset
@@ -325,6 +358,7 @@ class S3Store(ObjectStore):
             r = await self.call(client.head_object, Bucket=self.bucket, Key=key)
         except Exception as e:
             if _is_missing(e):
+                await self._check_bucket()
                 return None
             raise
         return ObjectInfo(key, int(r["ContentLength"]), r.get("ETag"))
