@@ -8,10 +8,10 @@ that matter for speed and safety:
   byte over plain HTTP (~0.7 CPU-s/GB); integrity is ours, via crc32c per chunk
   in the manifest, checked on every read.
 * no botocore flexible checksums unless the operation requires one: same reason.
-* retries: botocore's ``standard`` mode (exponential backoff with jitter on 5xx,
-  SlowDown/429 throttling and connection errors); body-streaming failures of a
-  ranged GET, which botocore does not retry, are retried here for the rest of
-  the range.
+* retries: ours, not botocore's (see retry.py): a budget per kind of failure,
+  so a refused connection or a silent endpoint is reported in seconds while
+  throttling is waited out; body-streaming failures of a ranged GET are
+  retried for the rest of the range.
 * commit: ``PutObject`` with ``If-None-Match: *``; a 412 means someone else
   committed first.
 """
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
+import time
 from typing import Any, Optional, Sequence
 
 from .. import _runtime
 from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
 from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
+from .limiter import AimdLimiter
+from .retry import Failure, RetryPolicy, classify
 
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _RETRYABLE_STREAM = (ConnectionError, asyncio.TimeoutError, OSError)
@@ -39,27 +41,6 @@ def _code(e: BaseException) -> str:
 def _status(e: BaseException) -> int:
     resp = getattr(e, "response", None) or {}
     return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-
-
-_RETRY_CODES = {
-    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequestsException",
-}
-
-
-def _retryable(e: BaseException) -> bool:
-    """Throttling, server errors and broken connections; never 4xx client errors."""
-    cause = e.__cause__ if isinstance(e, StorageError) and e.__cause__ is not None else e
-    if _code(cause) in _RETRY_CODES:
-        return True
-    status = _status(cause)
-    if status == 429 or status >= 500:
-        return True
-    if status:
-        return False
-    from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
-
-    return isinstance(cause, (BotoConnectionError, HTTPClientError, ConnectionError, asyncio.TimeoutError))
 
 
 def _is_missing(e: BaseException) -> bool:
@@ -144,12 +125,16 @@ class _S3Writer(BlobWriter):
 
 class S3Store(ObjectStore):
     """``s3://bucket/...``; options: endpoint_url, region_name, credentials,
-    concurrency, max_attempts, addressing_style, connect_timeout, read_timeout."""
+    concurrency, addressing_style, profile, and the budgets of :class:`RetryPolicy`
+    (connect_timeout, read_timeout, throttle_attempts, error_attempts, ...)."""
 
     def __init__(self, bucket: str, **options: Any) -> None:
         self.bucket = bucket
         self.concurrency = int(options.pop("concurrency", 32))
-        self.max_attempts = int(options.pop("max_attempts", 8))
+        self.policy = RetryPolicy.from_options(options)
+        # adaptive=False keeps a fixed number of requests in flight (no AIMD)
+        adaptive = str(options.pop("adaptive", True)).lower() not in ("false", "0", "no")
+        self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
         self._options = options
         self._client: Any = None
         self._body_client: Any = None
@@ -183,6 +168,8 @@ class S3Store(ObjectStore):
     def _forget(self) -> None:
         self._client = self._body_client = self._lock = None
         self._client_cms = []
+        if self.limiter is not None:
+            self.limiter._cond = None  # bound to the loop that is gone
 
     async def client(self) -> Any:
         """The client for calls without a body: botocore retries them itself."""
@@ -207,7 +194,8 @@ class S3Store(ObjectStore):
             self._lock = asyncio.Lock()
         async with self._lock:
             if self._client is None:
-                self._client, cm1 = await self._make_client(self.max_attempts)
+                # both make one attempt: call() / call_with_body() retry
+                self._client, cm1 = await self._make_client(1)
                 self._body_client, cm2 = await self._make_client(1)
                 self._client_cms = [cm1, cm2]
 
@@ -225,8 +213,8 @@ class S3Store(ObjectStore):
         cfg: dict[str, Any] = dict(
             retries={"total_max_attempts": max_attempts, "mode": "standard"},
             max_pool_connections=max(self.concurrency * 2, 16),
-            connect_timeout=float(opts.pop("connect_timeout", 10)),
-            read_timeout=float(opts.pop("read_timeout", 60)),
+            connect_timeout=self.policy.connect_timeout,
+            read_timeout=self.policy.read_timeout,
             s3={"addressing_style": addressing, "payload_signing_enabled": False},
             parameter_validation=False,
         )
@@ -245,28 +233,46 @@ class S3Store(ObjectStore):
         return await cm.__aenter__(), cm
 
     async def call_with_body(self, op: str, views: Sequence[memoryview], **kw: Any) -> Any:
+        """One API call that sends ``views``; a fresh body per attempt."""
         client = await self.body_client()
         fn = getattr(client, op)
-        attempt = 0
-        while True:
-            try:
-                return await self.call(fn, Body=http_body.body(views), **kw)
-            except Exception as e:
-                attempt += 1
-                if attempt >= self.max_attempts or not _retryable(e):
-                    raise
-                await asyncio.sleep(random.random() * min(20.0, 0.1 * 2 ** attempt))
+        return await self._retrying(fn, kw, lambda: {"Body": http_body.body(views)})
 
     async def call(self, fn: Any, **kw: Any) -> Any:
-        """One API call; errors other than the ones callers map become StorageError."""
-        try:
-            return await fn(**kw)
-        except Exception as e:
-            if _is_no_bucket(e):
-                raise self._no_bucket() from None
-            if _is_missing(e) or _is_precondition(e):
-                raise
-            raise StorageError(f"S3 {getattr(fn, '__name__', fn)} on s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))} failed: {e}") from e
+        """One API call, retried per :attr:`policy`; errors other than the ones
+        callers map (missing key, failed precondition) become StorageError."""
+        return await self._retrying(fn, kw, dict)
+
+    async def _retrying(self, fn: Any, kw: dict[str, Any], extra: Any) -> Any:
+        attempt = 0
+        sent_at = time.monotonic()
+        while True:
+            try:
+                if self.limiter is None:
+                    r = await fn(**kw, **extra())
+                else:
+                    async with self.limiter:
+                        sent_at = time.monotonic()
+                        r = await fn(**kw, **extra())
+                    self.limiter.succeeded()
+                return r
+            except Exception as e:
+                if _is_no_bucket(e):
+                    raise self._no_bucket() from None
+                if _is_missing(e) or _is_precondition(e):
+                    raise
+                kind = classify(e)
+                if kind is Failure.THROTTLE and self.limiter is not None:
+                    self.limiter.throttled(sent_at)
+                attempt += 1
+                if attempt >= self.policy.attempts(kind):
+                    where = f"s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
+                    tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+                    raise StorageError(
+                        f"S3 {getattr(fn, '__name__', fn)} on {where} at {self.endpoint()} failed "
+                        f"({kind.value}, {tries}): {e}"
+                    ) from e
+                await self.policy.backoff(attempt)
 
     async def get(self, key: str) -> bytes:
         client = await self.client()
@@ -332,9 +338,9 @@ class S3Store(ObjectStore):
                 if _code(e) == "InvalidRange" or _status(e) == 416:
                     break  # object shorter than offset
                 attempt += 1
-                if attempt >= self.max_attempts or isinstance(e, StorageError):
+                if isinstance(e, StorageError) or attempt >= self.policy.attempts(classify(e)):
                     raise StorageError(f"reading s3://{self.bucket}/{key} at {offset + got}: {e}") from e
-                await asyncio.sleep(min(5.0, 0.1 * 2 ** attempt) * random.random())
+                await self.policy.backoff(attempt)
         if got != total and not allow_short:
             raise CorruptCheckpointError(
                 f"object s3://{self.bucket}/{key} is truncated: wanted bytes {offset}..{offset + total}, got {got}"
@@ -420,6 +426,10 @@ class S3Store(ObjectStore):
         for cm in cms:
             await cm.__aexit__(None, None, None)
 
+    def endpoint(self) -> str:
+        """The endpoint requests go to (option, else environment, else AWS)."""
+        return str(self._options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
+                   or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint")
+
     def describe(self) -> str:
-        ep = self._options.get("endpoint_url")
-        return f"s3://{self.bucket}" + (f" at {ep}" if ep else "")
+        return f"s3://{self.bucket} at {self.endpoint()}"

@@ -96,6 +96,8 @@ class _State:
         self.min_part_size, self.latency_s = min_part_size, latency_s
         self.buckets: Dict[str, _Bucket] = {}
         self.faults: List[List[Any]] = []  # [op, remaining, status, code]
+        self.throttle_above = 0  # > 0: answer 503 SlowDown to requests beyond this many in flight
+        self.in_flight = 0
         self._etags = itertools.count(1)
         self.reset_stats()
 
@@ -108,6 +110,7 @@ class _State:
     def reset(self) -> None:
         self.buckets.clear()
         self.faults.clear()
+        self.throttle_above = 0
         self.reset_stats()
 
     def stats(self) -> Dict[str, Any]:
@@ -119,7 +122,13 @@ class _State:
             code = code or {500: "InternalError", 503: "SlowDown"}.get(status, "InjectedFault")
             self.faults.append([op, count, status, code])
 
+    def set_throttle(self, max_in_flight: int) -> None:
+        """Emulate a throttling bucket: requests beyond ``max_in_flight`` at once get 503 SlowDown (0: off)."""
+        self.throttle_above = max(0, int(max_in_flight))
+
     def _check_fault(self, op: str) -> None:
+        if self.throttle_above and self.in_flight > self.throttle_above:
+            raise S3Error(503, "SlowDown", f"more than {self.throttle_above} requests in flight")
         for f in self.faults:
             if f[0] in (op, "*"):
                 f[1] -= 1

@@ -215,10 +215,14 @@ class _S3App(_State):
             self.ops[op] = self.ops.get(op, 0) + 1
             if op in ("PutObject", "UploadPart"):
                 self.bytes_in += body.size
-            if self.latency_s:
-                await asyncio.sleep(self.latency_s)
-            self._check_fault(op)
-            return await getattr(self, "op_" + op)(r)
+            self.in_flight += 1
+            try:
+                if self.latency_s:
+                    await asyncio.sleep(self.latency_s)
+                self._check_fault(op)
+                return await getattr(self, "op_" + op)(r)
+            finally:
+                self.in_flight -= 1
         except S3Error as e:
             return self._error(request, e)
 

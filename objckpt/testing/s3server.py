@@ -122,6 +122,10 @@ class S3Server:
         """The next ``count`` ``op`` operations answer ``status`` with an S3 XML error."""
         self._call(self.state.add_fault, op, count, status, code)
 
+    def throttle(self, max_in_flight: int) -> None:
+        """Answer 503 SlowDown to requests beyond ``max_in_flight`` at once (0: off)."""
+        self._call(self.state.set_throttle, max_in_flight)
+
     def stop(self) -> None:
         loop, thread, runner = self._loop, self._thread, self._runner
         if loop is None or thread is None or runner is None:

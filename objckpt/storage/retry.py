@@ -1,0 +1,110 @@
+"""How long objckpt keeps trying an S3 request, by kind of failure.
+
+botocore's own retries treat a refused connection, a silent endpoint and a
+throttled bucket alike (up to ``max_attempts`` with backoff), so a dead
+endpoint took 30-40 s to report and a silent one minutes.  Here each kind of
+failure has its own budget: throttling (503 SlowDown, 429) is retried long,
+since it is the server asking for patience; server errors a few times; timeouts
+and refused connections once or twice, since waiting rarely fixes them.
+Connect time and first-byte time are bounded separately by the client
+(``connect_timeout``, ``read_timeout``).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
+_SERVER_CODES = {"InternalError", "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed"}
+
+
+class Failure(Enum):
+    """What kind of failure an exception is, for the retry budget."""
+
+    THROTTLE = "throttle"
+    SERVER = "server"
+    TIMEOUT = "timeout"
+    CONNECT = "connect"
+    FATAL = "fatal"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retry and timeout budgets of one S3 store (all settable via ``storage_options``).
+
+    Attempts count the first try.  With the defaults a refused connection is
+    reported in well under 2 s, a silent endpoint after about 2 x read_timeout
+    (under a minute), a permanent 500 after about 2 s, and throttling is
+    waited out for about a minute."""
+
+    connect_timeout: float = 5.0  #: seconds to open a TCP/TLS connection
+    read_timeout: float = 20.0  #: seconds to wait for the first (or next) byte of a response
+    throttle_attempts: int = 12  #: 503 SlowDown / 429
+    error_attempts: int = 4  #: other 5xx and broken connections
+    timeout_attempts: int = 2  #: connect or read timeouts
+    connect_attempts: int = 2  #: connection refused / unreachable
+    base_backoff: float = 0.1  #: first backoff (seconds); doubles per attempt, full jitter
+    max_backoff: float = 10.0  #: cap of one backoff
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "RetryPolicy":
+        """Pop this policy's keys (and the older ``max_attempts``) from ``options``."""
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in options:
+                kw[f.name] = type(f.default)(options.pop(f.name))  # type: ignore[operator]
+        if "max_attempts" in options:  # earlier single budget: applies to throttling and errors
+            n = int(options.pop("max_attempts"))
+            kw.setdefault("throttle_attempts", n)
+            kw.setdefault("error_attempts", n)
+        for name in ("throttle_attempts", "error_attempts", "timeout_attempts", "connect_attempts"):
+            if name in kw and kw[name] < 1:
+                raise ValueError(f"storage option {name} must be >= 1, got {kw[name]}")
+        return cls(**kw)
+
+    def attempts(self, kind: Failure) -> int:
+        return {
+            Failure.THROTTLE: self.throttle_attempts, Failure.SERVER: self.error_attempts,
+            Failure.TIMEOUT: self.timeout_attempts, Failure.CONNECT: self.connect_attempts, Failure.FATAL: 1,
+        }[kind]
+
+    async def backoff(self, attempt: int) -> None:
+        await asyncio.sleep(random.random() * min(self.max_backoff, self.base_backoff * 2 ** attempt))
+
+
+def _code(e: BaseException) -> str:
+    resp = getattr(e, "response", None) or {}
+    return str(resp.get("Error", {}).get("Code", ""))
+
+
+def _status(e: BaseException) -> int:
+    resp = getattr(e, "response", None) or {}
+    return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def classify(e: BaseException) -> Failure:
+    """The kind of ``e`` (a botocore/aiohttp/OS exception, or one wrapping it as its cause)."""
+    from botocore.exceptions import (
+        ConnectionError as BotoConnectionError, ConnectTimeoutError, EndpointConnectionError,
+        HTTPClientError, ReadTimeoutError,
+    )
+
+    cause = e.__cause__ if getattr(e, "response", None) is None and e.__cause__ is not None else e
+    code, status = _code(cause), _status(cause)
+    if code in _THROTTLE_CODES or status == 429:
+        return Failure.THROTTLE
+    if code in _SERVER_CODES or status >= 500:
+        return Failure.SERVER
+    if status:
+        return Failure.FATAL
+    if isinstance(cause, (ConnectTimeoutError, ReadTimeoutError, asyncio.TimeoutError, TimeoutError)):
+        return Failure.TIMEOUT
+    if isinstance(cause, (EndpointConnectionError, ConnectionRefusedError)):
+        return Failure.CONNECT
+    if isinstance(cause, (BotoConnectionError, HTTPClientError, ConnectionError)):
+        return Failure.SERVER
+    return Failure.FATAL
