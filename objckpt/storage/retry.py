@@ -110,7 +110,7 @@ def classify(e: BaseException) -> Failure:
         return Failure.TIMEOUT
     if isinstance(cause, (EndpointConnectionError, ConnectionRefusedError)):
         return Failure.CONNECT
-    if isinstance(cause, (BotoConnectionError, HTTPClientError, ConnectionError)) or _is_payload_error(cause):
+    if isinstance(cause, (BotoConnectionError, HTTPClientError, ConnectionError)) or _is_payload_error(e):
         return Failure.SERVER
     return Failure.FATAL
 

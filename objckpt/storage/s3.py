@@ -289,9 +289,10 @@ class S3Store(ObjectStore):
                 if attempt >= self.policy.attempts(kind):
                     where = f"s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
                     tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+                    status = f"HTTP {_status(e)}, " if _status(e) else ""
                     raise StorageError(
                         f"S3 {getattr(fn, '__name__', fn)} on {where} at {self.endpoint()} failed "
-                        f"({kind.value}, {tries}): {e}"
+                        f"({status}{kind.value}, {tries}): {e}"
                     ) from e
                 await self.policy.backoff(attempt)
 
