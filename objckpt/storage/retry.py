@@ -39,10 +39,15 @@ class RetryPolicy:
     Attempts count the first try.  With the defaults a refused connection is
     reported in well under 2 s, a silent endpoint after about 2 x read_timeout
     (under a minute), a permanent 500 after about 2 s, and throttling is
-    waited out for about a minute."""
+    waited out for about a minute.  Until an endpoint has answered once, a
+    request without a body (the HEAD or GET that starts every save and read)
+    gets only ``first_answer_timeout`` per attempt, so an endpoint that accepts
+    TCP and never answers is reported in seconds, while ``read_timeout`` stays
+    long enough for a busy but live server."""
 
     connect_timeout: float = 5.0  #: seconds to open a TCP/TLS connection
     read_timeout: float = 20.0  #: seconds to wait for the first (or next) byte of a response
+    first_answer_timeout: float = 3.0  #: seconds for a body-less request before the endpoint ever answered
     throttle_attempts: int = 12  #: 503 SlowDown / 429
     error_attempts: int = 4  #: other 5xx and broken connections
     timeout_attempts: int = 2  #: connect or read timeouts
@@ -105,6 +110,15 @@ def classify(e: BaseException) -> Failure:
         return Failure.TIMEOUT
     if isinstance(cause, (EndpointConnectionError, ConnectionRefusedError)):
         return Failure.CONNECT
-    if isinstance(cause, (BotoConnectionError, HTTPClientError, ConnectionError)):
+    if isinstance(cause, (BotoConnectionError, HTTPClientError, ConnectionError)) or _is_payload_error(e):
         return Failure.SERVER
     return Failure.FATAL
+
+
+def _is_payload_error(e: BaseException) -> bool:
+    """A response body cut or reset mid-stream (aiohttp), like a broken connection."""
+    try:
+        from aiohttp import ClientPayloadError
+    except ImportError:  # pragma: no cover - aiohttp comes with aiobotocore
+        return False
+    return isinstance(e, ClientPayloadError)

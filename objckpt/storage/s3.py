@@ -141,6 +141,7 @@ class S3Store(ObjectStore):
         self._client_cms: list[Any] = []
         self._lock: Optional[asyncio.Lock] = None
         self._bucket_seen = False  # a HeadBucket succeeded: 404s are about keys
+        self._answered = False  # the endpoint has sent an HTTP answer (see _send)
         _runtime.on_reset(self._forget)
 
     def _no_bucket(self) -> BucketNotFoundError:
@@ -168,6 +169,7 @@ class S3Store(ObjectStore):
     def _forget(self) -> None:
         self._client = self._body_client = self._lock = None
         self._client_cms = []
+        self._answered = False
         if self.limiter is not None:
             self.limiter._cond = None  # bound to the loop that is gone
 
@@ -236,27 +238,46 @@ class S3Store(ObjectStore):
         """One API call that sends ``views``; a fresh body per attempt."""
         client = await self.body_client()
         fn = getattr(client, op)
-        return await self._retrying(fn, kw, lambda: {"Body": http_body.body(views)})
+        return await self._retrying(fn, kw, lambda: {"Body": http_body.body(views)}, has_body=True)
 
     async def call(self, fn: Any, **kw: Any) -> Any:
         """One API call, retried per :attr:`policy`; errors other than the ones
         callers map (missing key, failed precondition) become StorageError."""
         return await self._retrying(fn, kw, dict)
 
-    async def _retrying(self, fn: Any, kw: dict[str, Any], extra: Any) -> Any:
+    async def _send(self, fn: Any, kw: dict[str, Any], has_body: bool) -> Any:
+        """One attempt.  Until the endpoint has answered once, a body-less request
+        is bounded by ``first_answer_timeout`` (connect + first byte): a silent
+        endpoint is then reported in seconds; uploads keep the transfer budget."""
+        if self._answered or has_body:
+            return await fn(**kw)
+        try:
+            return await asyncio.wait_for(fn(**kw), self.policy.first_answer_timeout)
+        except asyncio.TimeoutError as e:
+            if type(e) not in (asyncio.TimeoutError, TimeoutError):
+                raise  # a client timeout (botocore's own), not wait_for's
+            raise asyncio.TimeoutError(
+                f"no answer from {self.endpoint()} within {self.policy.first_answer_timeout:g} s "
+                "(storage option first_answer_timeout)"
+            ) from None
+
+    async def _retrying(self, fn: Any, kw: dict[str, Any], extra: Any, has_body: bool = False) -> Any:
         attempt = 0
         sent_at = time.monotonic()
         while True:
             try:
                 if self.limiter is None:
-                    r = await fn(**kw, **extra())
+                    r = await self._send(fn, {**kw, **extra()}, has_body)
                 else:
                     async with self.limiter:
                         sent_at = time.monotonic()
-                        r = await fn(**kw, **extra())
+                        r = await self._send(fn, {**kw, **extra()}, has_body)
                     self.limiter.succeeded()
+                self._answered = True
                 return r
             except Exception as e:
+                if _status(e):
+                    self._answered = True  # an HTTP answer, even an error: the endpoint is alive
                 if _is_no_bucket(e):
                     raise self._no_bucket() from None
                 if _is_missing(e) or _is_precondition(e):
@@ -268,23 +289,38 @@ class S3Store(ObjectStore):
                 if attempt >= self.policy.attempts(kind):
                     where = f"s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
                     tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+                    status = f"HTTP {_status(e)}, " if _status(e) else ""
                     raise StorageError(
                         f"S3 {getattr(fn, '__name__', fn)} on {where} at {self.endpoint()} failed "
-                        f"({kind.value}, {tries}): {e}"
+                        f"({status}{kind.value}, {tries}): {e}"
                     ) from e
                 await self.policy.backoff(attempt)
 
     async def get(self, key: str) -> bytes:
+        """A whole object.  A body that breaks mid-stream (cut, reset, stalled past
+        ``read_timeout``) is fetched again within the policy's budget for that
+        kind of failure, like a ranged GET; what is left is a StorageError naming the key."""
         client = await self.client()
-        try:
-            r = await self.call(client.get_object, Bucket=self.bucket, Key=key)
-            async with r["Body"] as body:
-                return await body.read()
-        except Exception as e:
-            if _is_missing(e):
-                await self._check_bucket()
-                raise not_found(f"s3://{self.bucket}/{key}") from None
-            raise
+        attempt = 0
+        while True:
+            try:
+                r = await self.call(client.get_object, Bucket=self.bucket, Key=key)
+            except Exception as e:
+                if _is_missing(e):
+                    await self._check_bucket()
+                    raise not_found(f"s3://{self.bucket}/{key}") from None
+                raise
+            try:
+                async with r["Body"] as body:
+                    return bytes(await body.read())
+            except Exception as e:
+                attempt += 1
+                if attempt >= self.policy.attempts(classify(e)):
+                    raise StorageError(
+                        f"reading the body of s3://{self.bucket}/{key} from {self.endpoint()} failed "
+                        f"({attempt} attempt{'s' if attempt > 1 else ''}): {type(e).__name__}: {e}"
+                    ) from e
+                await self.policy.backoff(attempt)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
         buf = bytearray(length)
