@@ -5,10 +5,11 @@ one per block (so a partial read can be verified).  The chunk crc is combined
 from the block crcs instead of hashing the bytes twice: ``crc(A+B)`` follows
 from ``crc(A)``, ``crc(B)`` and ``len(B)`` by multiplying with the GF(2)
 operator that appends ``len(B)`` zero bytes (as zlib's ``crc32_combine``); the
-operator for each length is computed once and cached.
+operator for each power of two is computed once and cached.
 """
 from __future__ import annotations
 
+import base64
 from functools import lru_cache
 from typing import Sequence
 
@@ -36,28 +37,31 @@ def _square(mat: Sequence[int]) -> list[int]:
     return [_times(mat, mat[n]) for n in range(32)]
 
 
-@lru_cache(maxsize=64)
-def _zeros_operator(nbytes: int) -> tuple[int, ...]:
-    """The operator that appends ``nbytes`` zero bytes to a crc state."""
-    op = [_POLY] + [1 << n for n in range(31)]  # one zero bit
-    for _ in range(3):
-        op = _square(op)  # 8 zero bits = one zero byte
-    result = None
-    n = nbytes
-    while n:
-        if n & 1:
-            result = op if result is None else [_times(op, result[k]) for k in range(32)]
-        n >>= 1
-        if n:
-            op = _square(op)
-    return tuple(result if result is not None else [1 << k for k in range(32)])
+@lru_cache(maxsize=None)
+def _pow2_operator(i: int) -> tuple[int, ...]:
+    """The operator that appends ``2**i`` zero bytes to a crc state (each one cached)."""
+    if i == 0:
+        op = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+        for _ in range(3):
+            op = _square(op)  # 8 zero bits = one zero byte
+        return tuple(op)
+    return tuple(_square(_pow2_operator(i - 1)))
 
 
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32c of A+B from crc32c(A), crc32c(B) and len(B)."""
-    if len2 == 0:
-        return crc1
-    return _times(_zeros_operator(len2), crc1) ^ crc2
+    """crc32c of A+B from crc32c(A), crc32c(B) and len(B).
+
+    ``crc1`` is advanced over ``len2`` zero bytes one power of two at a time
+    (one 32x32 GF(2) matrix-vector product per set bit of ``len2``, the matrices
+    cached), so any length costs microseconds: part checksums are combined from
+    chunk crcs of many different lengths."""
+    i = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _times(_pow2_operator(i), crc1)
+        len2 >>= 1
+        i += 1
+    return crc1 ^ crc2
 
 
 def block_crcs(data: memoryview, block: int) -> tuple[int, list[int]]:
@@ -80,3 +84,23 @@ def combine_blocks(blocks: Sequence[int], length: int, block: int) -> int:
     for i, c in enumerate(blocks[1:], 1):
         total = crc32c_combine(total, c, min(block, length - i * block))
     return total
+
+
+def crc_of_views(views: Sequence[memoryview]) -> int:
+    """crc32c of consecutive buffers, as one byte string."""
+    crc = 0
+    for v in views:
+        crc = crc32c(v, crc)
+    return crc
+
+
+def crc_header(crc: int) -> str:
+    """S3's encoding of a crc32c (``x-amz-checksum-crc32c``): base64 of its 4 big-endian bytes."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def composite_header(part_crcs: Sequence[int]) -> str:
+    """The checksum S3 reports for a multipart object: the crc32c of the parts'
+    checksums (raw bytes, in order), then ``-<number of parts>``."""
+    raw = b"".join(c.to_bytes(4, "big") for c in part_crcs)
+    return f"{crc_header(crc32c(raw))}-{len(part_crcs)}"

@@ -44,9 +44,10 @@ class MutateOnWrite(CountingStore):
                 outer._fire()
                 await inner.write_part(index, offset, data)
 
-            async def write_part_views(self, index: int, offset: int, views: list) -> None:
+            async def write_part_views(self, index: int, offset: int, views: list,
+                                       crc32c: Any = None) -> None:
                 outer._fire()
-                await inner.write_part_views(index, offset, views)
+                await inner.write_part_views(index, offset, views, crc32c=crc32c)
 
             async def complete(self) -> None:
                 await inner.complete()

@@ -52,11 +52,14 @@ class BlobWriter(abc.ABC):
     @abc.abstractmethod
     async def write_part(self, index: int, offset: int, data: memoryview) -> None: ...
 
-    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview]) -> None:
+    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview],
+                               crc32c: Optional[int] = None) -> None:
         """Write one part given as consecutive buffers (e.g. straight from tensors).
 
-        Default: one buffer is passed through, several are joined (one copy);
-        backends with vectored writes override it.
+        ``crc32c``: the part's crc32c when the caller knows it already (combined from
+        its chunks' crcs); a backend that has the server verify parts sends it
+        instead of hashing the bytes again.  Default: one buffer is passed through,
+        several are joined (one copy); backends with vectored writes override it.
         """
         if len(views) == 1:
             await self.write_part(index, offset, views[0])

@@ -69,7 +69,8 @@ class _LocalWriter(BlobWriter):
             if vs and n:
                 vs[0] = vs[0][n:]
 
-    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview]) -> None:
+    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview],
+                               crc32c: Optional[int] = None) -> None:
         try:
             await _runtime.in_thread(self._pwritev, offset, views)
         except OSError as e:

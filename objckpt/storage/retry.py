@@ -19,7 +19,10 @@ from enum import Enum
 from typing import Any
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
-_SERVER_CODES = {"InternalError", "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed"}
+# BadDigest / XAmzContentChecksumMismatch / IncompleteBody: the body arrived damaged or
+# short (it left objckpt intact: its checksum was computed here); sending it again may pass
+_SERVER_CODES = {"InternalError", "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed", "BadDigest",
+                 "XAmzContentChecksumMismatch", "IncompleteBody"}
 
 
 class Failure(Enum):

@@ -23,6 +23,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from .. import _runtime
+from ..checksum import composite_header, crc32c, crc_header, crc_of_views
 from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
 from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
@@ -57,7 +58,12 @@ def _is_precondition(e: BaseException) -> bool:
 
 class _S3Writer(BlobWriter):
     """One object: a single PUT when it is one part, else a multipart upload
-    created on the first part, parts uploaded concurrently, completed in order."""
+    created on the first part, parts uploaded concurrently, completed in order.
+
+    With ``checksums`` (the default) every part carries its crc32c
+    (``x-amz-checksum-crc32c``): the server recomputes it and refuses a part
+    whose bytes changed in flight, and the checksums it reports back (per part,
+    and the composite of the object) are compared with ours."""
 
     def __init__(self, store: "S3Store", key: str, size: int, num_parts: int) -> None:
         self._s = store
@@ -66,6 +72,7 @@ class _S3Writer(BlobWriter):
         self._upload_id: Optional[str] = None
         self._create: Optional["asyncio.Future[str]"] = None
         self._etags: dict[int, str] = {}
+        self._crcs: dict[int, int] = {}
 
     async def _ensure_upload(self) -> str:
         # The create runs as its own task, shielded: if the caller is cancelled
@@ -74,7 +81,8 @@ class _S3Writer(BlobWriter):
         if self._create is None:
             async def create() -> str:
                 client = await self._s.client()
-                r = await self._s.call(client.create_multipart_upload, Bucket=self._s.bucket, Key=self._key)
+                extra = {"ChecksumAlgorithm": "CRC32C"} if self._s.checksums else {}
+                r = await self._s.call(client.create_multipart_upload, Bucket=self._s.bucket, Key=self._key, **extra)
                 return str(r["UploadId"])
 
             self._create = asyncio.ensure_future(create())
@@ -84,15 +92,32 @@ class _S3Writer(BlobWriter):
     async def write_part(self, index: int, offset: int, data: memoryview) -> None:
         await self.write_part_views(index, offset, [data])
 
-    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview]) -> None:
+    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview],
+                               crc32c: Optional[int] = None) -> None:
+        extra: dict[str, Any] = {}
+        if self._s.checksums:
+            if crc32c is None:
+                crc32c = await _runtime.in_thread(crc_of_views, views)
+            self._crcs[index] = crc32c
+            extra["ChecksumCRC32C"] = crc_header(crc32c)
         if self._single:
-            await self._s.call_with_body("put_object", views, Bucket=self._s.bucket, Key=self._key)
-            return
-        upload_id = await self._ensure_upload()
-        r = await self._s.call_with_body(
-            "upload_part", views, Bucket=self._s.bucket, Key=self._key, UploadId=upload_id, PartNumber=index + 1
-        )
-        self._etags[index] = r["ETag"]
+            r = await self._s.call_with_body("put_object", views, Bucket=self._s.bucket, Key=self._key, **extra)
+        else:
+            upload_id = await self._ensure_upload()
+            r = await self._s.call_with_body(
+                "upload_part", views, Bucket=self._s.bucket, Key=self._key, UploadId=upload_id,
+                PartNumber=index + 1, **extra,
+            )
+            self._etags[index] = r["ETag"]
+        self._check_reported(r, extra.get("ChecksumCRC32C"), f"part {index + 1}")
+
+    def _check_reported(self, r: Any, ours: Optional[str], what: str) -> None:
+        """The server reports the checksum of what it stored: it must be ours."""
+        theirs = r.get("ChecksumCRC32C") if isinstance(r, dict) else None
+        if ours is not None and theirs and theirs != ours:
+            raise CorruptCheckpointError(
+                f"{what} of s3://{self._s.bucket}/{self._key}: the server stored crc32c {theirs}, "
+                f"objckpt sent {ours} (bytes changed in flight)")
 
     async def complete(self) -> None:
         if self._single:
@@ -102,10 +127,15 @@ class _S3Writer(BlobWriter):
             return
         client = await self._s.client()
         parts = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in sorted(self._etags)]
-        await self._s.call(
+        if self._s.checksums:
+            for p in parts:
+                p["ChecksumCRC32C"] = crc_header(self._crcs[p["PartNumber"] - 1])
+        r = await self._s.call(
             client.complete_multipart_upload, Bucket=self._s.bucket, Key=self._key,
             UploadId=self._upload_id, MultipartUpload={"Parts": parts},
         )
+        if self._s.checksums:
+            self._check_reported(r, composite_header([self._crcs[i] for i in sorted(self._etags)]), "the object")
 
     async def abort(self) -> None:
         if self._create is not None:
@@ -135,6 +165,8 @@ class S3Store(ObjectStore):
         # adaptive=False keeps a fixed number of requests in flight (no AIMD)
         adaptive = str(options.pop("adaptive", True)).lower() not in ("false", "0", "no")
         self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
+        # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
+        self.checksums = str(options.pop("checksums", True)).lower() not in ("false", "0", "no")
         self._options = options
         self._client: Any = None
         self._body_client: Any = None
@@ -387,6 +419,8 @@ class S3Store(ObjectStore):
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
         if if_absent:
             kw["IfNoneMatch"] = "*"
+        if self.checksums:
+            kw["ChecksumCRC32C"] = crc_header(crc32c(data))
         try:
             await self.call_with_body("put_object", [memoryview(data)], **kw)
         except Exception as e:

@@ -69,6 +69,7 @@ class _Obj:
     mtime: float
     content_type: str = "binary/octet-stream"
     meta: Dict[str, str] = field(default_factory=dict)
+    crc32c: str = ""  # the x-amz-checksum-crc32c it was written with ("" when none)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class _Upload:
     content_type: str
     meta: Dict[str, str]
     parts: Dict[int, _Obj] = field(default_factory=dict)
+    checksum_algorithm: str = ""
 
 
 @dataclass
@@ -97,6 +99,7 @@ class _State:
         self.buckets: Dict[str, _Bucket] = {}
         self.faults: List[List[Any]] = []  # [op, remaining, status, code]
         self.throttle_above = 0  # > 0: answer 503 SlowDown to requests beyond this many in flight
+        self.corrupt_bodies = 0  # > 0: flip a byte of the next uploaded bodies (damage in flight)
         self.in_flight = 0
         self._etags = itertools.count(1)
         self.reset_stats()
@@ -111,6 +114,7 @@ class _State:
         self.buckets.clear()
         self.faults.clear()
         self.throttle_above = 0
+        self.corrupt_bodies = 0
         self.reset_stats()
 
     def stats(self) -> Dict[str, Any]:
@@ -125,6 +129,20 @@ class _State:
     def set_throttle(self, max_in_flight: int) -> None:
         """Emulate a throttling bucket: requests beyond ``max_in_flight`` at once get 503 SlowDown (0: off)."""
         self.throttle_above = max(0, int(max_in_flight))
+
+    def set_corrupt(self, count: int) -> None:
+        """Flip one byte of each of the next ``count`` uploaded bodies (PutObject, UploadPart)
+        after they arrive, as a damaged network path would."""
+        self.corrupt_bodies = max(0, int(count))
+
+    def take_corruption(self, body: _Data) -> _Data:
+        """``body`` with one byte flipped when a corruption is pending, else ``body``."""
+        if self.corrupt_bodies <= 0 or body.size == 0:
+            return body
+        self.corrupt_bodies -= 1
+        first = bytearray(body.chunks[0])
+        first[len(first) // 2] ^= 0xFF
+        return _Data([bytes(first)] + body.chunks[1:])
 
     def _check_fault(self, op: str) -> None:
         if self.throttle_above and self.in_flight > self.throttle_above:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import quote, unquote
 from xml.sax.saxutils import escape
 
+import crc32c as _crc32c
 from aiohttp import web
 
 if __package__:
@@ -137,6 +138,8 @@ class _S3App(_State):
             self.reset()
         elif name == "fail":
             self.add_fault(q.get("op", "*"), int(q.get("count", "1")), int(q.get("status", "500")), q.get("code", ""))
+        elif name == "corrupt":
+            self.set_corrupt(int(q.get("count", "1")))
         else:
             raise S3Error(404, "NoSuchControl", name)
         return web.json_response({"ok": True})
@@ -340,10 +343,31 @@ class _S3App(_State):
         o = b.objects[r.key] = _Obj(data, etag, time.time(), content_type, meta)
         return o
 
+    def _checked_body(self, r: _Ctx) -> Tuple[_Data, str]:
+        """The body (damaged first when a corruption is pending) and its verified
+        ``x-amz-checksum-crc32c``: a body that does not match it is refused (BadDigest)."""
+        body = self.take_corruption(r.body)
+        want = r.headers.get("x-amz-checksum-crc32c", "")
+        if want:
+            crc = 0
+            for c in body.chunks:
+                crc = _crc32c.crc32c(c, crc)
+            got = base64.b64encode(crc.to_bytes(4, "big")).decode()
+            if got != want:
+                raise S3Error(400, "BadDigest", f"The CRC32C you specified did not match the calculated checksum "
+                                                f"({want} sent, {got} computed).")
+        return body, want
+
+    @staticmethod
+    def _crc_headers(crc: str) -> Dict[str, str]:
+        return {"x-amz-checksum-crc32c": crc} if crc else {}
+
     async def op_PutObject(self, r: _Ctx) -> web.Response:
-        o = self._store(r, self._bucket(r), r.body, self._etag(), r.headers.get("Content-Type", "binary/octet-stream"),
+        body, crc = self._checked_body(r)
+        o = self._store(r, self._bucket(r), body, self._etag(), r.headers.get("Content-Type", "binary/octet-stream"),
                         _meta_of(r))
-        return web.Response(headers={"ETag": o.etag})
+        o.crc32c = crc
+        return web.Response(headers={"ETag": o.etag, **self._crc_headers(crc)})
 
     async def op_CopyObject(self, r: _Ctx) -> web.Response:
         src_b, _, src_k = unquote(r.headers["x-amz-copy-source"].split("?", 1)[0]).lstrip("/").partition("/")
@@ -386,6 +410,7 @@ class _S3App(_State):
     async def op_CreateMultipartUpload(self, r: _Ctx) -> web.Response:
         up = _Upload(r.key, uuid.uuid4().hex, time.time(), r.headers.get("Content-Type", "binary/octet-stream"),
                      _meta_of(r))
+        up.checksum_algorithm = r.headers.get("x-amz-checksum-algorithm", "").upper()
         self._bucket(r).uploads[up.upload_id] = up
         return _xml("InitiateMultipartUploadResult",
                     _el("Bucket", r.bucket) + _el("Key", r.key) + _el("UploadId", up.upload_id))
@@ -395,8 +420,11 @@ class _S3App(_State):
         n = int(r.q["partNumber"]) if r.q["partNumber"].isdigit() else 0
         if not 1 <= n <= 10000:
             raise S3Error(400, "InvalidArgument", "Part number must be an integer between 1 and 10000, inclusive")
-        part = up.parts[n] = _Obj(r.body, self._etag(), time.time())
-        return web.Response(headers={"ETag": part.etag})
+        body, crc = self._checked_body(r)
+        if up.checksum_algorithm == "CRC32C" and not crc:
+            raise S3Error(400, "InvalidRequest", "the upload was created with CRC32C: every part must carry it")
+        part = up.parts[n] = _Obj(body, self._etag(), time.time(), crc32c=crc)
+        return web.Response(headers={"ETag": part.etag, **self._crc_headers(crc)})
 
     async def op_ListParts(self, r: _Ctx) -> web.Response:
         _, up = self._upload(r)
@@ -434,5 +462,10 @@ class _S3App(_State):
         o = self._store(r, b, _Data.concat(chosen), self._etag(len(chosen)), up.content_type, up.meta)
         del b.uploads[up.upload_id]
         location = f"{r.request.url.origin()}/{r.bucket}/{quote(r.key)}"
+        checksum = ""
+        if up.checksum_algorithm == "CRC32C":  # the composite: crc32c of the parts' crcs, "-<parts>"
+            raw = b"".join(base64.b64decode(up.parts[n].crc32c) for n, _ in listed)
+            o.crc32c = base64.b64encode(_crc32c.crc32c(raw).to_bytes(4, "big")).decode() + f"-{len(listed)}"
+            checksum = _el("ChecksumCRC32C", o.crc32c)
         return _xml("CompleteMultipartUploadResult", _el("Location", location)
-                    + _el("Bucket", r.bucket) + _el("Key", r.key) + _el("ETag", o.etag))
+                    + _el("Bucket", r.bucket) + _el("Key", r.key) + _el("ETag", o.etag) + checksum)

@@ -126,6 +126,10 @@ class S3Server:
         """Answer 503 SlowDown to requests beyond ``max_in_flight`` at once (0: off)."""
         self._call(self.state.set_throttle, max_in_flight)
 
+    def corrupt(self, count: int = 1) -> None:
+        """Flip one byte of each of the next ``count`` uploaded bodies (damage in flight)."""
+        self._call(self.state.set_corrupt, count)
+
     def stop(self) -> None:
         loop, thread, runner = self._loop, self._thread, self._runner
         if loop is None or thread is None or runner is None:
