@@ -93,8 +93,12 @@ def _decompress(data: bytes, limit: int, bad: Bad) -> bytes:
                     break
                 out += piece
                 if len(out) > limit:
+                    # the exception's traceback keeps this frame (and ``out``) alive as
+                    # long as the caller keeps the error: free the bytes now
+                    out.clear()
                     raise bad(_too_big(limit, "decompresses to"))
     except zstandard.ZstdError as e:
+        out.clear()
         raise bad(f"bad zstd stream ({e})") from None
     return bytes(out)
 
