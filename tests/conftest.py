@@ -68,6 +68,15 @@ def fast_endpoint() -> Iterator[str]:
     server.stop()
 
 
+@pytest.fixture(params=["local", "s3"])
+def local_or_s3(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
+    """A checkpoint URI (and storage options) on local files, then on moto S3."""
+    if request.param == "local":
+        return str(tmp_path / "ck"), {}
+    bucket, opts = request.getfixturevalue("moto_s3")
+    return f"s3://{bucket}/run/ck", opts
+
+
 @pytest.fixture(params=["memory", "local", "s3", "fsspec"])
 def ckpt_uri(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
     """A checkpoint URI (and storage options) on each backend."""

@@ -58,16 +58,8 @@ class MutateOnWrite(CountingStore):
         return _W()
 
 
-@pytest.fixture(params=["local", "s3"])
-def where(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
-    if request.param == "local":
-        return str(tmp_path / "ck"), {}
-    bucket, opts = request.getfixturevalue("moto_s3")
-    return f"s3://{bucket}/run/ck", opts
-
-
-def test_tensor_changed_during_sync_save_fails_and_keeps_previous(where: tuple[str, dict[str, Any]]) -> None:
-    uri, opts = where
+def test_tensor_changed_during_sync_save_fails_and_keeps_previous(local_or_s3: tuple[str, dict[str, Any]]) -> None:
+    uri, opts = local_or_s3
     w = torch.arange(4096.0).reshape(64, 64)
     objckpt.save({"w": w, "step": 1}, uri, storage_options=opts)
     before = w.clone()

@@ -27,16 +27,8 @@ def _untied_template() -> dict[str, Any]:
                       "lm_head.weight": torch.zeros(64, 32)}, "step": 0}
 
 
-@pytest.fixture(params=["local", "s3"])
-def where(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, dict[str, Any]]:
-    if request.param == "local":
-        return str(tmp_path / "ck"), {}
-    bucket, opts = request.getfixturevalue("moto_s3")
-    return f"s3://{bucket}/run/ck", opts
-
-
-def test_tied_checkpoint_loads_into_untied_template(where: tuple[str, dict[str, Any]]) -> None:
-    uri, opts = where
+def test_tied_checkpoint_loads_into_untied_template(local_or_s3: tuple[str, dict[str, Any]]) -> None:
+    uri, opts = local_or_s3
     sd = _tied_state()
     objckpt.save(sd, uri, storage_options=opts)
     tmpl = _untied_template()
@@ -65,8 +57,8 @@ def test_tied_checkpoint_loads_into_untied_module_built_on_meta(tmp_path: Any) -
     assert torch.equal(dst[1].weight, src[0].weight)
 
 
-def test_read_returns_both_names_of_a_tied_tensor(where: tuple[str, dict[str, Any]]) -> None:
-    uri, opts = where
+def test_read_returns_both_names_of_a_tied_tensor(local_or_s3: tuple[str, dict[str, Any]]) -> None:
+    uri, opts = local_or_s3
     sd = _tied_state()
     objckpt.save(sd, uri, storage_options=opts)
     out = objckpt.read(uri, storage_options=opts)

@@ -84,12 +84,14 @@ class RetryPolicy:
         await asyncio.sleep(random.random() * min(self.max_backoff, self.base_backoff * 2 ** attempt))
 
 
-def _code(e: BaseException) -> str:
+def error_code(e: BaseException) -> str:
+    """S3's error code of a botocore ClientError ("" otherwise)."""
     resp = getattr(e, "response", None) or {}
     return str(resp.get("Error", {}).get("Code", ""))
 
 
-def _status(e: BaseException) -> int:
+def http_status(e: BaseException) -> int:
+    """The HTTP status of a botocore ClientError (0 otherwise)."""
     resp = getattr(e, "response", None) or {}
     return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
@@ -102,7 +104,7 @@ def classify(e: BaseException) -> Failure:
     )
 
     cause = e.__cause__ if getattr(e, "response", None) is None and e.__cause__ is not None else e
-    code, status = _code(cause), _status(cause)
+    code, status = error_code(cause), http_status(cause)
     if code in _THROTTLE_CODES or status == 429:
         return Failure.THROTTLE
     if code in _SERVER_CODES or status >= 500:

@@ -28,32 +28,22 @@ from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFa
 from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 from .limiter import AimdLimiter
-from .retry import Failure, RetryPolicy, classify
+from .retry import Failure, RetryPolicy, classify, error_code, http_status
 
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _RETRYABLE_STREAM = (ConnectionError, asyncio.TimeoutError, OSError)
 
 
-def _code(e: BaseException) -> str:
-    resp = getattr(e, "response", None) or {}
-    return str(resp.get("Error", {}).get("Code", ""))
-
-
-def _status(e: BaseException) -> int:
-    resp = getattr(e, "response", None) or {}
-    return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-
-
 def _is_missing(e: BaseException) -> bool:
-    return _code(e) in ("NoSuchKey", "404", "NotFound") or _status(e) == 404
+    return error_code(e) in ("NoSuchKey", "404", "NotFound") or http_status(e) == 404
 
 
 def _is_no_bucket(e: BaseException) -> bool:
-    return _code(e) == "NoSuchBucket"
+    return error_code(e) == "NoSuchBucket"
 
 
 def _is_precondition(e: BaseException) -> bool:
-    return _code(e) in ("PreconditionFailed", "ConditionalRequestConflict") or _status(e) in (409, 412)
+    return error_code(e) in ("PreconditionFailed", "ConditionalRequestConflict") or http_status(e) in (409, 412)
 
 
 class _S3Writer(BlobWriter):
@@ -308,7 +298,7 @@ class S3Store(ObjectStore):
                 self._answered = True
                 return r
             except Exception as e:
-                if _status(e):
+                if http_status(e):
                     self._answered = True  # an HTTP answer, even an error: the endpoint is alive
                 if _is_no_bucket(e):
                     raise self._no_bucket() from None
@@ -321,7 +311,7 @@ class S3Store(ObjectStore):
                 if attempt >= self.policy.attempts(kind):
                     where = f"s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
                     tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
-                    status = f"HTTP {_status(e)}, " if _status(e) else ""
+                    status = f"HTTP {http_status(e)}, " if http_status(e) else ""
                     raise StorageError(
                         f"S3 {getattr(fn, '__name__', fn)} on {where} at {self.endpoint()} failed "
                         f"({status}{kind.value}, {tries}): {e}"
@@ -403,7 +393,7 @@ class S3Store(ObjectStore):
                 if _is_missing(e):
                     await self._check_bucket()
                     raise not_found(f"s3://{self.bucket}/{key}") from None
-                if _code(e) == "InvalidRange" or _status(e) == 416:
+                if error_code(e) == "InvalidRange" or http_status(e) == 416:
                     break  # object shorter than offset
                 attempt += 1
                 if isinstance(e, StorageError) or attempt >= self.policy.attempts(classify(e)):
@@ -487,7 +477,7 @@ class S3Store(ObjectStore):
         try:
             await self.call(client.abort_multipart_upload, Bucket=self.bucket, Key=upload.key, UploadId=upload.upload_id)
         except Exception as e:
-            if _code(e) != "NoSuchUpload" and not _is_missing(e):
+            if error_code(e) != "NoSuchUpload" and not _is_missing(e):
                 raise
 
     async def close(self) -> None:
