@@ -210,7 +210,10 @@ def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: C
         try:
             return _load_from(state_dict, uri, st, prefix, reader, opts, m, stats, t0)
         except BlobMissingError as e:
-            if reader.comm.world_size > 1 or not replaced_since(st, prefix, uri, m, e, tries):
+            replaced = replaced_since(st, prefix, uri, m, e, tries)
+            if replaced and reader.comm.world_size > 1:
+                e.args = (f"{e.args[0]} (the checkpoint was overwritten while it was loading: load again)",)
+            if not replaced or reader.comm.world_size > 1:
                 raise
             tries += 1
 
