@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ._version import __version__
-from .api import async_save, inspect, load, read, save
+from .api import async_save, delete, inspect, load, read, save
 from .distributed.placements import Shard
 from .errors import (
     BlobMissingError,
@@ -33,6 +33,7 @@ __all__ = [
     "load",
     "read",
     "inspect",
+    "delete",
     "Shard",
     "SaveResult",
     "LoadResult",

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Optional
 from typing_extensions import Unpack
 
 from .distributed.comm import Comm, LocalComm, background_comm, get_comm
+from .deletion import DeleteReport, delete_checkpoint
 from .distributed.join import join
 from .format.manifest import Manifest
 from .load.collective import CollectiveReader
@@ -20,10 +21,11 @@ from .options import LoadOptions, ReadStrategy, SaveArgs, split_save_args
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle, start_save
 from .save.pipeline import save_now
+from . import _runtime
 from .storage import ObjectStore, open_store, split_uri
 from .units import MiB
 
-__all__ = ["save", "async_save", "load", "read", "inspect", "SaveResult", "LoadResult", "SaveHandle"]
+__all__ = ["save", "async_save", "load", "read", "inspect", "delete", "SaveResult", "LoadResult", "SaveHandle"]
 
 
 def _open(uri: str, storage_options: Optional[dict[str, Any]], store: Optional[ObjectStore]) -> tuple[ObjectStore, str]:
@@ -177,3 +179,14 @@ def load(
                            no_dist, collective_timeout)
         st, prefix = _open(uri, storage_options, store)
         return load_into(state_dict, uri, st, prefix, reader, opts)
+
+
+def delete(uri: str, *, storage_options: Optional[dict[str, Any]] = None,
+           store: Optional[ObjectStore] = None) -> DeleteReport:
+    """Delete the checkpoint at ``uri``: its manifest first (the checkpoint stops
+    existing at once, never half-visible), then the blobs and index objects that
+    manifest names.  :class:`NotFoundError` when no checkpoint is committed there.
+    Objects the manifest does not name (a killed save's leftovers) are ``gc``'s.
+    Not a collective: call it from one rank."""
+    st, prefix = _open(uri, storage_options, store)
+    return _runtime.run(delete_checkpoint(st, prefix, uri))

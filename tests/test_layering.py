@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"distributed", "statedict"},
     {"layout"},
     {"save", "load"},
-    {"api"},
+    {"api", "deletion"},
     {"__init__", "garbage", "cli", "demo", "bench", "testing"},
 ]
 

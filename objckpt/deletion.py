@@ -1,0 +1,50 @@
+"""Deleting one committed checkpoint: the manifest first, then the objects it names.
+
+The manifest is the commit, so removing it first makes the checkpoint stop
+existing in one step: a reader either finds the whole checkpoint or none of
+it, never a manifest whose blobs are half gone.  Only the objects that manifest
+names (its blobs and, in format v2, its rank index objects) are deleted
+afterwards; anything else under the prefix (a save in progress to the same
+URI, leftovers of a killed save) is left to :func:`objckpt.garbage.collect_garbage`,
+which judges age.  A delete interrupted after the manifest went leaves only
+unreferenced objects, which ``gc`` removes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import CorruptCheckpointError, NotFoundError
+from .format import keys
+from .format.manifest import decode
+from .storage import ObjectStore
+
+
+@dataclass
+class DeleteReport:
+    """What :func:`delete_checkpoint` removed."""
+
+    manifest: str
+    deleted: list[str] = field(default_factory=list)  # object keys deleted after the manifest
+    #: True when the manifest could not be decoded: it was deleted, its objects are left for ``gc``
+    manifest_unreadable: bool = False
+
+
+async def delete_checkpoint(store: ObjectStore, prefix: str, uri: str = "") -> DeleteReport:
+    """Delete the checkpoint at ``prefix``; :class:`NotFoundError` when none is committed there."""
+    mkey = keys.manifest_key(prefix)
+    try:
+        raw = await store.get(mkey)
+    except NotFoundError:
+        raise NotFoundError(f"no checkpoint at {uri or prefix!r} (no {keys.MANIFEST_NAME})") from None
+    report = DeleteReport(manifest=mkey)
+    try:
+        m = decode(raw, mkey)
+        names = sorted({b.name for b in m.blobs} | {r.name for r in m.rank_indexes})
+    except CorruptCheckpointError:
+        names, report.manifest_unreadable = [], True
+    await store.delete([mkey])
+    doomed = [keys.join(prefix, n) for n in names if keys.is_safe_object_name(n)]
+    if doomed:
+        await store.delete(doomed)
+    report.deleted = doomed
+    return report
