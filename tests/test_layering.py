@@ -22,7 +22,8 @@ LAYERS: list[set[str]] = [
     {"layout"},
     {"save", "load"},
     {"api", "deletion"},
-    {"__init__", "garbage", "cli", "demo", "bench", "testing"},
+    {"manager", "integrations"},
+    {"__init__", "garbage", "cli", "demo", "bench", "testing", "dcp", "lightning"},
 ]
 
 
