@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .logs import Timings
+
 
 @dataclass
 class IOStats:
@@ -10,6 +12,8 @@ class IOStats:
 
     requests: int = 0
     bytes: int = 0
+    #: seconds per phase, filled by the pipeline that owns these counters
+    timings: Timings = field(default_factory=Timings)
 
     def add(self, nbytes: int, requests: int = 1) -> None:
         self.requests += requests
@@ -25,6 +29,8 @@ class SaveResult:
     tensors: int
     blobs: int  # blobs this rank wrote
     manifest_bytes: int = 0
+    #: seconds of each phase: describe, plan, stage, upload, commit
+    timings: Timings = field(default_factory=Timings)
 
     @property
     def gbps(self) -> float:
@@ -42,6 +48,8 @@ class LoadResult:
     unexpected_keys: list[str] = field(default_factory=list)
     received_bytes: int = 0  # bytes this rank received from other ranks (collective reads)
     strategy: str = "direct"  # how replicated tensors were read: direct, broadcast, allgather ("+"-joined if mixed)
+    #: seconds of each phase: manifest, plan, fetch, fill
+    timings: Timings = field(default_factory=Timings)
 
     @property
     def gbps(self) -> float:

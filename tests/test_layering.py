@@ -14,7 +14,7 @@ ROOT = pathlib.Path(objckpt.__file__).parent
 
 #: lower layers first; a module may import its own layer and the layers below it
 LAYERS: list[set[str]] = [
-    {"units", "errors", "_version", "checksum", "_runtime", "options"},
+    {"units", "errors", "_version", "checksum", "_runtime", "options", "logs", "progress"},
     {"format", "memory", "results"},
     {"planning"},
     {"storage"},

@@ -88,8 +88,9 @@ def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[Fill
             src = temp.view(dt).as_strided(i_shape, piece.strides, piece.elem_offset)
             copies.append((t.dest[tuple(slice(o - d, o - d + n) for o, d, n in zip(i_off, d_off, i_shape))], src))
     if reads:
-        _runtime.run(read_ranges(st, reads, stats))
-    with torch.no_grad():
+        with stats.timings.timed("fetch"):
+            _runtime.run(read_ranges(st, reads, stats))
+    with torch.no_grad(), stats.timings.timed("fill"):
         for dst, src in copies:
             dst.copy_(src, non_blocking=dst.is_cuda)
         if any(d.is_cuda for d, _ in copies):
@@ -107,5 +108,7 @@ def fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[Fill
                verify: bool = True, budget: Budget = TEMP_BUDGET, resolver: Optional[Resolver] = None) -> None:
     """Fill every target: resolve which chunks it needs, plan, execute."""
     resolver = resolver if resolver is not None else resolver_for(m, st, prefix)
-    _runtime.run(resolver.prefetch(((t.key, t.box) for t in targets), stats))
-    run_plan(st, prefix, m, targets, plan_fill(m, resolver, targets, budget, verify), stats, verify)
+    with stats.timings.timed("plan"):
+        _runtime.run(resolver.prefetch(((t.key, t.box) for t in targets), stats))
+        plan = plan_fill(m, resolver, targets, budget, verify)
+    run_plan(st, prefix, m, targets, plan, stats, verify)

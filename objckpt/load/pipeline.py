@@ -7,7 +7,6 @@ read, so a mismatch costs one GET and names every key it concerns.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -23,6 +22,7 @@ from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Manifest, decode
 from ..format.tree import decode_tree, iter_leaves
 from ..layout import resolver_for
+from ..logs import get_logger
 from ..options import LoadOptions
 from ..planning.boxes import whole
 from ..results import IOStats, LoadResult
@@ -31,7 +31,7 @@ from ..storage import ObjectStore
 from .collective import CollectiveReader
 from .fill import FillTarget, fill_boxes
 
-log = logging.getLogger("objckpt.load")
+log = get_logger("objckpt.load")
 
 #: how many times a read or load starts over on a re-fetched manifest when the one it
 #: read was replaced meanwhile (an overwrite deletes the old attempt's blobs once the
@@ -41,15 +41,18 @@ REPLACED_RETRIES = 3
 
 async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
     mkey = objkeys.manifest_key(prefix)
+    t0 = time.perf_counter()
     try:
         data = await store.get(mkey)
     except BucketNotFoundError:
         raise  # names the bucket: more precise than "no checkpoint"
     except NotFoundError:
         raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)") from None
+    m = decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
     if stats is not None:
         stats.add(len(data))
-    return decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
+        stats.timings.add("manifest", time.perf_counter() - t0)
+    return m
 
 
 def inspect_checkpoint(st: ObjectStore, prefix: str, uri: str, chunks: bool) -> Manifest:
@@ -91,10 +94,15 @@ def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Itera
     wanted_keys = list(keys) if keys is not None else None
     tries = 0
     while True:
+        t0 = time.perf_counter()
         stats = IOStats()
         m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
         try:
-            return _read_from(st, prefix, uri, m, wanted_keys, allow_pickle, stats)
+            out = _read_from(st, prefix, uri, m, wanted_keys, allow_pickle, stats)
+            log.info("read %s: %s tensors, %d bytes, %d requests, %.3f s (%s)", uri,
+                     len(m.tensors) if wanted_keys is None else len(wanted_keys), stats.bytes, stats.requests,
+                     time.perf_counter() - t0, stats.timings.describe())
+            return out
         except BlobMissingError as e:
             if not replaced_since(st, prefix, uri, m, e, tries):
                 raise
@@ -223,7 +231,8 @@ def _load_from(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: 
     rank = reader.comm.rank
     tree = m.rank_trees[rank] if m.rank_trees and rank < len(m.rank_trees) else m.tree
     leaves = dict(iter_leaves(tree))
-    match = match_template(state_dict, m, leaves, uri, opts.strict)
+    with stats.timings.timed("plan"):
+        match = match_template(state_dict, m, leaves, uri, opts.strict)
     try:
         reader.fill(st, prefix, m, match.targets, match.sources, stats, uri)
     except ObjckptError as e:
@@ -233,8 +242,12 @@ def _load_from(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: 
         if s.container is not None and not isinstance(s.container, tuple):
             s.container[s.index] = decode_tree(leaves[s.key], lambda k: None, allow_pickle=opts.allow_pickle,
                                                where=repr(uri))
-    return LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, match.n_tensors, match.missing,
-                      match.unexpected, reader.received_bytes, reader.strategy)
+    res = LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, match.n_tensors, match.missing,
+                     match.unexpected, reader.received_bytes, reader.strategy, stats.timings)
+    log.info("loaded %s rank %d/%d: %d tensors, %d bytes, %d requests, %.3f s (%s; strategy %s)", uri, rank,
+             reader.comm.world_size, res.tensors, res.bytes, res.requests, res.seconds, res.timings.describe(),
+             res.strategy)
+    return res
 
 
 def _say_template_touched(e: ObjckptError, n_tensors: int) -> None:

@@ -29,6 +29,7 @@ from ..errors import (CheckpointExistsError, ObjckptError, StateDictMismatchErro
                       UnsupportedValueError)
 from ..format import keys
 from ..format.manifest import Blob, Chunk, ChunkRecord
+from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
 from ..memory import Budget, HostPool
 from ..options import SaveOptions
@@ -40,6 +41,8 @@ from .describe import LocalState, Mirror, describe_local
 from .fingerprint import differing
 from .fingerprint import digest as prints_digest
 from .upload import write_plan
+
+log = get_logger("objckpt.save")
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         if comm.rank == 0:
             exists = _runtime.run(st.head(keys.manifest_key(prefix))) is not None
             stats.add(0)
+        stats.timings.add("describe", time.perf_counter() - t0)
     except Exception as e:
         if world == 1:
             raise
@@ -203,6 +207,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         tensors[pk] = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
         pieces[pk] = Piece(it.key, it.offsets)
     names = [keys.blob_name(attempt, comm.rank, b.index) for b in writes.plan.blobs]
+    stats.timings.add("plan", time.perf_counter() - t0 - stats.timings["describe"])
     return Prepared(uri, st, prefix, comm.rank, world, opts, attempt, local, layout, writes.plan, tensors, pieces,
                     names, stats=stats, t0=t0)
 
@@ -228,10 +233,18 @@ async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: b
     their crc at load: the tensors' version counters are compared before and after,
     and a change fails the save (:class:`TensorChangedError`) before anything commits."""
     before = _versions(prep.tensors) if zero_copy else {}
+    t_up = time.perf_counter()
+    staged_at = [t_up]
+
+    def staged() -> None:  # stage: until every part is staged (a sync save stages while it uploads)
+        staged_at[0] = time.perf_counter()
+        if on_staged is not None:
+            on_staged()
+
     try:
         crcs = await write_plan(prep.store, prep.blob_keys, prep.plan, prep.tensors, pool, budget, prep.stats,
-                                zero_copy=zero_copy, crc_block=prep.opts.crc_block, on_staged=on_staged,
-                                stream=stream)
+                                zero_copy=zero_copy, crc_block=prep.opts.crc_block,
+                                on_staged=staged if on_staged is not None else None, stream=stream)
         changed = sorted({prep.pieces[k].key for k, v in _versions(prep.tensors).items() if before.get(k, v) != v})
         if changed:
             raise TensorChangedError(
@@ -251,6 +264,8 @@ async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: b
                                            prep.stats)
     except Exception as e:
         return UploadOutcome.failed(f"publishing the chunk records of rank {prep.rank}: ", e)
+    prep.stats.timings.add("stage", staged_at[0] - t_up)
+    prep.stats.timings.add("upload", time.perf_counter() - staged_at[0])
     return UploadOutcome(shared)
 
 
@@ -282,6 +297,7 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         return commit(st, prep.prefix, m, prep.opts.overwrite, prep.uri, prep.written_keys, prep.stats,
                       commit_errors), errors
 
+    t_commit = time.perf_counter()
     try:
         status, errors = decide_on_root(comm, outcome.shared, decide)
     except Exception:  # building or committing the manifest failed on rank 0: raised on every rank
@@ -305,8 +321,13 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         if commit_errors and prep.world_size == 1:
             raise commit_errors[0]
         raise ObjckptError(status.message)
-    return SaveResult(prep.uri, prep.nbytes, time.perf_counter() - prep.t0, prep.stats.requests,
-                      len(prep.local.dtypes), len(prep.plan.blobs), status.manifest_bytes)
+    prep.stats.timings.add("commit", time.perf_counter() - t_commit)
+    res = SaveResult(prep.uri, prep.nbytes, time.perf_counter() - prep.t0, prep.stats.requests,
+                     len(prep.local.dtypes), len(prep.plan.blobs), status.manifest_bytes, prep.stats.timings)
+    log.info("saved %s rank %d/%d: %d tensors, %d bytes in %d blob(s), %d requests, %.3f s (%s)", prep.uri,
+             prep.rank, prep.world_size, res.tensors, res.bytes, res.blobs, res.requests, res.seconds,
+             res.timings.describe())
+    return res
 
 
 def save_now(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts: SaveOptions,

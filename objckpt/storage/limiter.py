@@ -11,12 +11,13 @@ ceiling.  Changes are logged at WARNING on ``objckpt.storage``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from types import TracebackType
 from typing import Optional
 
-log = logging.getLogger("objckpt.storage")
+from ..logs import get_logger
+
+log = get_logger("objckpt.storage")
 
 
 class AimdLimiter:

@@ -24,12 +24,16 @@ from typing import Any, Optional, Sequence
 
 from .. import _runtime
 from ..checksum import composite_header, crc32c, crc_header, crc_of_views
+from ..logs import get_logger, register_secret
 from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
 from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 from .limiter import AimdLimiter
 from .retry import Failure, RetryPolicy, classify, error_code, http_status
 
+log = get_logger("objckpt.storage")
+_SECRET_OPTIONS = ("aws_secret_access_key", "aws_session_token")
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 _RETRYABLE_STREAM = (ConnectionError, asyncio.TimeoutError, OSError)
 
@@ -158,6 +162,10 @@ class S3Store(ObjectStore):
         # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
         self.checksums = str(options.pop("checksums", True)).lower() not in ("false", "0", "no")
         self._options = options
+        for k in _SECRET_OPTIONS:  # never logged, whatever error text carries them
+            register_secret(options.get(k))
+        for k in _SECRET_ENV:
+            register_secret(os.environ.get(k))
         self._client: Any = None
         self._body_client: Any = None
         self._client_cms: list[Any] = []
@@ -308,14 +316,16 @@ class S3Store(ObjectStore):
                 if kind is Failure.THROTTLE and self.limiter is not None:
                     self.limiter.throttled(sent_at)
                 attempt += 1
+                where = f"s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
+                status = f"HTTP {http_status(e)}, " if http_status(e) else ""
                 if attempt >= self.policy.attempts(kind):
-                    where = f"s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
                     tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
-                    status = f"HTTP {http_status(e)}, " if http_status(e) else ""
                     raise StorageError(
                         f"S3 {getattr(fn, '__name__', fn)} on {where} at {self.endpoint()} failed "
                         f"({status}{kind.value}, {tries}): {e}"
                     ) from e
+                log.warning("S3 %s on %s (%s%s), attempt %d of %d; retrying: %s", getattr(fn, "__name__", fn),
+                            where, status, kind.value, attempt, self.policy.attempts(kind), e)
                 await self.policy.backoff(attempt)
 
     async def get(self, key: str) -> bytes:
@@ -342,6 +352,8 @@ class S3Store(ObjectStore):
                         f"reading the body of s3://{self.bucket}/{key} from {self.endpoint()} failed "
                         f"({attempt} attempt{'s' if attempt > 1 else ''}): {type(e).__name__}: {e}"
                     ) from e
+                log.warning("reading the body of s3://%s/%s broke (attempt %d); retrying: %s: %s", self.bucket, key,
+                            attempt, type(e).__name__, e)
                 await self.policy.backoff(attempt)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
@@ -398,6 +410,8 @@ class S3Store(ObjectStore):
                 attempt += 1
                 if isinstance(e, StorageError) or attempt >= self.policy.attempts(classify(e)):
                     raise StorageError(f"reading s3://{self.bucket}/{key} at {offset + got}: {e}") from e
+                log.warning("ranged GET of s3://%s/%s broke at byte %d (attempt %d); retrying the rest: %s: %s",
+                            self.bucket, key, offset + got, attempt, type(e).__name__, e)
                 await self.policy.backoff(attempt)
         if got != total and not allow_short:
             raise CorruptCheckpointError(
