@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .api import async_save, delete, inspect, load, read, save
+from .compare import DiffReport, diff
 from .distributed.placements import Shard
 from .errors import (
     BlobMissingError,
@@ -24,6 +25,7 @@ from .errors import (
 )
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle
+from .transfer import CopyReport, copy
 
 __all__ = [
     "__version__",
@@ -34,6 +36,10 @@ __all__ = [
     "read",
     "inspect",
     "delete",
+    "copy",
+    "diff",
+    "CopyReport",
+    "DiffReport",
     "Shard",
     "SaveResult",
     "LoadResult",

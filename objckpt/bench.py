@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from . import _runtime, api
+from .progress import Progress
 from .storage import open_store
 from .units import MiB
 
@@ -59,7 +60,10 @@ def _rss_peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_bench(uri: str, storage_options: Optional[dict[str, Any]], size_mb: int, repeat: int) -> list[Figures]:
+def run_bench(uri: str, storage_options: Optional[dict[str, Any]], size_mb: int, repeat: int,
+              progress: Optional[Progress] = None) -> list[Figures]:
+    """Save, load and read ``repeat`` + 1 times (the first round untimed); ``progress``
+    counts the operations done."""
     state = synthetic_state(size_mb * MiB)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     target = {k: torch.empty_like(v) for k, v in state.items()}
@@ -77,6 +81,8 @@ def run_bench(uri: str, storage_options: Optional[dict[str, Any]], size_mb: int,
             t, c = time.perf_counter(), _cpu()
             api.read(ck, [key], storage_options=storage_options)
             one = (time.perf_counter() - t, _cpu() - c, 0)
+            if progress is not None:
+                progress.update(3)
             if i:
                 runs["save"].append(save)
                 runs["load"].append(load)
@@ -108,17 +114,20 @@ def _cleanup(ck: str, storage_options: Optional[dict[str, Any]]) -> None:
         pass  # best effort: `objckpt gc` sweeps what is left
 
 
-def main(uri: Optional[str], storage_options: Optional[dict[str, Any]], size_mb: int, repeat: int) -> int:
+def main(uri: Optional[str], storage_options: Optional[dict[str, Any]], size_mb: int, repeat: int,
+         progress: bool = False) -> int:
+    """``progress``: draw a bar on stderr (the CLI decides: terminals only, not ``--no-progress``)."""
     from .demo import embedded_s3
 
     rss0 = _rss_peak_mb()
-    if uri is None:
-        with embedded_s3() as (u, opts):
-            print(f"target: embedded moto S3 at {opts['endpoint_url']} (pass a URI to measure a real target)")
-            figs = run_bench(u, opts, size_mb, repeat)
-    else:
-        print(f"target: {uri}")
-        figs = run_bench(uri, storage_options, size_mb, repeat)
+    with Progress(3 * (repeat + 1), "bench", enabled=progress, unit="ops") as bar:
+        if uri is None:
+            with embedded_s3() as (u, opts):
+                print(f"target: embedded moto S3 at {opts['endpoint_url']} (pass a URI to measure a real target)")
+                figs = run_bench(u, opts, size_mb, repeat, bar)
+        else:
+            print(f"target: {uri}")
+            figs = run_bench(uri, storage_options, size_mb, repeat, bar)
     print(f"{size_mb} MB synthetic state, median of {repeat}:")
     print(f"  {'op':<16} {'seconds':>8} {'GB/s':>7} {'CPU-s/GB':>9} {'requests':>9}")
     for f in figs:

@@ -1,4 +1,8 @@
-"""Command line: ``objckpt demo | ls | info | verify``."""
+"""Command line: ``objckpt demo | ls | info | verify | cp | diff | gc | bench``.
+
+The storage flags every command takes and the data-moving commands live in
+:mod:`objckpt.cli_ops`; this module registers the commands and runs one.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,12 +11,14 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from .cli_ops import cmd_cp, cmd_diff, cmd_verify, common_options, register, storage_options
+
+__all__ = ["main", "cmd_demo", "cmd_info", "cmd_ls", "cmd_verify", "cmd_gc", "cmd_bench", "cmd_cp", "cmd_diff"]
+
 
 def _opts(args: argparse.Namespace) -> Optional[dict[str, Any]]:
-    opts: dict[str, Any] = {}
-    if getattr(args, "endpoint_url", None):
-        opts["endpoint_url"] = args.endpoint_url
-    return opts or None
+    """storage_options from the flags every command takes (see :func:`objckpt.cli_ops.storage_options`)."""
+    return storage_options(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -55,20 +61,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    """Read every stored byte and check every crc32c, block crcs included."""
-    from .api import inspect, read
-    from .load.verify import verify_block_crcs
-
-    t = time.perf_counter()
-    m = inspect(args.uri, storage_options=_opts(args))
-    got = read(args.uri, keys=list(m.tensors), storage_options=_opts(args))
-    blocks = verify_block_crcs(m, lambda k: got[k])  # a full read checks whole-chunk crcs only
-    print(f"ok: {len(m.tensors)} tensors, {m.nbytes() / 1e6:.2f} MB, {blocks} block crc(s) verified in "
-          f"{time.perf_counter() - t:.2f} s")
-    return 0
-
-
 def cmd_gc(args: argparse.Namespace) -> int:
     """Delete unreferenced blobs and index objects, abort stale multipart uploads."""
     from . import _runtime
@@ -92,20 +84,23 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
-    return bench_main(args.uri, _opts(args), args.size_mb, args.repeat)
+    from .progress import wanted
+
+    return bench_main(args.uri, _opts(args), args.size_mb, args.repeat, progress=wanted(args.no_progress))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="objckpt", description="Fast, safe PyTorch checkpoints on object storage")
     sub = p.add_subparsers(dest="cmd", required=True)
+    common = common_options()
 
-    d = sub.add_parser("demo", help="save, restore and verify a small transformer's state")
+    d = sub.add_parser("demo", parents=[common], help="save, restore and verify a small transformer's state")
     d.add_argument("--uri", help="s3://bucket/path, file:///dir or a path (default: embedded moto S3)")
     d.add_argument("--d-model", type=int, default=384)
     d.add_argument("--layers", type=int, default=4)
     d.set_defaults(fn=cmd_demo)
 
-    b = sub.add_parser("bench", help="measure save/load speed against a target (default: embedded moto S3)")
+    b = sub.add_parser("bench", parents=[common], help="measure save/load speed against a target (default: embedded moto S3)")
     b.add_argument("uri", nargs="?", help="a prefix to write a scratch checkpoint under (deleted afterwards)")
     b.add_argument("--size-mb", type=int, default=256)
     b.add_argument("--repeat", type=int, default=3)
@@ -114,10 +109,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, fn, helptext in [
         ("info", cmd_info, "show a checkpoint's manifest"),
         ("ls", cmd_ls, "list checkpoints under a prefix"),
-        ("verify", cmd_verify, "read every byte of a checkpoint and check its crc32c"),
         ("gc", cmd_gc, "delete what failed or replaced saves left under a prefix"),
     ]:
-        sp = sub.add_parser(name, help=helptext)
+        sp = sub.add_parser(name, parents=[common], help=helptext)
         sp.add_argument("uri")
         if name == "info":
             sp.add_argument("--json", action="store_true", help="print the raw manifest")
@@ -126,15 +120,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             help="leave garbage younger than this (saves in progress); default 6")
             sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
         sp.set_defaults(fn=fn)
-    for sp in sub.choices.values():
-        sp.add_argument("--endpoint-url", help="S3 endpoint (default: AWS config / AWS_ENDPOINT_URL)")
+    register(sub, common)
 
     args = p.parse_args(argv)
     from .errors import ObjckptError
 
     try:
         return int(args.fn(args))
-    except ObjckptError as e:
+    except (ObjckptError, ValueError) as e:  # ValueError: a bad storage option, an S3 URI without a bucket
         print(f"objckpt: error: {e}", file=sys.stderr)
         return 2
 

@@ -21,9 +21,9 @@ LAYERS: list[set[str]] = [
     {"distributed", "statedict"},
     {"layout"},
     {"save", "load"},
-    {"api", "deletion"},
+    {"api", "deletion", "transfer", "compare"},
     {"manager", "integrations"},
-    {"__init__", "garbage", "cli", "demo", "bench", "testing", "dcp", "lightning"},
+    {"__init__", "garbage", "cli", "cli_ops", "demo", "bench", "testing", "dcp", "lightning"},
 ]
 
 
