@@ -199,7 +199,8 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
                     raise
                 except NotFoundError:
                     raise BlobMissingError(f"blob {src_key!r} of {src_uri!r} is missing") from None
-            verified[0] += _record(bc, await _runtime.in_thread(_slice_crcs, bc, off, buf), src_key)
+            found = await _runtime.in_thread(_slice_crcs, bc, off, buf)  # not inside ``+=``: it would race
+            verified[0] += _record(bc, found, src_key)
             if bc.writer is None:
                 bc.writer = dst.open_writer(keys.join(dprefix, bc.name), bc.size, len(bc.parts))
             async with requests:

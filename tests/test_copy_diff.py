@@ -1,0 +1,144 @@
+"""``objckpt.copy`` / ``objckpt cp`` and ``objckpt.diff`` / ``objckpt diff`` on moto S3 and local files."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import objckpt
+from objckpt.cli import main
+from objckpt.format import keys
+from objckpt.storage import open_store
+from objckpt import _runtime
+
+from conftest import assert_same
+from mp import run_multiprocess
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(300, 64, generator=g), "b": torch.randn(64, generator=g),
+                  "e": torch.randint(0, 9, (5, 0), generator=g), "h": torch.arange(6, dtype=torch.int16)},
+        "step": 7, "lr": 0.1,
+    }
+
+
+def _objects(uri: str, opts: Any) -> list[str]:
+    st, prefix = open_store(uri, opts)
+    return sorted(o.key for o in _runtime.run(st.list(prefix + "/")))
+
+
+def test_cp_s3_to_local_to_s3(moto_s3: tuple[str, dict[str, Any]], tmp_path: Any,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    bucket, opts = moto_s3
+    src, mid, dst = f"s3://{bucket}/a/ck", str(tmp_path / "ck"), f"s3://{bucket}/b/ck"
+    state = _state()
+    state["model"]["tied"] = state["model"]["w"]
+    objckpt.save(state, src, storage_options=opts, part_size=16 << 10)
+    r1 = objckpt.copy(src, mid, storage_options=opts, dst_storage_options={}, part_size=10_000, memory_bytes=30_000)
+    m = objckpt.inspect(src, storage_options=opts)
+    assert r1.bytes == m.total_blob_bytes and r1.chunks_verified == sum(len(e.chunks) for e in m.tensors.values())
+    assert r1.bytes > 30_000  # several parts, cutting through chunks (their crcs combined from slices)
+    args = ["cp", mid, dst, "--endpoint-url", opts["endpoint_url"], "--region", "us-east-1", "--storage-options",
+            '{"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}', "--no-progress"]
+    assert main(args) == 0
+    assert "copied" in capsys.readouterr().out
+    ma, mb = objckpt.inspect(src, storage_options=opts), objckpt.inspect(dst, storage_options=opts)
+    crcs = lambda m: {k: sorted((c.offsets, c.crc32c) for c in e.chunks) for k, e in m.tensors.items()}  # noqa: E731
+    assert crcs(ma) == crcs(mb) and ma.attempt == mb.attempt
+    got = objckpt.read(dst, storage_options=opts)
+    assert_same(got, state)
+    assert got["model"]["tied"] is got["model"]["w"]
+    assert objckpt.diff(src, dst, storage_options=opts).equal
+    assert main(["diff", src, dst, "--endpoint-url", opts["endpoint_url"], "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("equal:") and "by crc without reading" in out
+    # an existing destination is refused, replaced with --overwrite
+    assert main(args) == 2
+    assert "already exists" in capsys.readouterr().err
+    objckpt.save(_state(1), mid, overwrite=True)
+    assert main(["cp", mid, dst, "--overwrite", "--endpoint-url", opts["endpoint_url"], "--no-progress"]) == 0
+    assert_same(objckpt.read(dst, storage_options=opts), _state(1))
+    assert len([k for k in _objects(dst, opts) if "/blobs/" in k]) == len(objckpt.inspect(mid).blobs)  # old ones gone
+
+
+def test_cp_damaged_blob_commits_nothing(tmp_path: Any, moto_s3: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = moto_s3
+    src, dst = str(tmp_path / "ck"), f"s3://{bucket}/copy/ck"
+    objckpt.save(_state(), src, part_size=16 << 10)
+    m = objckpt.inspect(src)
+    c = m.tensors["model.w"].chunks[-1]
+    with open(os.path.join(src, m.blobs[c.blob].name), "r+b") as f:
+        f.seek(c.offset + c.length - 3)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(objckpt.CorruptCheckpointError, match=r"model\.w.*crc32c mismatch"):
+        objckpt.copy(src, dst, storage_options=opts, part_size=7000)
+    assert _objects(dst, opts) == []  # no manifest, and the blobs written are deleted
+    assert not os.path.exists(str(tmp_path / "dst"))
+    with pytest.raises(objckpt.NotFoundError, match="no checkpoint"):
+        objckpt.copy(str(tmp_path / "nothing"), str(tmp_path / "dst"))
+
+
+def save_v2(rank: int, world: int, uri: str) -> int:
+    """Two ranks save plain (replicated) tensors: the symbolic layout, format v2 with rank indexes."""
+    state = {"w": torch.arange(4000, dtype=torch.float32).reshape(100, 40), "b": torch.ones(7), "step": 3}
+    return objckpt.save(state, uri, part_size=4000).bytes
+
+
+def test_cp_multirank_v2_copies_rank_indexes(tmp_path: Any) -> None:
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    run_multiprocess(2, save_v2, src)
+    m = objckpt.inspect(src, chunks=False)
+    assert len(m.rank_indexes) == 2
+    r = objckpt.copy(src, dst)
+    assert r.objects == len(m.blobs) + 2 + 1
+    back = objckpt.read(dst)
+    assert torch.equal(back["w"], torch.arange(4000, dtype=torch.float32).reshape(100, 40)) and back["step"] == 3
+    assert objckpt.diff(src, dst).equal
+    # a damaged rank index is refused before anything is written
+    idx = os.path.join(src, m.rank_indexes[1].name)
+    with open(idx, "r+b") as f:
+        f.seek(5)
+        f.write(b"\xff")
+    with pytest.raises(objckpt.CorruptCheckpointError, match="rank index"):
+        objckpt.copy(src, str(tmp_path / "dst2"))
+    assert not os.path.exists(os.path.join(str(tmp_path / "dst2"), keys.MANIFEST_NAME))
+
+
+def test_diff_changed_keys_shapes_and_chunking(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b, c, d = (str(tmp_path / n) for n in "abcd")
+    base = _state()
+    objckpt.save(base, a, part_size=16 << 10)
+    changed = _state()
+    changed["model"]["w"][299, 63] += 1.0
+    changed["step"] = 8
+    objckpt.save(changed, b, part_size=16 << 10)
+    r = objckpt.diff(a, b)
+    assert not r.equal and r.differing == ["model.w"] and r.decided["model.w"] == "crc"
+    assert r.values_differing == ["step"] and r.bytes_read == 0
+    assert main(["diff", a, b, "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "tensor differs: model.w (decided by crc)" in out and "values differ: step" in out
+
+    other = _state()
+    del other["model"]["b"]
+    other["model"]["new"] = torch.zeros(3)
+    other["model"]["h"] = torch.arange(6, dtype=torch.int32)
+    objckpt.save(other, c)
+    r = objckpt.diff(a, c)
+    assert r.only_a == ["model.b"] and r.only_b == ["model.new"]
+    assert r.mismatched == ["model.h: int16 [6] vs int32 [6]"]
+
+    objckpt.save(base, d, part_size=40 << 10)  # same values, chunked differently
+    r = objckpt.diff(a, d)
+    assert r.equal and r.decided["model.w"] == "bytes" and r.bytes_read == 2 * 300 * 64 * 4
+    assert r.decided["model.b"] == "crc"  # one chunk either way
+    changed_d = _state()
+    changed_d["model"]["w"][0, 0] = -5.0
+    objckpt.save(changed_d, d, part_size=40 << 10, overwrite=True)
+    r = objckpt.diff(a, d, memory_bytes=1)
+    assert r.differing == ["model.w"] and r.decided["model.w"] == "bytes"
+    assert main(["diff", a, str(tmp_path / "none"), "--no-progress"]) == 2
