@@ -262,7 +262,14 @@ class S3Store(ObjectStore):
         if opts:
             raise ValueError(f"unknown S3 storage_options: {sorted(opts)}")
         cm = session.create_client("s3", config=config, **kwargs)
-        return await cm.__aenter__(), cm
+        try:
+            return await cm.__aenter__(), cm
+        except Exception as e:
+            from botocore.exceptions import ProfileNotFound
+
+            if isinstance(e, ProfileNotFound):  # bad input: say so plainly (a ValueError, as other bad options)
+                raise ValueError(f"storage option profile: {e} (see ~/.aws/config, AWS_CONFIG_FILE)") from None
+            raise
 
     async def call_with_body(self, op: str, views: Sequence[memoryview], **kw: Any) -> Any:
         """One API call that sends ``views``; a fresh body per attempt."""
