@@ -17,7 +17,7 @@ from .format.manifest import Manifest
 from .load.collective import CollectiveReader
 from .load.pipeline import inspect_checkpoint, load_into, read_checkpoint
 from .memory import Budget, host_pool
-from .options import LoadOptions, ReadStrategy, SaveArgs, split_save_args
+from .options import LoadOptions, ReadStrategy, ReadStrategyName, SaveArgs, split_save_args
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle, start_save
 from .save.pipeline import save_now
@@ -138,7 +138,7 @@ def load(
     allow_pickle: bool = False,
     process_group: Any = None,
     store: Optional[ObjectStore] = None,
-    read_strategy: "str | ReadStrategy" = "auto",
+    read_strategy: "ReadStrategyName | ReadStrategy" = "auto",
     collective_bytes: int = 256 * MiB,
     no_dist: bool = False,
     collective_timeout: Optional[float] = None,

@@ -10,11 +10,15 @@ import dataclasses
 import enum
 import json
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from typing_extensions import TypedDict
 
 from .units import MiB
+
+
+#: the names ``load(read_strategy=...)`` accepts, for type checkers (a misspelt one is a type error)
+ReadStrategyName = Literal["auto", "direct", "broadcast", "allgather"]
 
 
 class ReadStrategy(str, enum.Enum):
