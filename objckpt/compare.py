@@ -71,7 +71,7 @@ def _by_crc(ea: TensorEntry, eb: TensorEntry) -> Optional[bool]:
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.numel() == 0:
         return True
-    return torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8))
+    return bool(torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)))
 
 
 def diff_manifests(ma: Manifest, mb: Manifest, report: DiffReport) -> list[str]:

@@ -85,7 +85,7 @@ class RedactingFilter(logging.Filter):
             record.exc_text = redact(record.exc_text)
         if record.stack_info:
             record.stack_info = redact(record.stack_info)
-        record._objckpt_redacted = True  # type: ignore[attr-defined]
+        setattr(record, "_objckpt_redacted", True)
         return True
 
 

@@ -220,7 +220,8 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
             await bc.writer.complete()
             bc.completed = True
 
-    tasks = [asyncio.ensure_future(part(bc, i, off, n)) for bc in blobs for i, (off, n) in enumerate(bc.parts)]
+    tasks: list["asyncio.Future[Any]"] = [asyncio.ensure_future(part(bc, i, off, n)) for bc in blobs
+                                          for i, (off, n) in enumerate(bc.parts)]
     written = [keys.join(dprefix, name) for name in indexes]
     old: Optional[Manifest] = None
     try:
