@@ -32,7 +32,7 @@ from .checksum import crc32c, crc32c_combine
 from .errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
                      NotFoundError, ObjckptError, PreconditionFailed)
 from .format import keys
-from .format.manifest import Chunk, Manifest, decode
+from .format.manifest import Chunk, Manifest, RankIndexRef, decode
 from .layout import resolver_for
 from .logs import get_logger
 from .save.commit import replaced_objects
@@ -156,7 +156,8 @@ async def _fetch_manifest(st: ObjectStore, prefix: str, uri: str) -> tuple[bytes
 
 async def _read_indexes(src: ObjectStore, sprefix: str, m: Manifest) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
-    for ref in m.rank_indexes:
+
+    async def one(ref: RankIndexRef) -> None:
         key = keys.join(sprefix, ref.name)
         try:
             data = await src.get(key)
@@ -165,7 +166,9 @@ async def _read_indexes(src: ObjectStore, sprefix: str, m: Manifest) -> dict[str
         if len(data) != ref.size or crc32c(data) != ref.crc32c:
             raise CorruptCheckpointError(f"rank index {key!r}: size or crc32c differs from the manifest")
         out[ref.name] = data
-    return out
+
+    await asyncio.gather(*(one(ref) for ref in m.rank_indexes))
+    return {r.name: out[r.name] for r in m.rank_indexes}
 
 
 async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dprefix: str, src_uri: str,
@@ -179,8 +182,14 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
     mkey = keys.manifest_key(dprefix)
     if not overwrite and await dst.head(mkey) is not None:
         raise CheckpointExistsError(f"a checkpoint already exists at {dst_uri!r}; pass overwrite=True to replace it")
-    indexes = await _read_indexes(src, sprefix, m)
-    await resolver_for(m, src, sprefix).resolve_all()
+    there = await _old_manifest(dst, mkey) if overwrite else None
+    if there is not None and there.attempt == m.attempt:
+        # the same objects under the same names: rewriting them in place would break the
+        # committed copy while it is rewritten (and for good if the source turned out damaged)
+        raise CheckpointExistsError(
+            f"{dst_uri!r} already holds this checkpoint (attempt {m.attempt}); check it with `objckpt verify`, "
+            "or delete it and copy again")
+    indexes, _ = await asyncio.gather(_read_indexes(src, sprefix, m), resolver_for(m, src, sprefix).resolve_all())
     blobs = _plan(m, dst, part_size)
     total = sum(b.size for b in m.blobs)
     slots = asyncio.Semaphore(max(1, memory_bytes // max(max((n for b in blobs for _, n in b.parts), default=1), 1)))
@@ -222,7 +231,6 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
 
     tasks: list["asyncio.Future[Any]"] = [asyncio.ensure_future(part(bc, i, off, n)) for bc in blobs
                                           for i, (off, n) in enumerate(bc.parts)]
-    written = [keys.join(dprefix, name) for name in indexes]
     old: Optional[Manifest] = None
     try:
         await _runtime.gather_fail_fast(tasks)
@@ -236,7 +244,10 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
     except BaseException:
         await asyncio.gather(*(b.writer.abort() for b in blobs if b.writer is not None and not b.completed),
                              return_exceptions=True)
-        done = [keys.join(dprefix, b.name) for b in blobs if b.completed] + written
+        now = await _old_manifest(dst, mkey)  # a racing copy of the same source may have committed these names
+        keep = set() if now is None else {b.name for b in now.blobs} | {r.name for r in now.rank_indexes}
+        done = [keys.join(dprefix, b.name) for b in blobs if b.completed and b.name not in keep]
+        done += [keys.join(dprefix, n) for n in indexes if n not in keep]
         try:
             await dst.delete(done)
         except Exception:

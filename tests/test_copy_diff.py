@@ -63,6 +63,10 @@ def test_cp_s3_to_local_to_s3(moto_s3: tuple[str, dict[str, Any]], tmp_path: Any
     assert main(["cp", mid, dst, "--overwrite", "--endpoint-url", opts["endpoint_url"], "--no-progress"]) == 0
     assert_same(objckpt.read(dst, storage_options=opts), _state(1))
     assert len([k for k in _objects(dst, opts) if "/blobs/" in k]) == len(objckpt.inspect(mid).blobs)  # old ones gone
+    # the very same checkpoint again: refused, since rewriting its blobs in place would break it meanwhile
+    assert main(["cp", mid, dst, "--overwrite", "--endpoint-url", opts["endpoint_url"], "--no-progress"]) == 2
+    assert "already holds this checkpoint" in capsys.readouterr().err
+    assert_same(objckpt.read(dst, storage_options=opts), _state(1))
 
 
 def test_cp_damaged_blob_commits_nothing(tmp_path: Any, moto_s3: tuple[str, dict[str, Any]]) -> None:
