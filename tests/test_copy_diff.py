@@ -9,12 +9,14 @@ import torch
 
 import objckpt
 from objckpt.cli import main
-from objckpt.format import keys
+from objckpt.checksum import crc32c
+from objckpt.format import keys, rank_index
+from objckpt.format.manifest import (Blob, Chunk, ChunkRecord, Manifest, Mesh, RankIndexRef, TensorEntry,
+                                     TensorLayout, encode)
 from objckpt.storage import open_store
 from objckpt import _runtime
 
 from conftest import assert_same
-from mp import run_multiprocess
 
 
 def _state(seed: int = 0) -> dict[str, Any]:
@@ -86,21 +88,45 @@ def test_cp_damaged_blob_commits_nothing(tmp_path: Any, moto_s3: tuple[str, dict
         objckpt.copy(str(tmp_path / "nothing"), str(tmp_path / "dst"))
 
 
-def save_v2(rank: int, world: int, uri: str) -> int:
-    """Two ranks save plain (replicated) tensors: the symbolic layout, format v2 with rank indexes."""
-    state = {"w": torch.arange(4000, dtype=torch.float32).reshape(100, 40), "b": torch.ones(7), "step": 3}
-    return objckpt.save(state, uri, part_size=4000).bytes
+def write_v2(root: str, w: torch.Tensor) -> None:
+    """A format v2 checkpoint as two ranks holding ``w`` as Shard(0) on a 1-d mesh write it
+    (docs/format.md §12): one blob and one rank index object per rank.  Written here, in
+    this process, so the test needs no process group."""
+    attempt = keys.new_attempt_id()
+    rows = w.shape[0] // 2
+    blobs, refs = [], []
+    for r in range(2):
+        data = w[r * rows:(r + 1) * rows].contiguous().numpy().tobytes()
+        name = keys.blob_name(attempt, r, 0)
+        os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(data)
+        blobs.append(Blob(name, len(data), r))
+        idx = rank_index.encode(attempt, r, [ChunkRecord("w", Chunk((r * rows, 0), (rows, w.shape[1]), 0, 0,
+                                                                    len(data), crc32c(data)))])
+        iname = keys.index_name(attempt, r)
+        with open(os.path.join(root, iname), "wb") as f:
+            f.write(idx)
+        refs.append(RankIndexRef(iname, len(idx), crc32c(idx)))
+    m = Manifest(tensors={"w": TensorEntry("w", "float32", tuple(w.shape), layout=TensorLayout(0, ("S0",)))},
+                 blobs=blobs, tree={"w": {"$tensor": "w"}, "step": 3}, attempt=attempt, world_size=2,
+                 meshes=[Mesh((2,), (0, 1))], rank_indexes=refs)
+    with open(os.path.join(root, keys.MANIFEST_NAME), "wb") as f:
+        f.write(encode(m))
 
 
 def test_cp_multirank_v2_copies_rank_indexes(tmp_path: Any) -> None:
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    run_multiprocess(2, save_v2, src)
+    w = torch.arange(4000, dtype=torch.float32).reshape(100, 40)
+    write_v2(src, w)
     m = objckpt.inspect(src, chunks=False)
-    assert len(m.rank_indexes) == 2
-    r = objckpt.copy(src, dst)
-    assert r.objects == len(m.blobs) + 2 + 1
+    assert len(m.rank_indexes) == 2 and m.tensors["w"].layout is not None
+    r = objckpt.copy(src, dst, part_size=5000)
+    assert r.objects == 2 + 2 + 1 and r.chunks_verified == 2
+    assert sorted(os.listdir(os.path.join(dst, "blobs", m.attempt))) == sorted(
+        os.path.basename(n) for n in [*(b.name for b in m.blobs), *(x.name for x in m.rank_indexes)])
     back = objckpt.read(dst)
-    assert torch.equal(back["w"], torch.arange(4000, dtype=torch.float32).reshape(100, 40)) and back["step"] == 3
+    assert torch.equal(back["w"], w) and back["step"] == 3
     assert objckpt.diff(src, dst).equal
     # a damaged rank index is refused before anything is written
     idx = os.path.join(src, m.rank_indexes[1].name)
