@@ -69,8 +69,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
     from .transfer import copy
 
     with bar(args, "cp") as pb:
-        r = copy(args.src, args.dst, storage_options=storage_options(args), dst_storage_options=dst_storage_options(args),
-                 overwrite=args.overwrite, part_size=int(args.part_size_mb * (1 << 20)),
+        r = copy(args.src, args.dst, storage_options=storage_options(args),
+                 dst_storage_options=dst_storage_options(args), overwrite=args.overwrite, part_size=int(args.part_size_mb * (1 << 20)),
                  memory_bytes=int(args.memory_mb * (1 << 20)), progress=pb.update)
     print(f"copied {r.src} -> {r.dst}: {r.tensors} tensors, {r.bytes / 1e6:.2f} MB in {r.blobs} blob(s), "
           f"{r.chunks_verified} chunk crc(s) verified, {r.objects} object(s) written in {r.seconds:.2f} s")
