@@ -172,3 +172,52 @@ def test_diff_changed_keys_shapes_and_chunking(tmp_path: Any, capsys: pytest.Cap
     r = objckpt.diff(a, d, memory_bytes=1)
     assert r.differing == ["model.w"] and r.decided["model.w"] == "bytes"
     assert main(["diff", a, str(tmp_path / "none"), "--no-progress"]) == 2
+
+
+class _Held:
+    """Bytes of parts read from SRC and not yet written at DST: what cp holds in memory."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+
+def test_cp_holds_at_most_memory_bytes_and_reads_in_parallel(tmp_path: Any) -> None:
+    import asyncio
+
+    from objckpt.storage import BlobWriter
+    from objckpt.testing.stores import CountingStore
+
+    held = _Held()
+
+    class Src(CountingStore):
+        async def get_range_into(self, key: str, offset: int, out: memoryview) -> None:
+            held.now += len(out)
+            held.peak = max(held.peak, held.now)
+            await asyncio.sleep(0.002)  # a slow store: parts overlap when they may
+            await super().get_range_into(key, offset, out)
+
+    class Dst(CountingStore):
+        def open_writer(self, key: str, size: int, num_parts: int = 1) -> BlobWriter:
+            inner = super().open_writer(key, size, num_parts)
+
+            class W(BlobWriter):
+                async def write_part(self, index: int, offset: int, data: memoryview) -> None:
+                    await inner.write_part(index, offset, data)
+                    held.now -= len(data)
+
+                async def complete(self) -> None:
+                    await inner.complete()
+
+                async def abort(self) -> None:
+                    await inner.abort()
+
+            return W()
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    state = {f"t{i}": torch.randn(64, 1024) for i in range(8)}  # 2 MiB
+    objckpt.save(state, src)
+    s, d = Src(open_store(src)[0]), Dst(open_store(dst)[0])
+    r = objckpt.copy(src, dst, src_store=s, dst_store=d, part_size=64 << 10, memory_bytes=256 << 10)
+    assert s.ops["get_range"] == -(-r.bytes // (64 << 10))
+    assert (64 << 10) < held.peak <= 256 << 10 and held.now == 0
+    assert_same(objckpt.read(dst), state)
