@@ -49,7 +49,10 @@ async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optio
         raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)") from None
     if stats is not None:
         stats.add(len(data))
-    return decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
+    m = decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
+    if m.spread_up:
+        m.object_keys(prefix)  # a spread entry that places outside this checkpoint's namespace: corrupt, now
+    return m
 
 
 def inspect_checkpoint(st: ObjectStore, prefix: str, uri: str, chunks: bool) -> Manifest:
