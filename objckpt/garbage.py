@@ -96,7 +96,8 @@ async def _spread_areas(store: ObjectStore, base: str, roots: list[str]) -> tupl
     for root in roots:
         area = f"{root}/{spread.MARK}" if root else spread.MARK
         objs += [o for o in await store.list(area) if (w := _owner(o.key)) is not None and _under(w[0], base)]
-        ups += [u for u in await store.list_uploads(area) if (w := _owner(u.key)) is not None and _under(w[0], base)]
+        found: list[UploadInfo] = list(await store.list_uploads(area))
+        ups += [u for u in found if (w := _owner(u.key)) is not None and _under(w[0], base)]
     return objs, ups
 
 
@@ -130,14 +131,14 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
     above = spread.roots_above(base)  # nearest last
     roots = set(above[max(0, len(above) - spread_levels):]) if spread_levels > 0 else set()
     more, more_uploads = await _spread_areas(store, base, sorted(roots))
-    listing, uploads = listing + more, uploads + more_uploads
+    listing, uploads = listing + more, [*uploads, *more_uploads]
     manifests = [o.key for o in listing if o.key == keys.MANIFEST_NAME or o.key.endswith("/" + keys.MANIFEST_NAME)]
     decoded = await _read_manifests(store, manifests)
     extra = {w[0] for ck, _, m in decoded if m is not None and m.spread_up
              and (w := spread.root_and_rel(ck, m.spread_up)) is not None and w[0] in above} - roots
     if extra:  # spread roots further up that manifests record: list them, then read the manifests again
         more, more_uploads = await _spread_areas(store, base, sorted(extra))
-        listing, uploads = listing + more, uploads + more_uploads
+        listing, uploads = listing + more, [*uploads, *more_uploads]
         decoded = await _read_manifests(store, manifests)
     referenced: dict[str, Optional[set[str]]] = {}  # checkpoint prefix -> keys its manifest uses (None: unreadable)
     for ck, mkey, m in decoded:
