@@ -266,3 +266,24 @@ def test_hostile_spread_manifest_is_corrupt_and_touches_nothing(tmp_path: pathli
     assert rep.manifest_unreadable and rep.deleted == [], what
     assert _keys(root, {}, run_prefix + "/") == [k for k in before if not k.endswith("evil/manifest.json")]
     assert_same(objckpt.read(victim), _state(6))
+
+
+def test_schema_accepts_spread_manifests_and_refuses_bad_spread_fields(tmp_path: pathlib.Path) -> None:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(json.loads(
+        (pathlib.Path(mf.__file__).with_name("manifest.schema.json")).read_text()))
+    uri = str(tmp_path / "run" / "ck")
+    objckpt.save(_state(7), uri, key_layout="spread")
+    good = json.loads((tmp_path / "run" / "ck" / "manifest.json").read_text())
+    assert not list(validator.iter_errors(good))
+    attempt = good["attempt"]
+    for edit in [lambda o: o["blobs"][0].update(spread="zz"),
+                 lambda o: o["blobs"][0].update(name=f"blobs/{attempt}/r00000-0000.bin"),
+                 lambda o: o["blobs"][0].update(name="spread/../r00000-0000.bin"),
+                 lambda o: o["blobs"][0].update(name=f"spread/{attempt}/manifest.json"),
+                 lambda o: o.update(format_version=3),
+                 lambda o: o.update(spread_up=0)]:
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        assert list(validator.iter_errors(bad)), bad["blobs"][0]
