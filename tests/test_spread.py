@@ -287,3 +287,19 @@ def test_schema_accepts_spread_manifests_and_refuses_bad_spread_fields(tmp_path:
         bad = json.loads(json.dumps(good))
         edit(bad)
         assert list(validator.iter_errors(bad)), bad["blobs"][0]
+
+
+def test_overwrite_between_layouts_and_async_spread_save(tmp_path: pathlib.Path) -> None:
+    """Overwrite cleanup removes the replaced attempt's objects whichever layout either side used."""
+    uri = str(tmp_path / "run" / "ck")
+    objckpt.save(_state(1), uri)  # default
+    objckpt.async_save(_state(2), uri, key_layout="spread", overwrite=True).result(timeout=120)
+    spread_files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    m = objckpt.inspect(uri)
+    assert m.format_version == 4  # and the old blobs/ are gone: the listing holds only these
+    assert spread_files == sorted(["run/ck/manifest.json"] + [f"run/.spread-00/ck/{b.name}" for b in m.blobs])
+    assert_same(objckpt.read(uri), _state(2))
+    objckpt.save(_state(3), uri, overwrite=True)  # back to the default layout
+    assert not any(p.is_file() for p in (tmp_path / "run" / ".spread-00").rglob("*"))
+    assert objckpt.inspect(uri).format_version == 3
+    assert_same(objckpt.read(uri), _state(3))
