@@ -183,6 +183,13 @@ def test_two_ranks_spread_v2_manifest_on_s3(moto_s3: Any) -> None:
     assert {k.split("/")[0] for k in keys} == {".spread-00", ".spread-80"}
     full = torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24)
     assert torch.equal(objckpt.read(uri, ["w"], storage_options=opts)["w"], full)
+    # gc of the checkpoint prefix finds leftovers at the root its manifest records (3 levels up)
+    stale = f".spread-80/team/run/step-5/spread/{OLD}/r00001.index.json"
+    _put(uri, opts, stale)
+    store, _ = open_store(uri, opts)
+    r = _runtime.run(collect_garbage(store, "team/run/step-5", now=4e9))
+    assert r.deleted == [stale] and r.checkpoints == 1
+    assert _keys(uri, opts, ".spread-") == keys
 
 
 # ----------------------------------------------------------------------------- gc, delete, overwrite
