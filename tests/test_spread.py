@@ -162,18 +162,23 @@ def save_and_load_spread(rank: int, world: int, uri: str, opts: dict[str, Any], 
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24)
     state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "rep": torch.ones(5, 3) * 7, "step": 9}
+    try:  # ranks that disagree on where objects go: refused on every rank before anything is written
+        objckpt.save(state, uri + "-mixed", storage_options=opts, key_layout="spread" if rank else "default")
+        mixed: Any = "saved"
+    except ValueError as e:
+        mixed = "different key_layout or spread_root" in str(e)
     objckpt.save(state, uri, storage_options=opts, key_layout="spread", spread_root=root)
     tmpl = {"w": distribute_tensor(torch.zeros(64, 24), mesh, [Shard(1)]), "rep": torch.zeros(5, 3), "step": 0}
     objckpt.load(tmpl, uri, storage_options=opts)
     return {"w": torch.equal(tmpl["w"].full_tensor(), full), "rep": torch.equal(tmpl["rep"], state["rep"]),
-            "step": tmpl["step"]}
+            "step": tmpl["step"], "mixed_refused": mixed}
 
 
 def test_two_ranks_spread_v2_manifest_on_s3(moto_s3: Any) -> None:
     bucket, opts = moto_s3
     uri = f"s3://{bucket}/team/run/step-5"
     out = run_multiprocess(2, save_and_load_spread, uri, opts, f"s3://{bucket}")  # root: the bucket itself
-    assert out == [{"w": True, "rep": True, "step": 9}] * 2
+    assert out == [{"w": True, "rep": True, "step": 9, "mixed_refused": True}] * 2
     m = objckpt.inspect(uri, storage_options=opts, chunks=False)
     assert m.format_version == 4 and m.spread_up == 3 and m.world_size == 2 and m.meshes
     assert [r.spread for r in m.rank_indexes] == ["00", "80"]

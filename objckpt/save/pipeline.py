@@ -56,6 +56,8 @@ class Hello:
     error_kind: str = ""
     #: digest of the plain tensors' fingerprints (differs when some plain tensor differs between ranks)
     prints_digest: bytes = b""
+    #: how far above the prefix this rank's spread root is (0: default key layout); must agree
+    spread_up: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         prints_digest=prints_digest(local.fingerprints) if local is not None and world > 1 else b"",
         symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
         tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
-        exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err,
+        exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err, spread_up=up,
     )
     hellos: list[Hello] = comm.all_gather_object(hello) if world > 1 else [hello]
     failed = [(r, h.error) for r, h in enumerate(hellos) if h.error]
@@ -210,6 +212,9 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     if hellos[0].exists and not opts.overwrite:
         raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
     attempt = hellos[0].attempt
+    if any(h.spread_up != hellos[0].spread_up for h in hellos):  # the manifest records one spread root
+        raise ValueError(f"save to {uri!r}: the ranks passed different key_layout or spread_root options "
+                         f"(spread root levels by rank: {[h.spread_up for h in hellos][:16]})")
     _check_replicated(local, hellos, comm, uri)
     layout = _choose_layout(local, hellos, comm)
     limits = PackLimits(opts.blob_size, opts.part_size, st.min_part_size, st.max_part_size)
