@@ -161,6 +161,8 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
             if where is None:
                 continue
             ck, rel = where
+            if not _under(ck, base):  # a spread area listed from inside: its owner's manifest was not read
+                continue
             names = referenced.get(ck, set())
             if names is None or o.key in names:
                 continue
@@ -175,6 +177,8 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
     report.deleted_bytes = sum(o.size for o in doomed)
     for u in uploads:
         where = _owner(u.key)
+        if where is not None and not _under(where[0], base):
+            continue
         rel = where[1] if where else ""
         t = attempt_time(keys.attempt_of(rel)) if rel else None
         t = t if t is not None else u.initiated

@@ -219,6 +219,9 @@ def test_gc_delete_and_overwrite_touch_only_their_own_spread_objects(run_root: t
     # gc of the run: the orphan goes, every committed object stays
     r = _runtime.run(collect_garbage(store, run_prefix, now=4e9))
     assert r.deleted == [orphan_d] and r.checkpoints == 3
+    # gc run inside a spread area cannot read the owners' manifests: it leaves their objects alone
+    r = _runtime.run(collect_garbage(store, f"{run_prefix}/.spread-00", now=4e9))
+    assert r.deleted == [] and r.checkpoints == 0
 
     # overwrite: a's old spread objects go, the new ones and b's stay
     old_a = objckpt.inspect(a, storage_options=opts).object_keys(f"{run_prefix}/a")
