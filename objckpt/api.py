@@ -60,6 +60,13 @@ def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
     (1 MiB), ``store`` (an ObjectStore replacing the backend the URI would
     open; the URI's path is then the prefix).
 
+    ``key_layout="spread"`` (for jobs of thousands of ranks on S3): each rank's
+    blobs and rank index go under a hashed prefix below ``spread_root`` (a URI
+    or path of an ancestor of ``uri``; default its parent) instead of under
+    ``uri``, ``spread_digits`` (default 2: 256 prefixes) hex digits per rank, the
+    same at every save, so S3's partitions keep serving later saves; the
+    manifest (format v4) records where each object is.  See docs/s3-scale.md.
+
     ``no_dist=True``: this rank saves alone, with no collective, even when a
     process group exists (e.g. ``if rank == 0: save(..., no_dist=True)``); its
     tensors are saved whole, as a single process would.  Without it every rank

@@ -3,7 +3,9 @@
 The manifest is the commit, so removing it first makes the checkpoint stop
 existing in one step: a reader either finds the whole checkpoint or none of
 it, never a manifest whose blobs are half gone.  Only the objects that manifest
-names (its blobs and, in format v2, its rank index objects) are deleted
+names (its blobs and, in format v2, its rank index objects; in v4 these may be
+spread under hashed prefixes outside the checkpoint's prefix, and are deleted
+only where they lie in this checkpoint's own spread namespace) are deleted
 afterwards; anything else under the prefix (a save in progress to the same
 URI, leftovers of a killed save) is left to :func:`objckpt.garbage.collect_garbage`,
 which judges age.  A delete interrupted after the manifest went leaves only
@@ -39,11 +41,12 @@ async def delete_checkpoint(store: ObjectStore, prefix: str, uri: str = "") -> D
     report = DeleteReport(manifest=mkey)
     try:
         m = decode(raw, mkey)
-        names = sorted({b.name for b in m.blobs} | {r.name for r in m.rank_indexes})
+        # decode checked every name; object_keys refuses a spread entry that would
+        # place outside this checkpoint's namespace (then nothing but the manifest goes)
+        doomed = sorted(set(m.object_keys(prefix)))
     except CorruptCheckpointError:
-        names, report.manifest_unreadable = [], True
+        doomed, report.manifest_unreadable = [], True
     await store.delete([mkey])
-    doomed = [keys.join(prefix, n) for n in names if keys.is_safe_object_name(n)]
     if doomed:
         await store.delete(doomed)
     report.deleted = doomed

@@ -14,6 +14,15 @@ them following the rules of docs/format.md §8:
 * the listing is taken before the manifests are read, so a blob listed for a
   manifest that committed meanwhile is seen as referenced;
 * a checkpoint whose manifest cannot be read is left alone entirely.
+
+Spread checkpoints (format v4, :mod:`objckpt.format.spread`) keep their objects
+under ``<root>/.spread-<hh>/<rel>/spread/<attempt>/`` with ``<root>`` above the
+checkpoint.  Such a key names its owner (``<root>/<rel>``) by its shape alone,
+so it is judged against that owner's manifest like any blob.  Besides what lies
+under ``prefix``, the collector lists the spread areas of the roots up to
+``spread_levels`` segments above ``prefix`` (1: the parent, the default spread
+root) and of every root a manifest under ``prefix`` records, keeping only the
+objects whose owner is under ``prefix``.
 """
 from __future__ import annotations
 
@@ -23,10 +32,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .format import keys
-from .format.manifest import decode
+from .format import keys, spread
+from .format.manifest import Manifest, decode
 from .storage import ObjectStore
-from .storage.base import ObjectInfo
+from .storage.base import ObjectInfo, UploadInfo
 
 TMP_MARK = f"{keys.MANIFEST_NAME}.tmp-"
 
@@ -70,6 +79,40 @@ def _split(key: str) -> Optional[tuple[str, str]]:
     return "/".join(parts[:-3]), "/".join(parts[-3:])
 
 
+def _owner(key: str) -> Optional[tuple[str, str]]:
+    """(checkpoint prefix, name in its manifest) of an object a save wrote, spread or not."""
+    sp = spread.parse_key(key, allow_tmp=True)
+    return (sp.owner, sp.name) if sp is not None else _split(key)
+
+
+def _under(owner: str, base: str) -> bool:
+    return not base or owner == base or owner.startswith(base + "/")
+
+
+async def _spread_areas(store: ObjectStore, base: str, roots: list[str]) -> tuple[list[ObjectInfo], list[UploadInfo]]:
+    """Objects and uploads in the spread areas of ``roots`` that belong to checkpoints under ``base``."""
+    objs: list[ObjectInfo] = []
+    ups: list[UploadInfo] = []
+    for root in roots:
+        area = f"{root}/{spread.MARK}" if root else spread.MARK
+        objs += [o for o in await store.list(area) if (w := _owner(o.key)) is not None and _under(w[0], base)]
+        found: list[UploadInfo] = list(await store.list_uploads(area))
+        ups += [u for u in found if (w := _owner(u.key)) is not None and _under(w[0], base)]
+    return objs, ups
+
+
+async def _read_manifests(store: ObjectStore, manifests: list[str]) -> list[tuple[str, str, Optional[Manifest]]]:
+    """(checkpoint prefix, manifest key, manifest or None if unreadable) for each manifest key."""
+    out: list[tuple[str, str, Optional[Manifest]]] = []
+    for mkey in manifests:
+        ck = mkey[: -len(keys.MANIFEST_NAME)].rstrip("/")
+        try:
+            out.append((ck, mkey, decode(await store.get(mkey), mkey)))
+        except Exception:
+            out.append((ck, mkey, None))
+    return out
+
+
 def _age(rel: str, info: Optional[ObjectInfo], now: float) -> Optional[float]:
     t = attempt_time(keys.attempt_of(rel)) if rel else None
     if t is None and info is not None:
@@ -78,37 +121,50 @@ def _age(rel: str, info: Optional[ObjectInfo], now: float) -> Optional[float]:
 
 
 async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 * 3600, dry_run: bool = False,
-                          now: Optional[float] = None) -> GcReport:
+                          now: Optional[float] = None, spread_levels: int = 1) -> GcReport:
     """Delete what no checkpoint under ``prefix`` references; see the module docstring."""
     now = time.time() if now is None else now
     report = GcReport()
     base = prefix.strip("/")
     listing = await store.list(base + "/" if base else "")
     uploads = await store.list_uploads(base + "/" if base else "")
+    above = spread.roots_above(base)  # nearest last
+    roots = set(above[max(0, len(above) - spread_levels):]) if spread_levels > 0 else set()
+    more, more_uploads = await _spread_areas(store, base, sorted(roots))
+    listing, uploads = listing + more, [*uploads, *more_uploads]
     manifests = [o.key for o in listing if o.key == keys.MANIFEST_NAME or o.key.endswith("/" + keys.MANIFEST_NAME)]
-    referenced: dict[str, Optional[set[str]]] = {}  # checkpoint prefix -> names its manifest uses (None: unreadable)
-    for mkey in manifests:
-        ck = mkey[: -len(keys.MANIFEST_NAME)].rstrip("/")
+    decoded = await _read_manifests(store, manifests)
+    extra = {w[0] for ck, _, m in decoded if m is not None and m.spread_up
+             and (w := spread.root_and_rel(ck, m.spread_up)) is not None and w[0] in above} - roots
+    if extra:  # spread roots further up that manifests record: list them, then read the manifests again
+        more, more_uploads = await _spread_areas(store, base, sorted(extra))
+        listing, uploads = listing + more, [*uploads, *more_uploads]
+        decoded = await _read_manifests(store, manifests)
+    referenced: dict[str, Optional[set[str]]] = {}  # checkpoint prefix -> keys its manifest uses (None: unreadable)
+    for ck, mkey, m in decoded:
         try:
-            m = decode(await store.get(mkey), mkey)
+            if m is None:
+                raise ValueError("unreadable")
+            referenced[ck] = set(m.object_keys(ck))
         except Exception:
             referenced[ck] = None
             report.unreadable.append(mkey)
             continue
         report.checkpoints += 1
-        referenced[ck] = {b.name for b in m.blobs} | {r.name for r in m.rank_indexes}
 
     doomed: list[ObjectInfo] = []
     for o in listing:
         if TMP_MARK in o.key.rsplit("/", 1)[-1]:
             rel = ""
         else:
-            where = _split(o.key)
+            where = _owner(o.key)
             if where is None:
                 continue
             ck, rel = where
+            if not _under(ck, base):  # a spread area listed from inside: its owner's manifest was not read
+                continue
             names = referenced.get(ck, set())
-            if names is None or rel in names:
+            if names is None or o.key in names:
                 continue
         age = _age(rel, o, now)
         if age is None or age < grace:
@@ -120,7 +176,9 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
     report.deleted = [o.key for o in doomed]
     report.deleted_bytes = sum(o.size for o in doomed)
     for u in uploads:
-        where = _split(u.key)
+        where = _owner(u.key)
+        if where is not None and not _under(where[0], base):
+            continue
         rel = where[1] if where else ""
         t = attempt_time(keys.attempt_of(rel)) if rel else None
         t = t if t is not None else u.initiated

@@ -41,6 +41,23 @@ class ReadStrategy(str, enum.Enum):
             raise ValueError(f"read_strategy must be one of {names}, got {value!r}") from None
 
 
+class KeyLayout(str, enum.Enum):
+    """Where a save puts its blobs and rank indexes (see :mod:`objckpt.format.spread`)."""
+
+    DEFAULT = "default"  # under <prefix>/blobs/<attempt>/
+    SPREAD = "spread"  # under hashed prefixes <root>/.spread-<hh>/..., for jobs of thousands of ranks on S3
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "str | KeyLayout") -> "KeyLayout":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"key_layout must be one of {tuple(s.value for s in cls)}, got {value!r}") from None
+
+
 def check_metadata(metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The user's metadata as a JSON object, or a TypeError saying why it is not one."""
     if metadata is None:
@@ -75,6 +92,12 @@ class SaveOptions:
     no_dist: bool = False
     #: seconds to wait for the other ranks to join (None: $OBJCKPT_COLLECTIVE_TIMEOUT, else 600)
     collective_timeout: Optional[float] = None
+    #: "spread": blobs and rank indexes under hashed prefixes (docs/s3-scale.md)
+    key_layout: KeyLayout = KeyLayout.DEFAULT
+    #: spread layout: URI or path of an ancestor of the checkpoint shared by the job's saves (None: its parent)
+    spread_root: Optional[str] = None
+    #: spread layout: hex digits of the hashed prefix (1 to 4: 16 to 65,536 prefixes)
+    spread_digits: int = 2
 
     def checked(self) -> "SaveOptions":
         """These options, checked (metadata made a JSON object).  The save calls it
@@ -88,7 +111,10 @@ class SaveOptions:
         if self.staging_bytes is not None and self.staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {self.staging_bytes}")
         _check_timeout(self.collective_timeout)
-        return dataclasses.replace(self, metadata=check_metadata(self.metadata))
+        if not (isinstance(self.spread_digits, int) and 1 <= self.spread_digits <= 4):
+            raise ValueError(f"spread_digits must be 1 to 4, got {self.spread_digits!r}")
+        return dataclasses.replace(self, metadata=check_metadata(self.metadata),
+                                   key_layout=KeyLayout.parse(self.key_layout))
 
 
 @dataclass(frozen=True)
@@ -125,6 +151,9 @@ class SaveArgs(TypedDict, total=False):
     crc_block: int
     no_dist: bool
     collective_timeout: Optional[float]
+    key_layout: "str | KeyLayout"
+    spread_root: Optional[str]
+    spread_digits: int
     store: Any  # an objckpt.storage.ObjectStore
 
 

@@ -31,19 +31,21 @@ def new_attempt_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(6)}"
 
 
-def blob_name(attempt: str, rank: int, index: int) -> str:
-    """Blob path relative to the checkpoint prefix (what the manifest stores)."""
-    return f"{BLOB_DIR}/{attempt}/r{rank:05d}-{index:04d}.bin"
+def blob_name(attempt: str, rank: int, index: int, directory: str = BLOB_DIR) -> str:
+    """Blob path relative to the checkpoint prefix (what the manifest stores);
+    ``directory`` is ``spread`` for the spread key layout (:mod:`objckpt.format.spread`)."""
+    return f"{directory}/{attempt}/r{rank:05d}-{index:04d}.bin"
 
 
-def index_name(attempt: str, rank: int) -> str:
+def index_name(attempt: str, rank: int, directory: str = BLOB_DIR) -> str:
     """A rank's index object (format v2), relative to the checkpoint prefix."""
-    return f"{BLOB_DIR}/{attempt}/r{rank:05d}.index.json"
+    return f"{directory}/{attempt}/r{rank:05d}.index.json"
 
 
 def attempt_of(blob_rel: str) -> str:
+    """The attempt id in a blob or index name (``blobs/<attempt>/...``, ``spread/<attempt>/...``)."""
     parts = blob_rel.split("/")
-    return parts[1] if len(parts) >= 3 and parts[0] == BLOB_DIR else ""
+    return parts[1] if len(parts) >= 3 and parts[0] in (BLOB_DIR, "spread") else ""
 
 
 def is_safe_object_name(name: object) -> bool:

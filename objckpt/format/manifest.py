@@ -18,7 +18,13 @@ Version 3 (what this release writes) is version 2 plus the manifest's own
 ``crc32c`` over its canonical JSON (:mod:`objckpt.format.sealed_json`), so a
 changed metadata value or tree key is detected, not returned; v1 and v2
 manifests, which lack it, are still read.  :func:`reseal` recomputes it for
-hand-edited manifests.  A manifest is untrusted input: :func:`decode` checks every
+hand-edited manifests.
+
+Version 4 is version 3 plus the "spread" key layout (:mod:`objckpt.format.spread`):
+blobs and rank indexes may live under hashed prefixes outside the checkpoint's
+prefix, recorded per object (``spread``) and once (``spread_up``).  Only such
+manifests are written as v4, so a release that reads up to v3 refuses them
+clearly instead of looking for blobs that are not there.  A manifest is untrusted input: :func:`decode` checks every
 field a reader later trusts (names under ``blobs/``, chunk lengths against shapes,
 layouts against meshes, tree tags) before anything is allocated.
 """
@@ -33,12 +39,17 @@ import zstandard
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import NAME_TO_DTYPE, itemsize
+from . import keys as _keys
+from . import spread as _spread
 from .keys import is_safe_object_name
 from .sealed_json import ZSTD_MAGIC, load_json, reseal, seal, verify  # noqa: F401  (re-exported)
 from .tree import check_tree
 
 FORMAT_NAME = "objckpt"
-FORMAT_VERSION = 3  # the newest version this release reads and writes
+FORMAT_VERSION = 3  # what this release writes for the default key layout
+#: what it writes when objects are spread over hashed prefixes (docs/format.md §13)
+SPREAD_VERSION = 4
+MAX_VERSION = 4  # the newest version this release reads
 #: the first version whose manifests (and rank indexes) must carry their own "crc32c"
 SEALED_VERSION = 3
 #: no integer in a manifest (size, offset, length, dim) may reach this: keeps arithmetic
@@ -109,9 +120,11 @@ class TensorLayout:
 class RankIndexRef:
     """One rank's index object (v2): its chunk records."""
 
-    name: str  # path relative to the checkpoint prefix
+    name: str  # path relative to the checkpoint prefix (spread: see ``spread``)
     size: int
     crc32c: int
+    #: v4: the hex bucket it is spread to ("" : under the checkpoint prefix)
+    spread: str = ""
 
 
 @dataclass
@@ -132,9 +145,11 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Blob:
-    name: str  # path relative to the checkpoint prefix
+    name: str  # path relative to the checkpoint prefix (spread: see ``spread``)
     size: int
     rank: int = 0
+    #: v4: the hex bucket it is spread to ("" : under the checkpoint prefix)
+    spread: str = ""
 
 
 @dataclass
@@ -155,6 +170,35 @@ class Manifest:
     #: v2: meshes that layouts refer to, and one index object per rank
     meshes: list[Mesh] = field(default_factory=list)
     rank_indexes: list[RankIndexRef] = field(default_factory=list)
+    #: v4: how many segments above the prefix the spread objects' root is (0: not spread)
+    spread_up: int = 0
+
+    def object_key(self, prefix: str, name: str, spread: str = "") -> str:
+        """The store key of an object this manifest names, for the checkpoint at ``prefix``.
+
+        Spread objects lie outside the prefix; :class:`CorruptCheckpointError` when the
+        manifest's spread fields cannot place one there (e.g. ``spread_up`` above the root)."""
+        if not spread:
+            return _keys.join(prefix, name)
+        key = _spread.object_key(prefix, self.spread_up, spread, name)
+        if key is None or not _spread.is_spread_name(name, self.attempt):
+            raise CorruptCheckpointError(
+                f"manifest at {prefix!r}: spread object {name[:200]!r} (bucket {spread!r}, spread_up "
+                f"{self.spread_up}) is not in this checkpoint's spread namespace")
+        return key
+
+    def blob_key(self, prefix: str, blob: int) -> str:
+        b = self.blobs[blob]
+        return self.object_key(prefix, b.name, b.spread)
+
+    def index_key(self, prefix: str, rank: int) -> str:
+        r = self.rank_indexes[rank]
+        return self.object_key(prefix, r.name, r.spread)
+
+    def object_keys(self, prefix: str) -> list[str]:
+        """The store keys of every object this manifest names (blobs, then rank indexes)."""
+        return ([self.object_key(prefix, b.name, b.spread) for b in self.blobs]
+                + [self.object_key(prefix, r.name, r.spread) for r in self.rank_indexes])
 
     @property
     def chunks_resolved(self) -> bool:
@@ -206,24 +250,33 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
     v2 = any(t.layout is not None for t in m.tensors.values())
     out = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": SPREAD_VERSION if m.spread_up else FORMAT_VERSION,
         "writer": m.writer,
         "created": m.created,
         "attempt": m.attempt,
         "world_size": m.world_size,
         "metadata": m.metadata,
-        "blobs": [{"name": b.name, "size": b.size, "rank": b.rank} for b in m.blobs],
+        "blobs": [_spread_field({"name": b.name, "size": b.size, "rank": b.rank}, b.spread) for b in m.blobs],
         "tensors": tensors,
         "tree": m.tree,
     }
+    if m.spread_up:
+        out["spread_up"] = m.spread_up
     if m.crc_block:
         out["crc_block"] = m.crc_block
     if m.rank_trees is not None:
         out["rank_trees"] = m.rank_trees
     if v2:
         out["meshes"] = [{"shape": list(me.shape), "ranks": list(me.ranks)} for me in m.meshes]
-        out["rank_indexes"] = [{"name": r.name, "size": r.size, "crc32c": r.crc32c} for r in m.rank_indexes]
+        out["rank_indexes"] = [_spread_field({"name": r.name, "size": r.size, "crc32c": r.crc32c}, r.spread)
+                               for r in m.rank_indexes]
     return out
+
+
+def _spread_field(d: dict[str, Any], spread: str) -> dict[str, Any]:
+    if spread:
+        d["spread"] = spread
+    return d
 
 
 def encode(m: Manifest, *, compress: Optional[bool] = None) -> bytes:
@@ -261,10 +314,10 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     _need(obj.get("format") == FORMAT_NAME, where, f"'format' is {obj.get('format')!r}, not {FORMAT_NAME!r}")
     version = obj.get("format_version")
     _need(_int(version, lo=-(2**63), hi=2**63), where, "'format_version' missing or not an integer")
-    if version > FORMAT_VERSION or version < 1:
+    if version > MAX_VERSION or version < 1:
         raise UnsupportedFormatError(
             f"manifest {where} has format_version {version}; this objckpt release reads "
-            f"versions 1 to {FORMAT_VERSION} — upgrade objckpt to read it"
+            f"versions 1 to {MAX_VERSION} — upgrade objckpt to read it"
         )
     for name in ("blobs", "tensors"):
         _need(name in obj, where, f"required field '{name}' missing")
@@ -272,16 +325,20 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     _need(_int(crc_block), where, "'crc_block' malformed")
     rank_trees = obj.get("rank_trees")
     _need(rank_trees is None or isinstance(rank_trees, list), where, "'rank_trees' malformed")
-    meshes, rank_indexes = _v2_tables(obj, version, where)
+    attempt = str(obj.get("attempt", ""))
+    spread_up = obj.get("spread_up", 0)
+    _need(_int(spread_up, 0, 64) and (not spread_up or version >= SPREAD_VERSION), where,
+          "'spread_up' malformed or in a manifest older than v4")
+    meshes, rank_indexes = _v2_tables(obj, version, where, attempt, spread_up)
     blobs_raw = obj["blobs"]
     _need(isinstance(blobs_raw, list), where, "'blobs' is not a list")
     blobs = []
     for i, b in enumerate(blobs_raw):
         _need(isinstance(b, dict) and isinstance(b.get("name"), str) and b["name"], where, f"blob #{i}: name malformed")
-        _need(is_safe_object_name(b["name"]), where, f"blob #{i}: name {b['name'][:200]!r} is not a plain path under blobs/")
+        _check_name(b, attempt, spread_up, where, f"blob #{i}")
         _need(_int(b.get("size")), where, f"blob #{i}: size malformed")
         _need(_int(b.get("rank", 0)), where, f"blob #{i}: rank malformed")
-        blobs.append(Blob(b["name"], b["size"], b.get("rank", 0)))
+        blobs.append(Blob(b["name"], b["size"], b.get("rank", 0), b.get("spread", "")))
     tensors: dict[str, TensorEntry] = {}
     traw = obj["tensors"]
     _need(isinstance(traw, dict), where, "'tensors' is not an object")
@@ -354,7 +411,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
         blobs=blobs,
         tree=obj.get("tree"),
         metadata=meta,
-        attempt=str(obj.get("attempt", "")),
+        attempt=attempt,
         world_size=world,
         created=float(created),
         writer=str(obj.get("writer", "")),
@@ -363,10 +420,24 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
         rank_trees=rank_trees,
         meshes=meshes,
         rank_indexes=rank_indexes,
+        spread_up=spread_up,
     )
 
 
-def _v2_tables(obj: dict, version: int, where: str) -> tuple[list[Mesh], list[RankIndexRef]]:
+def _check_name(entry: dict, attempt: str, spread_up: int, where: str, what: str) -> None:
+    """A default-layout name is a plain path under ``blobs/``; a spread one (v4) is exactly
+    ``spread/<this attempt>/<blob or index file>`` in a hex bucket, with ``spread_up`` set."""
+    name = entry.get("name")
+    if "spread" not in entry:
+        _need(is_safe_object_name(name), where, f"{what}: name {str(name)[:200]!r} is not a plain path under blobs/")
+        return
+    ok = spread_up > 0 and _spread.is_bucket(entry["spread"]) and _spread.is_spread_name(name, attempt)
+    _need(ok, where, f"{what}: spread object {str(name)[:200]!r} in bucket {str(entry['spread'])[:20]!r} is not "
+                     f"spread/<this attempt>/<file> in a hex bucket (with spread_up set)")
+
+
+def _v2_tables(obj: dict, version: int, where: str, attempt: str,
+               spread_up: int) -> tuple[list[Mesh], list[RankIndexRef]]:
     if version < 2:
         _need("meshes" not in obj and "rank_indexes" not in obj, where, "v2 tables in a v1 manifest")
         return [], []
@@ -383,9 +454,10 @@ def _v2_tables(obj: dict, version: int, where: str) -> tuple[list[Mesh], list[Ra
         meshes.append(Mesh(tuple(me["shape"]), tuple(me["ranks"])))
     refs = []
     for i, r in enumerate(idx_raw):
-        ok = isinstance(r, dict) and is_safe_object_name(r.get("name")) and _int(r.get("size"))
+        ok = isinstance(r, dict) and _int(r.get("size"))
         _need(ok and _int(r.get("crc32c"), 0, 2**32 - 1), where, f"rank index #{i} malformed")
-        refs.append(RankIndexRef(r["name"], r["size"], r["crc32c"]))
+        _check_name(r, attempt, spread_up, where, f"rank index #{i}")
+        refs.append(RankIndexRef(r["name"], r["size"], r["crc32c"], r.get("spread", "")))
     return meshes, refs
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, TypeVar
 
 from .._version import __version__
 from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, RankIndexRef
+from ..format.spread import Placement
 from ..planning.assign import RankWrites
 from ..planning.boxes import Box
 from ..planning.pack import PackLimits
@@ -63,14 +64,14 @@ class SaveLayout(abc.ABC):
     def plan(self, rank: int, boxes: dict[str, Box], limits: PackLimits) -> RankWrites:
         """What ``rank`` writes (``boxes``: the boxes it holds, by key)."""
 
-    def index_name(self, attempt: str, rank: int) -> Optional[str]:
-        """The index object ``rank`` writes besides its blobs, if any."""
-        return None
+    #: whether each rank writes an index object besides its blobs (``place.index_name``)
+    writes_index: bool = False
 
     @abc.abstractmethod
-    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, prefix: str,
+    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, place: Placement,
                       attempt: str, rank: int, stats: IOStats) -> RankOutcome:
-        """Make this rank's chunk records available to the commit."""
+        """Make this rank's chunk records available to the commit (``place``: where
+        this rank's objects go)."""
 
     @abc.abstractmethod
     def manifest(self, outcomes: list[RankOutcome], common: ManifestCommon) -> Manifest:

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Optional
 from ..errors import CorruptCheckpointError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, TensorEntry
+from ..format.spread import Placement
 from ..planning.assign import RankWrites, TensorMeta, plan_rank_writes
 from ..planning.boxes import Box, whole
 from ..planning.pack import PackLimits
@@ -48,7 +49,7 @@ class GatheredLayout(SaveLayout):
         digest = hashlib.blake2b(pickle.dumps((metas, rank, limits)), digest_size=20).digest()
         return PLAN_CACHE.get(digest, lambda: plan_rank_writes(metas, rank, limits))
 
-    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, prefix: str,
+    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, place: Placement,
                       attempt: str, rank: int, stats: IOStats) -> RankOutcome:
         return RankOutcome(blobs=blobs, records=records)
 

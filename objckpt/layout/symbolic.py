@@ -19,8 +19,9 @@ from typing import Any, Iterable, Optional
 
 from ..checksum import crc32c
 from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
-from ..format import keys, rank_index
+from ..format import rank_index
 from ..format.dtypes import dtype_from_name, itemsize
+from ..format.spread import Placement
 from ..format.manifest import SEALED_VERSION, Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, TensorEntry, TensorLayout
 from ..planning.assign import RankWrites
 from ..planning.boxes import Box, intersect
@@ -53,17 +54,16 @@ class SymbolicLayout(SaveLayout):
             digest, lambda: plan_rank_writes_symbolic(d.descs, d.meshes, boxes, rank, limits))
         return writes
 
-    def index_name(self, attempt: str, rank: int) -> Optional[str]:
-        return keys.index_name(attempt, rank)
+    writes_index = True
 
-    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, prefix: str,
+    async def publish(self, records: list[ChunkRecord], blobs: list[Blob], store: ObjectStore, place: Placement,
                       attempt: str, rank: int, stats: IOStats) -> RankOutcome:
         """The records go to this rank's index object, not to rank 0."""
-        name = keys.index_name(attempt, rank)
+        name = place.index_name(attempt)
         data = rank_index.encode(attempt, rank, records)
-        await store.put(keys.join(prefix, name), data)
+        await store.put(place.key(name), data)
         stats.add(len(data))
-        return RankOutcome(blobs=blobs, index=RankIndexRef(name, len(data), crc32c(data)))
+        return RankOutcome(blobs=blobs, index=RankIndexRef(name, len(data), crc32c(data), place.bucket))
 
     def manifest(self, outcomes: list[RankOutcome], common: ManifestCommon) -> Manifest:
         by_key = {d.key: d for d in self.desc.descs}
@@ -125,9 +125,10 @@ class RankIndexResolver(InlineResolver):
     async def _fetch(self, rank: int, stats: Optional[IOStats]) -> dict[str, dict[tuple[int, ...], Chunk]]:
         m = self.m
         ref = m.rank_indexes[rank]
-        where = repr(keys.join(self.prefix, ref.name))
+        key = m.index_key(self.prefix, rank)
+        where = repr(key)
         try:
-            data = await self.store.get(keys.join(self.prefix, ref.name))
+            data = await self.store.get(key)
         except NotFoundError:
             raise BlobMissingError(f"rank index {where} (rank {rank}) is missing") from None
         if stats is not None:

@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _runtime
-from ..format import keys
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Manifest
 from ..layout import Resolver, resolver_for
@@ -68,7 +67,7 @@ def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[Fill
         if view is None:
             view = views[d.target] = host_bytes(t.dest)
         dest = view[d.dest_offset : d.dest_offset + c.length]
-        reads.append(RangeRead(t.key, keys.join(prefix, m.blobs[c.blob].name), c.offset, dest, checks))
+        reads.append(RangeRead(t.key, m.blob_key(prefix, c.blob), c.offset, dest, checks))
     for s in batch.staged:
         t = targets[s.target]
         piece = s.piece
@@ -76,7 +75,7 @@ def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[Fill
         dt = dtype_from_name(m.tensors[t.key].dtype, t.key)
         temp = torch.empty(piece.hi - piece.lo, dtype=torch.uint8, pin_memory=t.dest.is_cuda)
         tview = memoryview(temp.numpy()) if temp.numel() else memoryview(bytearray(0))
-        blob_key = keys.join(prefix, m.blobs[c.blob].name)
+        blob_key = m.blob_key(prefix, c.blob)
         for a, b in piece.ranges:
             checks = chunk_checks(c, a, b, m.crc_block) if verify else ()
             reads.append(RangeRead(t.key, blob_key, c.offset + a, tview[a - piece.lo : b - piece.lo], checks))

@@ -52,6 +52,8 @@ async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optio
     if stats is not None:
         stats.add(len(data))
         stats.timings.add("manifest", time.perf_counter() - t0)
+    if m.spread_up:
+        m.object_keys(prefix)  # a spread entry that places outside this checkpoint's namespace: corrupt, now
     return m
 
 

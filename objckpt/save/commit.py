@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import _runtime
-from ..errors import NotFoundError, PreconditionFailed
+from ..errors import CorruptCheckpointError, NotFoundError, PreconditionFailed
 from ..format import keys
 from ..format.manifest import Manifest, decode, encode
 from ..results import IOStats
@@ -68,12 +68,31 @@ def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
                 return CommitStatus(state, f"committing {uri!r} failed: {type(e).__name__}: {e}")
         stats.add(len(data))
         if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
-            live = {b.name for b in m.blobs} | {r.name for r in m.rank_indexes}
-            dead = [b.name for b in old.blobs] + [r.name for r in old.rank_indexes]
-            await _delete_async(st, replaced_objects(prefix, old.attempt, [n for n in dead if n not in live]))
+            await _delete_async(st, replaced_keys(prefix, old, m))
         return CommitStatus(CommitState.OK, "", len(data))
 
     return _runtime.run(go())
+
+
+def replaced_keys(prefix: str, old: Manifest, new: Manifest) -> list[str]:
+    """The keys of the objects of ``old`` (the replaced manifest) that ``new`` does not
+    use and that are safe to delete: default-layout names as :func:`replaced_objects`
+    says, spread ones only where they place inside this checkpoint's spread namespace
+    (``spread/<old attempt>/<file>`` in a hex bucket; :meth:`Manifest.object_key`)."""
+    live = set(new.object_keys(prefix))
+    entries = [(b.name, b.spread) for b in old.blobs] + [(r.name, r.spread) for r in old.rank_indexes]
+    plain = [n for n, s in entries if not s and keys.join(prefix, n) not in live]
+    out = replaced_objects(prefix, old.attempt, plain)
+    for name, spread in entries:
+        if not spread:
+            continue
+        try:
+            key = old.object_key(prefix, name, spread)
+        except CorruptCheckpointError:
+            continue  # not this checkpoint's: left alone (gc judges what is left)
+        if key not in live:
+            out.append(key)
+    return out
 
 
 def replaced_objects(prefix: str, attempt: str, names: list[str]) -> list[str]:

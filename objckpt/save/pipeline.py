@@ -29,13 +29,14 @@ from ..errors import (CheckpointExistsError, ObjckptError, StateDictMismatchErro
                       UnsupportedValueError)
 from ..format import keys
 from ..format.manifest import Blob, Chunk, ChunkRecord
+from ..format.spread import Placement, up_for
 from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
 from ..memory import Budget, HostPool
-from ..options import SaveOptions
+from ..options import KeyLayout, SaveOptions
 from ..planning.pack import PackLimits, SavePlan
 from ..results import IOStats, SaveResult
-from ..storage import ObjectStore
+from ..storage import ObjectStore, split_uri
 from .commit import CommitState, CommitStatus, commit, delete_quietly
 from .describe import LocalState, Mirror, describe_local
 from .fingerprint import differing
@@ -58,6 +59,8 @@ class Hello:
     error_kind: str = ""
     #: digest of the plain tensors' fingerprints (differs when some plain tensor differs between ranks)
     prints_digest: bytes = b""
+    #: how far above the prefix this rank's spread root is (0: default key layout); must agree
+    spread_up: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class Prepared:
     tensors: dict[str, torch.Tensor]
     pieces: dict[str, Piece]
     blob_names: list[str]
+    #: where this rank's objects go (under the prefix, or spread)
+    place: Placement
     stats: IOStats = field(default_factory=IOStats)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -95,13 +100,13 @@ class Prepared:
 
     @property
     def blob_keys(self) -> list[str]:
-        return [keys.join(self.prefix, n) for n in self.blob_names]
+        return [self.place.key(n) for n in self.blob_names]
 
     @property
     def written_keys(self) -> list[str]:
         """Every object this rank writes (deleted if the save does not commit)."""
-        index = self.layout.index_name(self.attempt, self.rank)
-        return self.blob_keys + ([keys.join(self.prefix, index)] if index else [])
+        index = [self.place.key(self.place.index_name(self.attempt))] if self.layout.writes_index else []
+        return self.blob_keys + index
 
 
 def _tree_digest(tree: Any) -> bytes:
@@ -129,6 +134,20 @@ def _check_replicated(local: LocalState, hellos: list[Hello], comm: Comm, uri: s
         "objckpt.Shard (e.g. Shard(t.unsqueeze(0), (world_size, *t.shape), (rank, *[0] * t.dim()))), "
         "under per-rank keys, or from each rank alone with no_dist=True to its own URI."
     )
+
+
+def spread_up(uri: str, prefix: str, opts: SaveOptions) -> int:
+    """How far above ``prefix`` the spread root lies (0: default layout).  ``spread_root``
+    is a URI or path like the checkpoint's, naming an ancestor in the same bucket or
+    directory tree."""
+    if opts.key_layout != KeyLayout.SPREAD:
+        return 0
+    root_prefix = None
+    if opts.spread_root is not None:
+        scheme, root, root_prefix = split_uri(opts.spread_root)
+        if (scheme, root) != split_uri(uri)[:2]:
+            raise ValueError(f"spread_root {opts.spread_root!r} is not in the same store as {uri!r}")
+    return up_for(prefix, root_prefix)
 
 
 def _choose_layout(local: LocalState, hellos: list[Hello], comm: Comm) -> SaveLayout:
@@ -161,12 +180,14 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     stats = IOStats()
     world = comm.world_size
     local: Optional[LocalState] = None
+    up = 0
     local_exc: Optional[BaseException] = None
     err: Optional[str] = None
     exists = False
     join(comm, f"save to {uri!r}", opts.collective_timeout)
     try:
         opts = opts.checked()
+        up = spread_up(uri, prefix, opts)
         local = describe_local(state, opts.allow_pickle, comm, mirror)
         if comm.rank == 0:
             exists = _runtime.run(st.head(keys.manifest_key(prefix))) is not None
@@ -181,7 +202,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         prints_digest=prints_digest(local.fingerprints) if local is not None and world > 1 else b"",
         symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
         tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
-        exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err,
+        exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err, spread_up=up,
     )
     hellos: list[Hello] = comm.all_gather_object(hello) if world > 1 else [hello]
     failed = [(r, h.error) for r, h in enumerate(hellos) if h.error]
@@ -195,6 +216,9 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     if hellos[0].exists and not opts.overwrite:
         raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
     attempt = hellos[0].attempt
+    if any(h.spread_up != hellos[0].spread_up for h in hellos):  # the manifest records one spread root
+        raise ValueError(f"save to {uri!r}: the ranks passed different key_layout or spread_root options "
+                         f"(spread root levels by rank: {[h.spread_up for h in hellos][:16]})")
     _check_replicated(local, hellos, comm, uri)
     layout = _choose_layout(local, hellos, comm)
     limits = PackLimits(opts.blob_size, opts.part_size, st.min_part_size, st.max_part_size)
@@ -206,10 +230,11 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         pk = f"{it.key}\x00{i}"  # the packing key plan_save was given (see planning.pack.pack_items)
         tensors[pk] = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
         pieces[pk] = Piece(it.key, it.offsets)
-    names = [keys.blob_name(attempt, comm.rank, b.index) for b in writes.plan.blobs]
+    place = Placement(prefix, comm.rank, up, opts.spread_digits)
+    names = [place.blob_name(attempt, b.index) for b in writes.plan.blobs]
     stats.timings.add("plan", time.perf_counter() - t0 - stats.timings["describe"])
     return Prepared(uri, st, prefix, comm.rank, world, opts, attempt, local, layout, writes.plan, tensors, pieces,
-                    names, stats=stats, t0=t0)
+                    names, place, stats=stats, t0=t0)
 
 
 @dataclass(frozen=True)
@@ -258,9 +283,9 @@ async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: b
         offs = tuple(b + o for b, o in zip(piece.offsets, c.offsets))
         crc = crcs[c]
         records.append(ChunkRecord(piece.key, Chunk(offs, c.shape, c.blob, c.offset, c.length, crc.total, crc.blocks)))
-    blobs = [Blob(n, b.size, prep.rank) for n, b in zip(prep.blob_names, prep.plan.blobs)]
+    blobs = [Blob(n, b.size, prep.rank, prep.place.bucket) for n, b in zip(prep.blob_names, prep.plan.blobs)]
     try:
-        shared = await prep.layout.publish(records, blobs, prep.store, prep.prefix, prep.attempt, prep.rank,
+        shared = await prep.layout.publish(records, blobs, prep.store, prep.place, prep.attempt, prep.rank,
                                            prep.stats)
     except Exception as e:
         return UploadOutcome.failed(f"publishing the chunk records of rank {prep.rank}: ", e)
@@ -294,6 +319,7 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         if any(errors):
             return None, errors  # every rank raises below, from the same list
         m = prep.layout.manifest(outcomes, ManifestCommon(prep.attempt, prep.opts.metadata, prep.opts.crc_block))
+        m.spread_up = prep.place.up
         return commit(st, prep.prefix, m, prep.opts.overwrite, prep.uri, prep.written_keys, prep.stats,
                       commit_errors), errors
 
