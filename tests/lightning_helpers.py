@@ -26,11 +26,11 @@ class Tiny(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
 
 
-def data() -> torch.utils.data.DataLoader:
+def data() -> "torch.utils.data.DataLoader[Any]":
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4 * BATCHES_PER_EPOCH, 4, generator=g)
     y = x.sum(dim=1, keepdim=True)

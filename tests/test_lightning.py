@@ -15,7 +15,7 @@ import sys
 import types
 from typing import Any, NamedTuple
 
-import boto3
+import boto3  # type: ignore[import-untyped]
 import numpy as np
 import pytest
 import torch
@@ -151,7 +151,7 @@ def test_python_values_round_trip_without_pickle(s3_run: tuple[str, str, dict[st
     _, run, opts = s3_run
     sd = torch.nn.Linear(3, 2).state_dict()  # an OrderedDict with torch's _metadata
     dd: collections.defaultdict[str, list[int]] = collections.defaultdict(list, {"a": [1]})
-    state = {
+    state: dict[str, Any] = {
         "state_dict": sd,
         "hyper_parameters": AttributeDict(lr=0.1, color=Color.RED, level=Level.HIGH, where=pathlib.Path("/x/y")),
         "cfg": Cfg("c", (1, 2), torch.tensor([2.0])),
@@ -211,7 +211,7 @@ def test_class_not_imported_comes_back_as_plain_data(s3_run: tuple[str, str, dic
 def test_remove_waits_for_the_save_in_flight_and_errors_surface(s3_run: tuple[str, str, dict[str, Any]]) -> None:
     bucket, run, opts = s3_run
     io = ObjckptCheckpointIO(opts, async_save=True)
-    state = {"w": torch.randn(64, 64), "step": 1}
+    state: dict[str, Any] = {"w": torch.randn(64, 64), "step": 1}
     io.save_checkpoint(state, f"{run}/a.ckpt")
     state["w"].zero_()  # Lightning may change its tensors once save_checkpoint returned
     io.save_checkpoint(state, f"{run}/b.ckpt")

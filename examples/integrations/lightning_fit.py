@@ -29,6 +29,7 @@ class Regressor(L.LightningModule):
     def __init__(self, lr: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()  # stored as plain JSON values, no pickle
+        self.lr = lr
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         self.losses: list[float] = []
@@ -41,10 +42,10 @@ class Regressor(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
-def loader() -> torch.utils.data.DataLoader:
+def loader() -> "torch.utils.data.DataLoader[Any]":
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 4, generator=g)  # 2 batches per epoch: every 2nd step ends an epoch
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)

@@ -59,7 +59,7 @@ FORMAT = 1
 #: URI schemes whose stores let an object and a prefix of the same name coexist (marker objects)
 OBJECT_STORE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
-MapLocation = Union[None, str, torch.device, dict, Callable[..., Any]]
+MapLocation = Union[None, str, torch.device, dict[str, Any], Callable[..., Any]]
 
 
 def _uri(path: Any) -> str:
@@ -70,16 +70,20 @@ def _on_object_store(uri: str) -> bool:
     return split_uri(uri)[0] in OBJECT_STORE_SCHEMES
 
 
+def _fsspec(uri: str) -> Any:
+    """The fsspec filesystem Lightning uses for ``uri`` (fsspec caches instances by their
+    arguments, and Lightning passes none, so this is the very same object)."""
+    from fsspec.core import url_to_fs  # type: ignore[import-untyped]
+
+    return url_to_fs(uri)[0]
+
+
 def _invalidate_fsspec(uri: str) -> None:
-    """Drop fsspec's cached listings of ``uri`` and its parents (the instance Lightning uses:
-    fsspec caches filesystems by their arguments, and Lightning passes none)."""
+    """Drop fsspec's cached listings of ``uri`` and its parents in Lightning's filesystem."""
     if not _on_object_store(uri):
         return
     try:
-        from fsspec.core import url_to_fs
-
-        fs, _ = url_to_fs(uri)
-        fs.invalidate_cache(uri)
+        _fsspec(uri).invalidate_cache(uri)
     except Exception as e:  # no s3fs installed, an unknown protocol: nothing of Lightning's is cached then
         log.debug("objckpt: could not invalidate the fsspec cache of %s: %s", uri, e)
 
@@ -278,8 +282,8 @@ class ObjckptCheckpointIO(CheckpointIO):
         notes: list[TypeNote] = []
         if isinstance(types, dict):
             notes = [TypeNote.decode(n, f"checkpoint {uri!r}") for n in types.get("notes", [])]
-        value = from_plain(tree, notes, allow_pickle=allow, where=f"checkpoint {uri!r}")
-        return apply_map_location(value, map_location)
+        value: dict[str, Any] = from_plain(tree, notes, allow_pickle=allow, where=f"checkpoint {uri!r}")
+        return apply_map_location(value, map_location)  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path``: the marker, then (after its save in flight,
@@ -347,9 +351,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         ckpt_dir = str(resolve(trainer) if resolve is not None else self.dirpath or "")
         if "://" not in ckpt_dir or ckpt_dir.startswith("file://"):
             return super()._find_last_checkpoints(trainer)
-        from fsspec.core import url_to_fs
-
-        fs, _ = url_to_fs(ckpt_dir)
+        fs = _fsspec(ckpt_dir)
         if not fs.exists(ckpt_dir):
             return set()
         pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")

@@ -158,7 +158,7 @@ class _Converter:
         value = sub.conv(dict(attrs), path + ("<attrs>",), 0)
         return [value, [TypeNote(n.path[len(path) + 1:], n.kind, n.name, n.extra).encode() for n in sub.notes]]
 
-    def mapping(self, x: dict, path: Path, depth: int, whole: Any = None) -> Any:
+    def mapping(self, x: dict[Any, Any], path: Path, depth: int, whole: Any = None) -> Any:
         """A new plain dict of ``x``'s items; ``whole`` (default ``x``) is what is refused for a bad key."""
         for k in x:
             if type(k) not in _KEY_TYPES or (isinstance(k, float) and k != k):
@@ -192,6 +192,7 @@ class _Converter:
             return [self.conv(v, path + (i,), depth + 1) for i, v in enumerate(x)]
         if t is tuple:
             return tuple(self.conv(v, path + (i,), depth + 1) for i, v in enumerate(x))
+        value: Any
         if isinstance(x, tuple) and hasattr(x, "_fields") and _named(t):
             value = tuple(self.conv(v, path + (i,), depth + 1) for i, v in enumerate(x))
             self.note(path, Kind.NAMED_TUPLE, class_name(x))
@@ -215,7 +216,7 @@ class _Converter:
             return value
         return self.refuse(x, path)
 
-    def dict_subclass(self, x: dict, path: Path, depth: int) -> Any:
+    def dict_subclass(self, x: dict[Any, Any], path: Path, depth: int) -> Any:
         if isinstance(x, collections.defaultdict):
             factory = x.default_factory
             if factory is not None and not _named(factory):
