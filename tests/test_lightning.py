@@ -175,7 +175,8 @@ def test_python_values_round_trip_without_pickle(s3_run: tuple[str, str, dict[st
     hp = back["hyper_parameters"]
     assert type(hp) is AttributeDict and hp.lr == 0.1 and hp.color is Color.RED and hp.level is Level.HIGH
     assert hp.where == pathlib.Path("/x/y") and type(hp.where) is type(pathlib.Path("/x/y"))
-    assert type(back["cfg"]) is Cfg and back["cfg"].sizes == (1, 2) and torch.equal(back["cfg"].scale, state["cfg"].scale)
+    assert type(back["cfg"]) is Cfg and back["cfg"].sizes == (1, 2)
+    assert torch.equal(back["cfg"].scale, state["cfg"].scale)
     assert type(back["point"]) is Point and back["point"] == Point(1, 2.5)
     assert back["tags"] == {"a", "b"} and back["frozen"] == frozenset({3}) and type(back["frozen"]) is frozenset
     assert back["ns"] == argparse.Namespace(depth=2)

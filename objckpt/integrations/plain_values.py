@@ -142,7 +142,8 @@ class _Converter:
         try:
             raw = pickle.dumps(x)
         except Exception as e:  # pickling fails with many exception types (PicklingError, TypeError, ...)
-            raise UnsupportedValueError(f"value at key {dotted(path)!r} of type {tname} cannot be pickled: {e}") from None
+            raise UnsupportedValueError(
+                f"value at key {dotted(path)!r} of type {tname} cannot be pickled: {e}") from None
         self.notes.append(TypeNote(path, Kind.PICKLE, tname))
         return raw
 
@@ -162,8 +163,8 @@ class _Converter:
         """A new plain dict of ``x``'s items; ``whole`` (default ``x``) is what is refused for a bad key."""
         for k in x:
             if type(k) not in _KEY_TYPES or (isinstance(k, float) and k != k):
-                return self.refuse(x if whole is None else whole, path, f" (its key {k!r} of type {type(k).__qualname__} is not a str, int, "
-                                            "float, bool or None)")
+                why = f" (its key {k!r} of type {type(k).__qualname__} is not a str, int, float, bool or None)"
+                return self.refuse(x if whole is None else whole, path, why)
         return {k: self.conv(v, path + (k,), depth + 1) for k, v in x.items()}
 
     def conv(self, x: Any, path: Path, depth: int) -> Any:
