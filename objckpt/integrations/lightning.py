@@ -28,6 +28,7 @@ fsspec's config) as well.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
@@ -89,17 +90,27 @@ def _invalidate_fsspec(uri: str) -> None:
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every tensor, inside the containers and objects
+    :func:`from_plain` rebuilds (dicts, lists, tuples, named tuples, sets, dataclasses)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, dict) and type(value) is dict:
+    t = type(value)
+    if t is dict:
         return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if type(value) is list:
+    if t is list:
         return [_map_tensors(v, fn) for v in value]
-    if type(value) is tuple:
+    if t is tuple:
         return tuple(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):  # OrderedDict, AttributeDict...: same object, values replaced
+    if isinstance(value, tuple) and hasattr(value, "_make"):
+        return value._make(_map_tensors(v, fn) for v in value)
+    if t in (set, frozenset):
+        return t(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):  # OrderedDict, AttributeDict...: the object load just built, values replaced
         for k in list(value):
             value[k] = _map_tensors(value[k], fn)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):  # likewise a fresh object: frozen ones too
+            object.__setattr__(value, f.name, _map_tensors(getattr(value, f.name), fn))
     return value
 
 
