@@ -1,0 +1,2 @@
+"""Adapters between objckpt and training frameworks; each module imports its framework itself,
+so ``import objckpt`` never does."""
