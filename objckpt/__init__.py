@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .api import async_save, delete, inspect, load, read, save
+from .manager import CheckpointManager
 from .distributed.placements import Shard
 from .errors import (
     BlobMissingError,
@@ -34,6 +35,7 @@ __all__ = [
     "read",
     "inspect",
     "delete",
+    "CheckpointManager",
     "Shard",
     "SaveResult",
     "LoadResult",
