@@ -1,4 +1,4 @@
-"""Command line: ``objckpt demo | ls | info | verify``."""
+"""Command line: ``objckpt demo | ls | info | verify | gc | rm | prune``."""
 from __future__ import annotations
 
 import argparse
@@ -41,18 +41,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from . import _runtime
-    from .format import keys
-    from .storage import open_store, split_uri
+    """A manager root's steps from its index; else (or ``--objects``) the checkpoints under a prefix."""
+    from .manager.cli_commands import cmd_ls as run
 
-    store, prefix = open_store(args.uri, _opts(args))
-    scheme, root, _ = split_uri(args.uri)
-    base = "/" if scheme == "file" else f"{scheme}://{root}/"
-    objs = _runtime.run(store.list(prefix.rstrip("/") + "/" if prefix else ""))
-    found = sorted(o.key[: -len(keys.MANIFEST_NAME) - 1] for o in objs if o.key.endswith("/" + keys.MANIFEST_NAME))
-    for p in found:
-        print(base + p)
-    return 0
+    return run(args, _opts)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -113,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     for name, fn, helptext in [
         ("info", cmd_info, "show a checkpoint's manifest"),
-        ("ls", cmd_ls, "list checkpoints under a prefix"),
+        ("ls", cmd_ls, "list the steps of a manager root (or the checkpoints under a prefix)"),
         ("verify", cmd_verify, "read every byte of a checkpoint and check its crc32c"),
         ("gc", cmd_gc, "delete what failed or replaced saves left under a prefix"),
     ]:
@@ -121,11 +113,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sp.add_argument("uri")
         if name == "info":
             sp.add_argument("--json", action="store_true", help="print the raw manifest")
+        if name == "ls":
+            from .manager.cli_commands import add_ls_flags
+
+            add_ls_flags(sp)
         if name == "gc":
             sp.add_argument("--grace-hours", type=float, default=6.0,
                             help="leave garbage younger than this (saves in progress); default 6")
             sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
         sp.set_defaults(fn=fn)
+    from .manager.cli_commands import register as register_manager_commands
+
+    register_manager_commands(sub, _opts)
     for sp in sub.choices.values():
         sp.add_argument("--endpoint-url", help="S3 endpoint (default: AWS config / AWS_ENDPOINT_URL)")
 

@@ -76,8 +76,9 @@ def step_name(step: int) -> str:
 
 
 def parse_step_name(name: str) -> Optional[int]:
+    """The step of a folder named by :func:`step_name` (exactly: ``step-1`` is not one)."""
     m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m and step_name(int(m.group(1))) == name else None
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,12 @@ class IndexDoc:
     def with_step(self, entry: StepEntry) -> "IndexDoc":
         rest = [e for e in self.steps if e.step != entry.step]
         return replace(self, steps=tuple(sorted(rest + [entry], key=lambda e: e.step)))
+
+    def adopt(self, entries: "tuple[StepEntry, ...]") -> "IndexDoc":
+        """Add the ``entries`` whose step is not indexed yet (what is indexed wins)."""
+        have = set(self.step_numbers())
+        new = [e for e in entries if e.step not in have]
+        return replace(self, steps=tuple(sorted(self.steps + tuple(new), key=lambda e: e.step))) if new else self
 
     def without(self, steps: "set[int]") -> "IndexDoc":
         return replace(self, steps=tuple(e for e in self.steps if e.step not in steps))
@@ -181,8 +188,10 @@ class StepIndex:
                 return doc
             doc = nxt
 
-    async def read(self, stats: Optional[ReadStats] = None) -> IndexDoc:
-        """The newest version: GET the hint, GET the next version (absent); LIST only to repair."""
+    async def read(self, stats: Optional[ReadStats] = None, *, repair: bool = True) -> IndexDoc:
+        """The newest version: GET the hint, GET the next version (absent); LIST only to repair.
+        ``repair=False`` (read-only tools): never write; without any version the result has
+        ``seq == -1`` and the steps the manifests show."""
         stats = stats if stats is not None else ReadStats()
         try:
             hint = await self._get_doc(self.head_key)
@@ -194,7 +203,7 @@ class StepIndex:
             except CorruptCheckpointError:
                 head = None  # a damaged version after the hint: repair from the listing
             if head is not None:
-                if head.seq != hint.seq:
+                if head.seq != hint.seq and repair:
                     await self._put_hint(head)
                 return head
         stats.listed = True
@@ -202,8 +211,11 @@ class StepIndex:
         head = await self._newest_listed(listing)
         if head is None:
             head = await self._from_manifests(listing)
-            if head.steps:
-                head = await self._append(IndexDoc(-1), lambda _: head)
+            if head.steps and repair:
+                listed = head
+                head = await self._append(IndexDoc(-1), lambda d: d.adopt(listed.steps))
+        if not repair:
+            return head
         stats.repaired = True
         await self._put_hint(head)
         return head
@@ -300,10 +312,4 @@ class StepIndex:
             if await self.store.head(keys.manifest_key(self.step_prefix(s))) is None:
                 gone.add(s)
 
-        def change(d: IndexDoc) -> IndexDoc:
-            for e in truth.steps:
-                if d.get(e.step) is None:
-                    d = d.with_step(e)
-            return d.without(gone)
-
-        return await self.update(change)
+        return await self.update(lambda d: d.adopt(truth.steps).without(gone))
