@@ -31,7 +31,7 @@ from .. import _runtime
 from ..deletion import delete_checkpoint
 from ..errors import NotFoundError
 from ..save.background import SaveHandle
-from .index import StepIndex
+from .index import IndexDoc, StepIndex
 from .retention import RetentionPolicy, steps_to_delete
 
 log = logging.getLogger("objckpt.manager")
@@ -57,12 +57,14 @@ class RetentionReport:
 
 
 def apply_retention(index: StepIndex, policy: RetentionPolicy, root_uri: str, dry_run: bool = False,
-                    ) -> RetentionReport:
-    """Delete the indexed steps ``policy`` does not keep (see the module docstring for the order)."""
+                    doc: Optional[IndexDoc] = None) -> RetentionReport:
+    """Delete the indexed steps ``policy`` does not keep (see the module docstring for the order).
+    ``doc``: the index as just written (saves reading it again); a stale one is harmless, the
+    removal itself is a conditional update on the newest version."""
     report = RetentionReport()
     if not policy.deletes:
         return report
-    doc = _runtime.run(index.read())
+    doc = doc if doc is not None else _runtime.run(index.read())
     doomed = steps_to_delete(policy, [(e.step, e.metadata) for e in doc.steps])
     if dry_run or not doomed:
         report.deleted = doomed
@@ -130,7 +132,7 @@ class Worker:
             if job.handle is not None:
                 job.handle.result()  # the save's own error is raised to every rank by the manager
             entry = _runtime.run(self.index.describe_step(job.step, job.metadata))
-            _runtime.run(self.index.add(entry))
+            doc = _runtime.run(self.index.add(entry))
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             job.error = e
             if job.handle is None or job.handle.exception() is None:
@@ -140,7 +142,7 @@ class Worker:
         finally:
             job.indexed.set()
         try:
-            self.last_retention = apply_retention(self.index, self.policy, self.root_uri)
+            self.last_retention = apply_retention(self.index, self.policy, self.root_uri, doc=doc)
             if self.last_retention.failed:
                 log.warning("objckpt: retention could not delete %s", self.last_retention.failed)
         except BaseException as e:  # noqa: BLE001
