@@ -74,8 +74,10 @@ def cmd_rm(args: argparse.Namespace, opts: Opts) -> int:
     parent, _, last = prefix.rpartition("/")
     step = parse_step_name(last)
     if step is not None and _runtime.run(store.head(keys.join(parent, INDEX_DIR, HEAD_NAME))) is not None:
-        _runtime.run(StepIndex(store, parent).remove({step}))
-        print(f"removed step {step} from the index of {parent or '/'}")
+        index = StepIndex(store, parent)
+        if step in _runtime.run(index.read()).step_numbers():
+            _runtime.run(index.remove({step}))
+            print(f"removed step {step} from the index of {parent or '/'}")
     report = _runtime.run(delete_checkpoint(store, prefix, args.uri))
     print(f"deleted {args.uri}: manifest and {len(report.deleted)} object(s)"
           + (" (manifest was unreadable: run gc for its objects)" if report.manifest_unreadable else ""))

@@ -285,7 +285,10 @@ class StepIndex:
     async def update(self, change: Callable[[IndexDoc], IndexDoc]) -> IndexDoc:
         """Apply ``change`` to the newest version as one new version (no update is ever lost),
         refresh the hint, and drop the version :data:`KEEP_VERSIONS` behind."""
-        new = await self._append(await self.read(), change)
+        base = await self.read()
+        if change(base).steps == base.steps:
+            return base  # nothing to change (e.g. removing a step that is not indexed)
+        new = await self._append(base, change)
         await self._put_hint(new)
         old = new.seq - KEEP_VERSIONS
         if old >= 0:
