@@ -198,3 +198,23 @@ def test_bad_input_names_the_step(moto_s3: tuple[str, dict[str, Any]]) -> None:
             m.delete(7)
         with pytest.raises(NotFoundError, match="step-0000000008"):
             m.load({"w": torch.zeros(2)}, step=8)
+
+
+def test_commit_without_index_update_is_replaced_or_adopted(moto_s3: tuple[str, dict[str, Any]]) -> None:
+    """What a save killed after its manifest but before its index update leaves: a committed,
+    unindexed step.  latest_step() ignores it; saving that step again replaces it; reindex adopts."""
+    bucket, opts = moto_s3
+    root = f"s3://{bucket}/run"
+    with objckpt.CheckpointManager(root, storage_options=opts) as m:
+        m.save(2, _state(2))
+        objckpt.save(_state(99), f"{root}/step-0000000003", storage_options=opts)  # committed, never indexed
+        objckpt.save(_state(4), f"{root}/step-0000000004", storage_options=opts, metadata={"k": 4})
+        assert m.latest_step() == 2
+        m.save(3, _state(3))  # the resumed job saves step 3 again: replaces the leftover
+        st = _state(0)
+        m.load(st, step=3)
+        assert_same(st, _state(3))
+        with pytest.raises(CheckpointExistsError, match="step 3 is already committed"):
+            m.save(3, _state(3))
+        assert m.reindex() == [2, 3, 4] and m.latest_step() == 4
+        assert m.entries().get(4).metadata == {"k": 4}

@@ -89,19 +89,34 @@ class CheckpointManager:
         uri = self.step_uri(step)  # validates step
         md = dict(metadata or {})
         self._settle_handles()
-        if self.async_save:
-            handle = _async_save(state, uri, metadata=md, max_in_flight=1, **self._dist_kwargs())
+        try:
+            handle = self._start(state, uri, md, overwrite=False)
+        except CheckpointExistsError:
+            # committed but not indexed: the leftover of a save killed between its commit and
+            # its index update (the index is what the manager shows); replace it.  An indexed
+            # step is never replaced.  Every rank got the error, so every rank asks rank 0.
+            if step in self.steps():
+                raise CheckpointExistsError(f"step {step} is already committed under {self.root!r} "
+                                            f"({uri}); delete it first to save it again") from None
+            handle = self._start(state, uri, md, overwrite=True)
+        if handle is not None:
             self._handles.append(handle)
             if self._worker is not None:
                 self._worker.submit(CommitJob(step, md, handle))
             return handle
-        _save(state, uri, metadata=md, **self._dist_kwargs())
         if self._worker is not None:
             job = CommitJob(step, md)
             self._worker.submit(job)
             job.indexed.wait()
             if job.error is not None:
                 raise job.error
+        return None
+
+    def _start(self, state: Any, uri: str, md: dict[str, Any], overwrite: bool) -> Optional[SaveHandle]:
+        """The async save's handle, or None once a synchronous save committed."""
+        if self.async_save:
+            return _async_save(state, uri, metadata=md, max_in_flight=1, overwrite=overwrite, **self._dist_kwargs())
+        _save(state, uri, metadata=md, overwrite=overwrite, **self._dist_kwargs())
         return None
 
     def _settle_handles(self) -> None:
