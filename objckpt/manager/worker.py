@@ -9,7 +9,9 @@ learns steps in the order they were saved, and a deletion only ever follows
 the commit of a newer step.
 
 Deletion order for each step out of policy: first the step leaves the index
-(a conditional index update, so a concurrent writer's new step is never lost),
+(in the same conditional index update that adds the newly committed step, the
+policy evaluated on the version that update is based on, so a concurrent
+writer's new step is never lost),
 then :func:`objckpt.deletion.delete_checkpoint` removes its manifest (the
 checkpoint stops existing) and then the objects that manifest names.  A step
 that is not in the index — a save of another manager still in flight — is
@@ -57,20 +59,27 @@ class RetentionReport:
 
 
 def apply_retention(index: StepIndex, policy: RetentionPolicy, root_uri: str, dry_run: bool = False,
-                    doc: Optional[IndexDoc] = None) -> RetentionReport:
-    """Delete the indexed steps ``policy`` does not keep (see the module docstring for the order).
-    ``doc``: the index as just written (saves reading it again); a stale one is harmless, the
-    removal itself is a conditional update on the newest version."""
-    report = RetentionReport()
+                    ) -> RetentionReport:
+    """Delete the indexed steps ``policy`` does not keep (see the module docstring for the order)."""
     if not policy.deletes:
-        return report
-    doc = doc if doc is not None else _runtime.run(index.read())
-    doomed = steps_to_delete(policy, [(e.step, e.metadata) for e in doc.steps])
-    if dry_run or not doomed:
-        report.deleted = doomed
-        return report
-    _runtime.run(index.remove(set(doomed)))
-    for step in doomed:
+        return RetentionReport()
+    if dry_run:
+        doc = _runtime.run(index.read())
+        return RetentionReport(deleted=steps_to_delete(policy, [(e.step, e.metadata) for e in doc.steps]))
+    doomed: list[int] = []
+
+    def change(d: IndexDoc) -> IndexDoc:
+        doomed[:] = steps_to_delete(policy, [(e.step, e.metadata) for e in d.steps])
+        return d.without(set(doomed))
+
+    _runtime.run(index.update(change))
+    return delete_steps(index, doomed, root_uri)
+
+
+def delete_steps(index: StepIndex, steps: list[int], root_uri: str) -> RetentionReport:
+    """``objckpt.delete`` each step (already out of the index): manifest first, then its objects."""
+    report = RetentionReport()
+    for step in steps:
         prefix = index.step_prefix(step)
         try:
             _runtime.run(delete_checkpoint(index.store, prefix, f"{root_uri}/{prefix.rsplit('/', 1)[-1]}"))
@@ -128,11 +137,22 @@ class Worker:
                 self._jobs.task_done()
 
     def _commit(self, job: CommitJob) -> None:
+        """Index the step and drop what falls out of the policy in ONE conditional update
+        (the policy is evaluated on the version the update is based on), then delete those."""
+        doomed: list[int] = []
+
+        def change(d: IndexDoc) -> IndexDoc:
+            d = d.with_step(entry)
+            if not self.policy.deletes:
+                return d
+            doomed[:] = steps_to_delete(self.policy, [(e.step, e.metadata) for e in d.steps])
+            return d.without(set(doomed))
+
         try:
             if job.handle is not None:
                 job.handle.result()  # the save's own error is raised to every rank by the manager
             entry = _runtime.run(self.index.describe_step(job.step, job.metadata))
-            doc = _runtime.run(self.index.add(entry))
+            _runtime.run(self.index.update(change))
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             job.error = e
             if job.handle is None or job.handle.exception() is None:
@@ -142,7 +162,7 @@ class Worker:
         finally:
             job.indexed.set()
         try:
-            self.last_retention = apply_retention(self.index, self.policy, self.root_uri, doc=doc)
+            self.last_retention = delete_steps(self.index, doomed, self.root_uri)
             if self.last_retention.failed:
                 log.warning("objckpt: retention could not delete %s", self.last_retention.failed)
         except BaseException as e:  # noqa: BLE001
