@@ -97,8 +97,11 @@ def test_missing_or_corrupt_head_falls_back_to_one_listing_and_repairs(
     head = "run/_objckpt_index/head.json"
     proxy = CountingProxy(moto_endpoint).start()
     popts = {**opts, "endpoint_url": proxy.url}
-    for damage in ("missing", "corrupt", "no-index-at-all"):
-        if damage == "missing":
+    for damage in ("stale", "missing", "corrupt", "no-index-at-all"):
+        if damage == "stale":  # a hint behind the chain (its writer died between its two PUTs): walk forward
+            first = s3.get_object(Bucket=bucket, Key="run/_objckpt_index/v-000000000000.json")["Body"].read()
+            s3.put_object(Bucket=bucket, Key=head, Body=first)
+        elif damage == "missing":
             s3.delete_object(Bucket=bucket, Key=head)
         elif damage == "corrupt":
             s3.put_object(Bucket=bucket, Key=head, Body=b'{"kind": "objckpt-step-index", "seq": 9')
@@ -108,7 +111,7 @@ def test_missing_or_corrupt_head_falls_back_to_one_listing_and_repairs(
         proxy.reset()
         fresh = objckpt.CheckpointManager(root, storage_options=popts)
         assert fresh.latest_step() == 3, damage
-        assert proxy.counts().get("LIST") == 1, (damage, proxy.requests)
+        assert proxy.counts().get("LIST", 0) == (0 if damage == "stale" else 1), (damage, proxy.requests)
         proxy.reset()
         assert fresh.steps() == [1, 2, 3]  # repaired: no LIST any more
         assert "LIST" not in proxy.counts(), (damage, proxy.requests)

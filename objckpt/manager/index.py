@@ -36,7 +36,12 @@ can always be rebuilt (:func:`rebuild`).
 
 Old versions are deleted :data:`KEEP_VERSIONS` behind the head, so a reader
 walking forward from a hint that lags by fewer than that many commits never
-falls into a gap.  The documents are sealed JSON (a crc32c field, as
+falls into a gap.  A writer checks, after its hint PUT, that no newer version
+appeared meanwhile (one GET, normally a 404) and otherwise puts the newest
+hint back, so a hint only stays behind when its writer stalled between its
+two PUTs *and* died right after the late one; a gap needs that and 64 commits
+by others in between (the residual risk: the next update would then be based
+on the lagging version).  The documents are sealed JSON (a crc32c field, as
 manifests), so a damaged one is detected rather than trusted.
 """
 from __future__ import annotations
@@ -290,6 +295,11 @@ class StepIndex:
             return base  # nothing to change (e.g. removing a step that is not indexed)
         new = await self._append(base, change)
         await self._put_hint(new)
+        # our hint PUT may have landed after a newer writer's (we stalled between our two
+        # PUTs): one GET tells, and the newest hint goes back in
+        newest = await self._forward(new)
+        if newest.seq != new.seq:
+            await self._put_hint(newest)
         old = new.seq - KEEP_VERSIONS
         if old >= 0:
             await self.store.delete([self._version_key(old)])
