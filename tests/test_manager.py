@@ -11,8 +11,8 @@ import torch
 import objckpt
 from objckpt import _runtime
 from objckpt.errors import CheckpointExistsError, NotFoundError
-from objckpt.manager.index import StepIndex, StepEntry
-from objckpt.manager.retention import RetentionPolicy, steps_to_keep
+from objckpt.manager.index import InvalidStepError, StepEntry, StepIndex
+from objckpt.manager.retention import RetentionPolicy, RetentionPolicyError, steps_to_keep
 from objckpt.testing.http_count import CountingProxy
 from conftest import assert_same
 
@@ -63,7 +63,7 @@ def test_keep_best_by_metadata(moto_s3: tuple[str, dict[str, Any]]) -> None:
         assert m.steps() == [2, 4, 6]  # the two lowest losses and the newest
         entries = {e.step: e for e in m.entries().steps}
         assert entries[4].metadata == {"loss": 0.1} and entries[4].bytes > 0 and entries[4].time > 0
-    with pytest.raises(ValueError, match="best_key"):
+    with pytest.raises(RetentionPolicyError, match="best_key"):
         objckpt.CheckpointManager(f"s3://{bucket}/r2", keep_best=1, storage_options=opts)
     assert steps_to_keep(RetentionPolicy(keep_best=1, best_key="acc"), [(1, {"acc": 0.5}), (2, {"acc": 0.9}),
                                                                        (3, {}), (4, {"acc": 0.1})]) == {2, 4}
@@ -192,8 +192,12 @@ def test_bad_input_names_the_step(moto_s3: tuple[str, dict[str, Any]]) -> None:
     with objckpt.CheckpointManager(f"s3://{bucket}/run", storage_options=opts) as m:
         with pytest.raises(NotFoundError, match="no committed step"):
             m.load({"w": torch.zeros(2)})
-        with pytest.raises(ValueError, match="non-negative int"):
+        with pytest.raises(InvalidStepError, match="non-negative integer, got -1"):
             m.save(-1, {"w": torch.zeros(2)})
+        with pytest.raises(InvalidStepError, match="got 1.5"):
+            m.save(1.5, {"w": torch.zeros(2)})  # type: ignore[arg-type]
+        with pytest.raises(RetentionPolicyError, match="keep_last"):
+            objckpt.CheckpointManager(f"s3://{bucket}/x", keep_last=0, storage_options=opts)
         m.save(7, {"w": torch.zeros(2)})
         m.delete(7)
         assert m.steps() == [] and m.latest_step() is None

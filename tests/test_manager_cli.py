@@ -53,4 +53,8 @@ def test_ls_rm_prune(moto_s3: tuple[str, dict[str, Any]], moto_endpoint: str,
     assert main(["rm", f"{root}/step-0000000040", *ep]) == 2
     assert "step-0000000040" in capsys.readouterr().err
     assert main(["prune", root, *ep]) == 2
-    assert "--keep-last" in capsys.readouterr().out
+    assert "--keep-last" in capsys.readouterr().err
+    assert main(["prune", root, "--keep-last", "0", *ep]) == 2
+    assert "keep_last must be a positive int" in capsys.readouterr().err
+    assert main(["prune", root, "--keep-best", "1", *ep]) == 2
+    assert "best_key" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from ..deletion import delete_checkpoint
 from ..format import keys
 from ..storage import open_store, split_uri
 from .index import INDEX_DIR, HEAD_NAME, StepIndex, parse_step_name, step_name
-from .retention import RetentionPolicy
+from .retention import RetentionPolicy, RetentionPolicyError
 from .worker import apply_retention
 
 Opts = Callable[[argparse.Namespace], Optional[dict[str, Any]]]
@@ -85,14 +85,9 @@ def cmd_rm(args: argparse.Namespace, opts: Opts) -> int:
 
 
 def cmd_prune(args: argparse.Namespace, opts: Opts) -> int:
-    try:
-        policy = RetentionPolicy(args.keep_last, args.keep_every, args.keep_best, args.best_key, args.best_mode)
-    except ValueError as e:
-        print(f"objckpt prune: error: {e}")
-        return 2
+    policy = RetentionPolicy(args.keep_last, args.keep_every, args.keep_best, args.best_key, args.best_mode)
     if not policy.deletes:
-        print("objckpt prune: error: give at least one of --keep-last, --keep-every, --keep-best")
-        return 2
+        raise RetentionPolicyError("prune: give at least one of --keep-last, --keep-every, --keep-best")
     root = args.uri.rstrip("/")
     store, prefix = open_store(root, opts(args))
     index = StepIndex(store, prefix)

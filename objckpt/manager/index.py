@@ -46,6 +46,7 @@ manifests), so a damaged one is detected rather than trusted.
 """
 from __future__ import annotations
 
+import operator
 import re
 import time
 from dataclasses import dataclass, field, replace
@@ -69,15 +70,24 @@ KEEP_VERSIONS = 64
 MAX_CAS_ATTEMPTS = 50
 
 
-class IndexError_(ObjckptError):  # noqa: N801 - not the built-in IndexError
-    """The step index could not be updated (too much contention)."""
+class IndexContentionError(ObjckptError, TimeoutError):
+    """The step index could not be updated: every conditional write lost to another writer."""
+
+
+class InvalidStepError(ObjckptError, ValueError):
+    """A step that cannot name a checkpoint (negative, not an integer)."""
 
 
 def step_name(step: int) -> str:
-    """The folder of ``step`` under the root: ``step-`` and 10 digits, so raw listings sort."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"a checkpoint step must be a non-negative int, got {step!r}")
-    return STEP_FORMAT.format(step)
+    """The folder of ``step`` under the root: ``step-`` and 10 digits, so raw listings sort
+    (up to step 9,999,999,999; larger steps get more digits and sort after them by length only)."""
+    try:
+        n = operator.index(step)  # ints, numpy and 0-d integer torch values; not floats or bools
+    except TypeError:
+        n = -1
+    if isinstance(step, bool) or n < 0:
+        raise InvalidStepError(f"a checkpoint step must be a non-negative integer, got {step!r}")
+    return STEP_FORMAT.format(n)
 
 
 def parse_step_name(name: str) -> Optional[int]:
@@ -284,7 +294,7 @@ class StepIndex:
                     doc = await self.read()
                 continue
             return new
-        raise IndexError_(f"step index under {self.root!r}: gave up after {MAX_CAS_ATTEMPTS} conditional "
+        raise IndexContentionError(f"step index under {self.root!r}: gave up after {MAX_CAS_ATTEMPTS} conditional "
                           "writes lost to other writers")
 
     async def update(self, change: Callable[[IndexDoc], IndexDoc]) -> IndexDoc:

@@ -25,6 +25,7 @@ failed save raises on every rank.
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 from typing import Any, Optional
 
 from .. import _runtime
@@ -87,6 +88,7 @@ class CheckpointManager:
         else None once committed and indexed.  A step already committed raises
         :class:`CheckpointExistsError`."""
         uri = self.step_uri(step)  # validates step
+        step = operator.index(step)
         md = dict(metadata or {})
         self._settle_handles()
         try:

@@ -17,6 +17,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from ..errors import ObjckptError
+
+
+class RetentionPolicyError(ObjckptError, ValueError):
+    """A retention rule that cannot work (a non-positive count, keep_best without best_key)."""
+
 
 @dataclass(frozen=True)
 class RetentionPolicy:
@@ -30,11 +36,11 @@ class RetentionPolicy:
         for name in ("keep_last", "keep_every", "keep_best"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+                raise RetentionPolicyError(f"{name} must be a positive int or None, got {v!r}")
         if self.keep_best is not None and not self.best_key:
-            raise ValueError("keep_best needs best_key (the metadata key that ranks steps)")
+            raise RetentionPolicyError("keep_best needs best_key (the metadata key that ranks steps)")
         if self.best_mode not in ("max", "min"):
-            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+            raise RetentionPolicyError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
 
     @property
     def deletes(self) -> bool:

@@ -17,15 +17,18 @@ checkpoint stops existing) and then the objects that manifest names.  A step
 that is not in the index — a save of another manager still in flight — is
 never a candidate, so retention never deletes a step someone is writing.
 
-The thread is not a daemon: at interpreter exit it finishes the queued jobs
-(an un-indexed commit would otherwise be invisible to ``latest_step()`` until
-a :meth:`StepIndex.rebuild`), then stops.
+At interpreter exit the queued jobs are finished (an un-indexed commit would
+otherwise be invisible to ``latest_step()`` until a :meth:`StepIndex.rebuild`)
+by a threading exit hook, which runs before ``concurrent.futures`` stops
+accepting work (the I/O needs its pools) and after objckpt's hook that waits
+for async saves in flight (registered later, so it runs earlier).
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -92,6 +95,31 @@ def delete_steps(index: StepIndex, steps: list[int], root_uri: str) -> Retention
     return report
 
 
+_live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_installed = [False]
+
+
+def _drain_at_exit() -> None:
+    for w in list(_live):
+        for e in w.join():
+            log.warning("objckpt: checkpoint manager under %s: %s: %s", w.root_uri, type(e).__name__, e)
+
+
+def _install_exit_hook() -> None:
+    with _hook_lock:
+        if _hook_installed[0]:
+            return
+        _hook_installed[0] = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_drain_at_exit)
+    else:  # pragma: no cover - very old Python
+        import atexit
+
+        atexit.register(_drain_at_exit)
+
+
 class Worker:
     """One thread that runs :class:`CommitJob` s in order."""
 
@@ -103,8 +131,10 @@ class Worker:
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self.last_retention = RetentionReport()
-        self._thread = threading.Thread(target=self._run, name="objckpt-manager", daemon=False)
+        self._thread = threading.Thread(target=self._run, name="objckpt-manager", daemon=True)
         self._thread.start()
+        _install_exit_hook()
+        _live.add(self)
 
     def submit(self, job: CommitJob) -> None:
         self._jobs.put(job)
@@ -122,12 +152,7 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            try:
-                job = self._jobs.get(timeout=0.5)
-            except queue.Empty:
-                if not threading.main_thread().is_alive():
-                    return  # interpreter exit and nothing queued
-                continue
+            job = self._jobs.get()
             if job is None:
                 self._jobs.task_done()
                 return
