@@ -225,3 +225,28 @@ def test_commit_without_index_update_is_replaced_or_adopted(moto_s3: tuple[str, 
             m.save(3, _state(3))
         assert m.reindex() == [2, 3, 4] and m.latest_step() == 4
         assert m.entries().get(4).metadata == {"k": 4}
+
+
+def test_damaged_versions_are_repaired_from_the_manifests(tmp_path: Any) -> None:
+    """A version after the hint that is garbage, or holds the wrong sequence number (a walk
+    that would never end), is detected; the index is rebuilt from the manifests."""
+    root = str(tmp_path / "run")
+    with objckpt.CheckpointManager(root) as m:
+        for step in (1, 2):
+            m.save(step, _state(step), metadata={"s": step})
+    idx = tmp_path / "run" / "_objckpt_index"
+    v0 = (idx / "v-000000000000.json").read_bytes()
+    head = (idx / "head.json").read_bytes()  # seq 1
+    for bad in (b"garbage", v0):  # v0's document under the name of version 2
+        (idx / "v-000000000002.json").write_bytes(bad)
+        (idx / "head.json").write_bytes(head)
+        fresh = objckpt.CheckpointManager(root)
+        assert fresh.steps() == [1, 2]
+        assert [e.metadata for e in fresh.entries().steps] == [{"s": 1}, {"s": 2}]
+        fresh.save(3, _state(3))
+        assert fresh.steps() == [1, 2, 3]
+        fresh.close()
+        objckpt.CheckpointManager(root).delete(3)
+        for v in idx.glob("v-*.json"):
+            if v.name > "v-000000000002.json":
+                v.unlink()

@@ -187,18 +187,22 @@ class StepIndex:
         return keys.join(self.root, INDEX_DIR, HEAD_NAME)
 
     # -- reading ------------------------------------------------------------------------------
-    async def _get_doc(self, key: str) -> Optional[IndexDoc]:
-        """The document at ``key``; None when absent; CorruptCheckpointError when damaged."""
+    async def _get_doc(self, key: str, seq: Optional[int] = None) -> Optional[IndexDoc]:
+        """The document at ``key``; None when absent; CorruptCheckpointError when damaged
+        (or, for a version, when it does not hold sequence number ``seq``: a walk must advance)."""
         try:
             raw = await self.store.get(key)
         except NotFoundError:
             return None
-        return decode_doc(raw, key)
+        doc = decode_doc(raw, key)
+        if seq is not None and doc.seq != seq:
+            raise CorruptCheckpointError(f"step index {key!r}: holds sequence number {doc.seq}, not {seq}")
+        return doc
 
     async def _forward(self, doc: IndexDoc) -> IndexDoc:
         """Walk from ``doc`` to the newest version (normally one 404)."""
         while True:
-            nxt = await self._get_doc(self._version_key(doc.seq + 1))
+            nxt = await self._get_doc(self._version_key(doc.seq + 1), doc.seq + 1)
             if nxt is None:
                 return doc
             doc = nxt
@@ -244,7 +248,7 @@ class StepIndex:
         if not seqs:
             return None
         try:
-            doc = await self._get_doc(self._version_key(seqs[0]))
+            doc = await self._get_doc(self._version_key(seqs[0]), seqs[0])
             if doc is not None:
                 return await self._forward(doc)
         except CorruptCheckpointError:

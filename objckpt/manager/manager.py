@@ -207,4 +207,4 @@ class CheckpointManager:
         return self._on_root(lambda: apply_retention(self.index, self.policy, self.root, dry_run))
 
 
-__all__ = ["CheckpointManager", "CheckpointExistsError"]
+__all__ = ["CheckpointManager"]
