@@ -35,20 +35,24 @@ def test_ls_rm_prune(moto_s3: tuple[str, dict[str, Any]], moto_endpoint: str,
     assert main(["ls", root, "--objects", *ep]) == 0
     assert capsys.readouterr().out.split() == [f"{root}/step-{s * 10:010d}" for s in range(1, 6)]
 
+    # committed but never indexed (as a save killed before its index update leaves it): prune adopts it
+    objckpt.save({"w": torch.randn(100)}, f"{root}/step-0000000060", storage_options=opts)
     assert main(["prune", root, "--keep-last", "2", "--keep-every", "20", "--dry-run", *ep]) == 0
     out = capsys.readouterr().out
-    assert "would delete step 10 " in out and "would delete step 30 " in out and "kept [20, 40, 50]" in out
-    assert len(_step_dirs(bucket, opts)) == 5  # a dry run deletes nothing
+    assert "would delete step 10 " in out and "would delete step 30 " in out
+    assert "would delete 2 of 6 step(s); kept [20, 40, 50, 60]" in out
+    assert len(_step_dirs(bucket, opts)) == 6  # a dry run deletes nothing
+    assert objckpt.CheckpointManager(root, storage_options=opts).steps() == [10, 20, 30, 40, 50]  # nor writes
 
     assert main(["prune", root, "--keep-last", "2", "--keep-every", "20", *ep]) == 0
-    assert "deleted 2 of 5 step(s); kept [20, 40, 50]" in capsys.readouterr().out
-    assert _step_dirs(bucket, opts) == ["step-0000000020", "step-0000000040", "step-0000000050"]
+    assert "deleted 2 of 6 step(s); kept [20, 40, 50, 60]" in capsys.readouterr().out
+    assert _step_dirs(bucket, opts) == ["step-0000000020", "step-0000000040", "step-0000000050", "step-0000000060"]
 
     assert main(["rm", f"{root}/step-0000000040", *ep]) == 0
     out = capsys.readouterr().out
     assert "removed step 40 from the index" in out and "deleted" in out
-    assert _step_dirs(bucket, opts) == ["step-0000000020", "step-0000000050"]
-    assert objckpt.CheckpointManager(root, storage_options=opts).steps() == [20, 50]
+    assert _step_dirs(bucket, opts) == ["step-0000000020", "step-0000000050", "step-0000000060"]
+    assert objckpt.CheckpointManager(root, storage_options=opts).steps() == [20, 50, 60]
 
     assert main(["rm", f"{root}/step-0000000040", *ep]) == 2
     assert "step-0000000040" in capsys.readouterr().err

@@ -8,7 +8,9 @@
   URI is a step of a manager root, the step leaves the index first.
 * ``prune ROOT --keep-last M --keep-every K [--keep-best N --best-key KEY]
   [--dry-run]``: apply a retention policy once (same rules and order as the
-  manager's background retention).
+  manager's background retention), over every committed step: steps missing
+  from the index (saves killed before their index update, plain ``objckpt.save``
+  into ``step-<10 digits>``) are adopted first (one LIST).
 """
 from __future__ import annotations
 
@@ -91,8 +93,8 @@ def cmd_prune(args: argparse.Namespace, opts: Opts) -> int:
     root = args.uri.rstrip("/")
     store, prefix = open_store(root, opts(args))
     index = StepIndex(store, prefix)
-    before = _runtime.run(index.read()).step_numbers()
-    report = apply_retention(index, policy, root, dry_run=args.dry_run)
+    before = _runtime.run(index.survey()).step_numbers()
+    report = apply_retention(index, policy, root, dry_run=args.dry_run, adopt=True)
     verb = "would delete" if args.dry_run else "deleted"
     for s in report.deleted:
         print(f"  {verb} step {s} ({root}/{step_name(s)})")

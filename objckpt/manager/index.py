@@ -325,6 +325,22 @@ class StepIndex:
     async def remove(self, steps: "set[int]") -> IndexDoc:
         return await self.update(lambda d: d.without(steps))
 
+    async def survey(self) -> IndexDoc:
+        """Read-only: the index with the committed steps it misses adopted (LIST + a GET per
+        unindexed manifest); what :meth:`rebuild` would write, for dry runs."""
+        current = await self.read(repair=False)
+        listing = await self.store.list(self.root + "/" if self.root else "")
+        base = self.root + "/" if self.root else ""
+        have = set(current.step_numbers())
+        extra = []
+        for o in listing:
+            parts = o.key[len(base):].split("/")
+            if len(parts) == 2 and parts[1] == keys.MANIFEST_NAME:
+                step = parse_step_name(parts[0])
+                if step is not None and step not in have:
+                    extra.append(await self.describe_step(step, fallback_time=o.mtime or 0.0))
+        return current.adopt(tuple(extra))
+
     async def rebuild(self) -> IndexDoc:
         """Make the index agree with the committed checkpoints (LIST + a GET per manifest):
         adopts steps committed but never indexed (a save killed between its manifest and

@@ -62,12 +62,15 @@ class RetentionReport:
 
 
 def apply_retention(index: StepIndex, policy: RetentionPolicy, root_uri: str, dry_run: bool = False,
-                    ) -> RetentionReport:
-    """Delete the indexed steps ``policy`` does not keep (see the module docstring for the order)."""
+                    adopt: bool = False) -> RetentionReport:
+    """Delete the indexed steps ``policy`` does not keep (see the module docstring for the order).
+    ``adopt``: first adopt committed steps missing from the index (a LIST; ``objckpt prune``)."""
     if not policy.deletes:
         return RetentionReport()
+    if adopt and not dry_run:
+        _runtime.run(index.rebuild())
     if dry_run:
-        doc = _runtime.run(index.read())
+        doc = _runtime.run(index.survey() if adopt else index.read(repair=False))
         return RetentionReport(deleted=steps_to_delete(policy, [(e.step, e.metadata) for e in doc.steps]))
     doomed: list[int] = []
 
