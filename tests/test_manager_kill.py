@@ -71,3 +71,25 @@ def test_sigkill_during_upload_leaves_previous_step_latest_and_gc_cleans(moto_s3
     assert s3.list_objects_v2(Bucket=bucket, Prefix="run/step-0000000002/").get("KeyCount", 0) == 0
     # step 1 and the index are untouched by gc
     assert objckpt.CheckpointManager(root, storage_options=opts).steps() == [1]
+
+
+EXITING = r"""
+import sys, torch, objckpt
+m = objckpt.CheckpointManager(sys.argv[1], keep_last=1, async_save=True)
+for s in range(1, 4):
+    m.save(s, {"w": torch.full((1 << 16,), float(s))})
+# no wait(), no close(): the interpreter exits with a save in flight and index/retention jobs queued
+"""
+
+
+def test_exit_without_wait_still_commits_indexes_and_prunes(tmp_path: Any) -> None:
+    root = tmp_path / "run"
+    subprocess.run([sys.executable, "-c", EXITING, str(root)], check=True, timeout=120,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert sorted(p.name for p in root.iterdir()) == ["_objckpt_index", "step-0000000003"]
+    m = objckpt.CheckpointManager(str(root))
+    assert m.steps() == [3]
+    st = {"w": torch.zeros(1 << 16)}
+    m.load(st)
+    assert torch.equal(st["w"], torch.full((1 << 16,), 3.0))
+    m.close()
