@@ -93,3 +93,54 @@ def test_exit_without_wait_still_commits_indexes_and_prunes(tmp_path: Any) -> No
     m.load(st)
     assert torch.equal(st["w"], torch.full((1 << 16,), 3.0))
     m.close()
+
+
+OLD_JOB = r"""
+import json, sys, torch, objckpt
+m = objckpt.CheckpointManager(sys.argv[1], storage_options=json.loads(sys.argv[2]))
+for s in range(1, 100):
+    m.save(s, {"w": torch.full((256,), float(s))})
+    print(f"indexed {s}", flush=True)  # save() returned: committed and in the index
+"""
+
+
+def test_restarted_job_beside_a_dying_one_loses_no_indexed_step(moto_s3: tuple[str, dict[str, Any]]) -> None:
+    """The old job keeps saving while the restarted one saves too, then is SIGKILLed:
+    every step either reported as indexed is still in the index, and nothing indexed is dangling."""
+    import threading
+
+    bucket, opts = moto_s3
+    root = f"s3://{bucket}/run"
+    old = subprocess.Popen([sys.executable, "-c", OLD_JOB, root, json.dumps(opts)], stdout=subprocess.PIPE,
+                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    reported: list[int] = []
+    two = threading.Event()
+
+    def read() -> None:
+        assert old.stdout is not None
+        for line in old.stdout:
+            reported.append(int(line.split()[1]))
+            if len(reported) >= 2:
+                two.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert two.wait(120), "the old job never saved"
+        new = objckpt.CheckpointManager(root, storage_options=opts)
+        for step in range(100, 105):
+            new.save(step, {"w": torch.full((256,), float(step))})
+            if step == 102:
+                old.send_signal(signal.SIGKILL)
+        old.wait(timeout=30)
+        reader.join(timeout=10)
+    finally:
+        if old.poll() is None:
+            old.kill()
+    assert old.returncode == -signal.SIGKILL and reported
+    indexed = new.steps()
+    assert set(reported) | set(range(100, 105)) <= set(indexed), (reported, indexed)
+    s3 = boto3.client("s3", **opts)
+    for step in indexed:  # nothing indexed without its manifest
+        s3.head_object(Bucket=bucket, Key=f"run/step-{step:010d}/manifest.json")
+    new.close()
