@@ -8,6 +8,7 @@ from __future__ import annotations
 from ._version import __version__
 from .api import async_save, delete, inspect, load, read, save
 from .compare import DiffReport, diff
+from .manager import CheckpointManager
 from .distributed.placements import Shard
 from .errors import (
     BlobMissingError,
@@ -42,6 +43,7 @@ __all__ = [
     "diff",
     "CopyReport",
     "DiffReport",
+    "CheckpointManager",
     "Shard",
     "SaveResult",
     "LoadResult",

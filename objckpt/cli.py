@@ -1,4 +1,4 @@
-"""Command line: ``objckpt demo | ls | info | verify | cp | diff | gc | bench``.
+"""Command line: ``objckpt demo | ls | info | verify | cp | diff | gc | rm | prune | bench``.
 
 The storage flags every command takes and the data-moving commands live in
 :mod:`objckpt.cli_ops`; this module registers the commands and runs one.
@@ -47,18 +47,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from . import _runtime
-    from .format import keys
-    from .storage import open_store, split_uri
+    """A manager root's steps from its index; else (or ``--objects``) the checkpoints under a prefix."""
+    from .manager.cli_commands import cmd_ls as run
 
-    store, prefix = open_store(args.uri, _opts(args))
-    scheme, root, _ = split_uri(args.uri)
-    base = "/" if scheme == "file" else f"{scheme}://{root}/"
-    objs = _runtime.run(store.list(prefix.rstrip("/") + "/" if prefix else ""))
-    found = sorted(o.key[: -len(keys.MANIFEST_NAME) - 1] for o in objs if o.key.endswith("/" + keys.MANIFEST_NAME))
-    for p in found:
-        print(base + p)
-    return 0
+    return run(args, _opts)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -108,19 +100,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     for name, fn, helptext in [
         ("info", cmd_info, "show a checkpoint's manifest"),
-        ("ls", cmd_ls, "list checkpoints under a prefix"),
+        ("ls", cmd_ls, "list the steps of a manager root (or the checkpoints under a prefix)"),
         ("gc", cmd_gc, "delete what failed or replaced saves left under a prefix"),
     ]:
         sp = sub.add_parser(name, parents=[common], help=helptext)
         sp.add_argument("uri")
         if name == "info":
             sp.add_argument("--json", action="store_true", help="print the raw manifest")
+        if name == "ls":
+            from .manager.cli_commands import add_ls_flags
+
+            add_ls_flags(sp)
         if name == "gc":
             sp.add_argument("--grace-hours", type=float, default=6.0,
                             help="leave garbage younger than this (saves in progress); default 6")
             sp.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
         sp.set_defaults(fn=fn)
     register(sub, common)
+    from .manager.cli_commands import register as register_manager_commands
+
+    register_manager_commands(sub, _opts, common)
 
     args = p.parse_args(argv)
     from .errors import ObjckptError

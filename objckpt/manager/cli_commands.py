@@ -1,0 +1,128 @@
+"""``objckpt ls | rm | prune``: the command logic (``objckpt.cli`` only registers the parsers).
+
+* ``ls ROOT``: the steps of a manager root from its index (one or two GETs,
+  no LIST), with size, date and metadata; a prefix without an index (plain
+  ``objckpt.save`` checkpoints) or ``--objects`` prints the raw listing of
+  committed checkpoints instead.  ``ls`` never writes, not even to repair.
+* ``rm URI``: :func:`objckpt.delete` (manifest first, then its objects); when
+  URI is a step of a manager root, the step leaves the index first.
+* ``prune ROOT --keep-last M --keep-every K [--keep-best N --best-key KEY]
+  [--dry-run]``: apply a retention policy once (same rules and order as the
+  manager's background retention), over every committed step: steps missing
+  from the index (saves killed before their index update, plain ``objckpt.save``
+  into ``step-<10 digits>``) are adopted first (one LIST).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Callable, Optional
+
+from .. import _runtime
+from ..deletion import delete_checkpoint
+from ..format import keys
+from ..storage import open_store, split_uri
+from .index import INDEX_DIR, HEAD_NAME, StepIndex, parse_step_name, step_name
+from .retention import RetentionPolicy, RetentionPolicyError
+from .worker import apply_retention
+
+Opts = Callable[[argparse.Namespace], Optional[dict[str, Any]]]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def raw_listing(uri: str, storage_options: Optional[dict[str, Any]]) -> list[str]:
+    """URIs of the committed checkpoints under ``uri`` (one LIST): every ``.../manifest.json``."""
+    store, prefix = open_store(uri, storage_options)
+    scheme, root, _ = split_uri(uri)
+    base = "/" if scheme == "file" else f"{scheme}://{root}/"
+    objs = _runtime.run(store.list(prefix.rstrip("/") + "/" if prefix else ""))
+    found = sorted(o.key[: -len(keys.MANIFEST_NAME) - 1] for o in objs if o.key.endswith("/" + keys.MANIFEST_NAME))
+    return [base + p for p in found]
+
+
+def cmd_ls(args: argparse.Namespace, opts: Opts) -> int:
+    if getattr(args, "objects", False):
+        for u in raw_listing(args.uri, opts(args)):
+            print(u)
+        return 0
+    store, prefix = open_store(args.uri, opts(args))
+    doc = _runtime.run(StepIndex(store, prefix).read(repair=False))
+    if doc.seq < 0 and not doc.steps:  # not a manager root: the plain listing
+        for u in raw_listing(args.uri, opts(args)):
+            print(u)
+        return 0
+    if getattr(args, "json", False):
+        print(json.dumps([e.to_json() for e in doc.steps], indent=1))
+        return 0
+    print(f"{'STEP':>10}  {'SIZE':>9}  {'SAVED (UTC)':<19}  METADATA")
+    for e in doc.steps:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.time)) if e.time else "?"
+        print(f"{e.step:>10}  {_size(e.bytes):>9}  {when:<19}  {json.dumps(e.metadata, sort_keys=True)}")
+    print(f"{len(doc.steps)} step(s) under {args.uri.rstrip('/')}/" + ("" if doc.seq >= 0 else
+          " (no index yet: read from the manifests)"))
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace, opts: Opts) -> int:
+    store, prefix = open_store(args.uri, opts(args))
+    parent, _, last = prefix.rpartition("/")
+    step = parse_step_name(last)
+    if step is not None and _runtime.run(store.head(keys.join(parent, INDEX_DIR, HEAD_NAME))) is not None:
+        index = StepIndex(store, parent)
+        if step in _runtime.run(index.read()).step_numbers():
+            _runtime.run(index.remove({step}))
+            print(f"removed step {step} from the index of {parent or '/'}")
+    report = _runtime.run(delete_checkpoint(store, prefix, args.uri))
+    print(f"deleted {args.uri}: manifest and {len(report.deleted)} object(s)"
+          + (" (manifest was unreadable: run gc for its objects)" if report.manifest_unreadable else ""))
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace, opts: Opts) -> int:
+    policy = RetentionPolicy(args.keep_last, args.keep_every, args.keep_best, args.best_key, args.best_mode)
+    if not policy.deletes:
+        raise RetentionPolicyError("prune: give at least one of --keep-last, --keep-every, --keep-best")
+    root = args.uri.rstrip("/")
+    store, prefix = open_store(root, opts(args))
+    index = StepIndex(store, prefix)
+    before = _runtime.run(index.survey()).step_numbers()
+    report = apply_retention(index, policy, root, dry_run=args.dry_run, adopt=True)
+    verb = "would delete" if args.dry_run else "deleted"
+    for s in report.deleted:
+        print(f"  {verb} step {s} ({root}/{step_name(s)})")
+    for s, why in report.failed.items():
+        print(f"  could not delete step {s}: {why}")
+    kept = [s for s in before if s not in report.deleted and s not in report.failed]
+    print(f"{verb} {len(report.deleted)} of {len(before)} step(s); kept {kept}")
+    return 1 if report.failed else 0
+
+
+def register(sub: Any, opts: Opts, common: Any) -> None:
+    """Add the ``rm`` and ``prune`` sub-commands (``ls`` is registered with the others);
+    ``common`` is the parent parser of the storage flags every command takes."""
+    r = sub.add_parser("rm", parents=[common], help="delete one checkpoint (manifest first, then its objects)")
+    r.add_argument("uri")
+    r.set_defaults(fn=lambda a: cmd_rm(a, opts))
+    p = sub.add_parser("prune", parents=[common], help="delete the steps of a manager root that a retention policy drops")
+    p.add_argument("uri", metavar="ROOT")
+    p.add_argument("--keep-last", type=int, help="keep the M newest steps")
+    p.add_argument("--keep-every", type=int, help="also keep every step divisible by K")
+    p.add_argument("--keep-best", type=int, help="also keep the N best steps by --best-key")
+    p.add_argument("--best-key", help="metadata key ranking steps for --keep-best")
+    p.add_argument("--best-mode", choices=("max", "min"), default="max", help="higher (max) or lower is better")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    p.set_defaults(fn=lambda a: cmd_prune(a, opts))
+
+
+def add_ls_flags(ls: Any) -> None:
+    ls.add_argument("--objects", action="store_true",
+                    help="the raw listing of committed checkpoints instead of the manager's index")
+    ls.add_argument("--json", action="store_true", help="the index entries as JSON")

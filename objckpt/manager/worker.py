@@ -1,0 +1,198 @@
+"""The manager's background worker (rank 0 only): index each commit, then apply retention.
+
+Why a worker: after a save commits, the index update (a few small requests)
+and the deletion of steps that fell out of the retention policy (a DeleteObjects
+per step) must not stall the training loop, and with ``async_save`` the commit
+itself happens in the background, so whoever waits for it has to be off the
+training thread too.  Jobs run one at a time in issue order, so the index
+learns steps in the order they were saved, and a deletion only ever follows
+the commit of a newer step.
+
+Deletion order for each step out of policy: first the step leaves the index
+(in the same conditional index update that adds the newly committed step, the
+policy evaluated on the version that update is based on, so a concurrent
+writer's new step is never lost),
+then :func:`objckpt.deletion.delete_checkpoint` removes its manifest (the
+checkpoint stops existing) and then the objects that manifest names.  A step
+that is not in the index — a save of another manager still in flight — is
+never a candidate, so retention never deletes a step someone is writing.
+
+At interpreter exit the queued jobs are finished (an un-indexed commit would
+otherwise be invisible to ``latest_step()`` until a :meth:`StepIndex.rebuild`)
+by a threading exit hook, which runs before ``concurrent.futures`` stops
+accepting work (the I/O needs its pools) and after objckpt's hook that waits
+for async saves in flight (registered later, so it runs earlier).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .. import _runtime
+from ..deletion import delete_checkpoint
+from ..errors import NotFoundError
+from ..save.background import SaveHandle
+from .index import IndexDoc, StepIndex
+from .retention import RetentionPolicy, steps_to_delete
+
+log = logging.getLogger("objckpt.manager")
+
+
+@dataclass
+class CommitJob:
+    """One save to index once it committed (``handle`` for async saves)."""
+
+    step: int
+    metadata: dict[str, Any]
+    handle: Optional[SaveHandle] = None
+    indexed: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class RetentionReport:
+    """What one retention pass removed."""
+
+    deleted: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+def apply_retention(index: StepIndex, policy: RetentionPolicy, root_uri: str, dry_run: bool = False,
+                    adopt: bool = False) -> RetentionReport:
+    """Delete the indexed steps ``policy`` does not keep (see the module docstring for the order).
+    ``adopt``: first adopt committed steps missing from the index (a LIST; ``objckpt prune``)."""
+    if not policy.deletes:
+        return RetentionReport()
+    if adopt and not dry_run:
+        _runtime.run(index.rebuild())
+    if dry_run:
+        doc = _runtime.run(index.survey() if adopt else index.read(repair=False))
+        return RetentionReport(deleted=steps_to_delete(policy, [(e.step, e.metadata) for e in doc.steps]))
+    doomed: list[int] = []
+
+    def change(d: IndexDoc) -> IndexDoc:
+        doomed[:] = steps_to_delete(policy, [(e.step, e.metadata) for e in d.steps])
+        return d.without(set(doomed))
+
+    _runtime.run(index.update(change))
+    return delete_steps(index, doomed, root_uri)
+
+
+def delete_steps(index: StepIndex, steps: list[int], root_uri: str) -> RetentionReport:
+    """``objckpt.delete`` each step (already out of the index): manifest first, then its objects."""
+    report = RetentionReport()
+    for step in steps:
+        prefix = index.step_prefix(step)
+        try:
+            _runtime.run(delete_checkpoint(index.store, prefix, f"{root_uri}/{prefix.rsplit('/', 1)[-1]}"))
+        except NotFoundError:
+            pass  # another manager deleted it first
+        except Exception as e:  # noqa: BLE001 - reported; the step is out of the index, gc cleans the rest
+            report.failed[step] = f"{type(e).__name__}: {e}"
+            continue
+        report.deleted.append(step)
+    return report
+
+
+_live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_installed = [False]
+
+
+def _drain_at_exit() -> None:
+    for w in list(_live):
+        for e in w.join():
+            log.warning("objckpt: checkpoint manager under %s: %s: %s", w.root_uri, type(e).__name__, e)
+
+
+def _install_exit_hook() -> None:
+    with _hook_lock:
+        if _hook_installed[0]:
+            return
+        _hook_installed[0] = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_drain_at_exit)
+    else:  # pragma: no cover - very old Python
+        import atexit
+
+        atexit.register(_drain_at_exit)
+
+
+class Worker:
+    """One thread that runs :class:`CommitJob` s in order."""
+
+    def __init__(self, index: StepIndex, policy: RetentionPolicy, root_uri: str) -> None:
+        self.index = index
+        self.policy = policy
+        self.root_uri = root_uri
+        self._jobs: "queue.Queue[Optional[CommitJob]]" = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self.last_retention = RetentionReport()
+        self._thread = threading.Thread(target=self._run, name="objckpt-manager", daemon=True)
+        self._thread.start()
+        _install_exit_hook()
+        _live.add(self)
+
+    def submit(self, job: CommitJob) -> None:
+        self._jobs.put(job)
+
+    def join(self) -> list[BaseException]:
+        """Wait for every job submitted so far; return (and forget) their errors."""
+        self._jobs.join()
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            try:
+                self._commit(job)
+            finally:
+                self._jobs.task_done()
+
+    def _commit(self, job: CommitJob) -> None:
+        """Index the step and drop what falls out of the policy in ONE conditional update
+        (the policy is evaluated on the version the update is based on), then delete those."""
+        doomed: list[int] = []
+
+        def change(d: IndexDoc) -> IndexDoc:
+            d = d.with_step(entry)
+            if not self.policy.deletes:
+                return d
+            doomed[:] = steps_to_delete(self.policy, [(e.step, e.metadata) for e in d.steps])
+            return d.without(set(doomed))
+
+        try:
+            if job.handle is not None:
+                job.handle.result()  # the save's own error is raised to every rank by the manager
+            entry = _runtime.run(self.index.describe_step(job.step, job.metadata))
+            _runtime.run(self.index.update(change))
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            job.error = e
+            if job.handle is None or job.handle.exception() is None:
+                with self._lock:
+                    self._errors.append(e)
+            return
+        finally:
+            job.indexed.set()
+        try:
+            self.last_retention = delete_steps(self.index, doomed, self.root_uri)
+            if self.last_retention.failed:
+                log.warning("objckpt: retention could not delete %s", self.last_retention.failed)
+        except BaseException as e:  # noqa: BLE001
+            with self._lock:
+                self._errors.append(e)
