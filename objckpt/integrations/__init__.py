@@ -1,0 +1,1 @@
+"""Bridges to other checkpoint systems and training stacks (DCP, Hugging Face, Lightning)."""
