@@ -117,6 +117,8 @@ class DcpView:
     placeholders: dict[int, tuple[torch.Tensor, str]]
     #: fqns whose value is the exact torch.save bytes DCP wrote (not plain data)
     torch_save: set[str]
+    #: the whole decoded state, tensors stood in for by meta tensors (keys in ``placeholders``)
+    decoded: dict[str, Any]
 
 
 def dcp_view(tree: Any, tensor_meta: Callable[[str], tuple[torch.dtype, tuple[int, ...]]],
@@ -149,7 +151,7 @@ def dcp_view(tree: Any, tensor_meta: Callable[[str], tuple[torch.dtype, tuple[in
             tensors[fqn] = (hit[1], v.dtype, tuple(v.shape))
         else:
             values[fqn] = v
-    return DcpView(tensors, values, dict(mappings), refs, {k for k in torch_save_keys if k in values})
+    return DcpView(tensors, values, dict(mappings), refs, {k for k in torch_save_keys if k in values}, decoded)
 
 
 def materialize(value: Any, view: DcpView, read: Callable[[str], torch.Tensor]) -> Any:
