@@ -11,7 +11,9 @@ the checkpoint's size.
 * objckpt -> DCP: DCP's ``FileSystemWriter`` (or ``FsspecWriter`` for URLs) is
   driven with a state dict of meta tensors (shapes only) and a planner whose
   ``resolve_data`` reads each tensor from the checkpoint when DCP is about to
-  write it; DCP's serial loader writes it and lets it go;
+  write it.  One file per tensor (``single_file_per_rank=False``): DCP's writer keeps
+  every tensor of a file alive until the file is closed (torch 2.13), so one file
+  for everything would hold the whole checkpoint;
 * objckpt -> safetensors: :func:`objckpt.integrations.hf.export_safetensors`.
 """
 from __future__ import annotations
@@ -196,12 +198,13 @@ def objckpt_to_dcp(src: str, dst: str, storage_options: Optional[dict[str, Any]]
         fs, root = fsspec.core.url_to_fs(dst, **fsspec_options(dst, dst_options))
         if fs.exists(root.rstrip("/") + "/.metadata") and not overwrite:
             raise CheckpointExistsError(f"a DCP checkpoint already exists at {dst!r}; pass overwrite=True")
-        writer: Any = FsspecWriter(dst, thread_count=1, overwrite=True, **fsspec_options(dst, dst_options))
+        writer: Any = FsspecWriter(dst, single_file_per_rank=False, thread_count=1, overwrite=True,
+                                   **fsspec_options(dst, dst_options))
     else:
         if os.path.isfile(os.path.join(dst, ".metadata")) and not overwrite:
             raise CheckpointExistsError(f"a DCP checkpoint already exists at {dst!r}; pass overwrite=True")
         os.makedirs(dst, exist_ok=True)
-        writer = dcp.FileSystemWriter(dst, thread_count=1, overwrite=True)
+        writer = dcp.FileSystemWriter(dst, single_file_per_rank=False, thread_count=1, overwrite=True)
     written = [0, 0]
 
     class _Lazy(DefaultSavePlanner):

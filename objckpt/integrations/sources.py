@@ -6,9 +6,12 @@ encoded tree around them, then produces one tensor per ``load(key)`` and forgets
 it on ``release(key)``; :func:`objckpt.integrations.stream_write.write_checkpoint`
 asks for them in order.  How each keeps memory at about one tensor:
 
-* **DCP** (local directory, or any fsspec URL): DCP's own ``FileSystemReader`` /
-  ``FsspecReader`` reads the items of one tensor (its saved chunks) into one
-  buffer; reading the ``.metadata`` file means unpickling it, as DCP itself does.
+* **DCP** (local directory, or any fsspec URL): DCP's ``FileSystemReader`` /
+  ``FsspecReader`` reads the ``.metadata`` (unpickling it, as DCP itself does) and
+  the non-tensor values; each tensor's saved chunks are then read one range of a
+  file at a time, loaded with ``weights_only=True`` and copied into one buffer
+  (going through DCP's ``read_data`` for every tensor grew resident memory by
+  about a tensor per tensor, measured on torch 2.13).
 * **torch.save** (zip format): ``torch.load(mmap=True, weights_only=True)`` maps the
   file instead of reading it; once a tensor is copied out, its pages are dropped
   from the process (``madvise(MADV_DONTNEED)`` on the file-backed mapping; they
@@ -105,10 +108,12 @@ class DcpSource(Source):
         from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
+        self.path = path
+        self._fs_opts = fsspec_options(path, storage_options)
         if "://" in path:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-            self.reader: Any = FsspecReader(path, **fsspec_options(path, storage_options))
+            self.reader: Any = FsspecReader(path, **self._fs_opts)
         else:
             if not os.path.isfile(os.path.join(path, ".metadata")):
                 raise NotFoundError(f"{path!r} is not a DCP checkpoint directory (no .metadata in it)")
@@ -139,15 +144,44 @@ class DcpSource(Source):
         super().__init__(tensors, tree_from_flat(flat, self.md.planner_data), {META_KEY: {"torch_save": torch_save}})
 
     def load(self, key: str) -> torch.Tensor:
+        """One tensor, chunk by chunk: each saved chunk is read (one range of its file),
+        unpickled with ``weights_only`` and copied into place.  Chunks DCP stored through
+        stream transforms (compression extensions) go through DCP's own reader."""
         smd = self.md.state_dict_metadata[key]
         out = torch.empty(tuple(smd.size), dtype=smd.properties.dtype)
-        items = [self._ReadItem(type=self._TENSOR, dest_index=self._Index(key, c.offsets), dest_offsets=c.offsets,
-                                storage_index=self._Index(key, c.offsets),
-                                storage_offsets=torch.Size([0] * len(c.offsets)), lengths=c.sizes)
-                 for c in smd.chunks]
-        if items and out.numel():
+        if not out.numel():
+            return out
+        via_dcp = []
+        for c in smd.chunks:
+            info = self.md.storage_data.get(self._Index(key, c.offsets)) if isinstance(self.md.storage_data,
+                                                                                      dict) else None
+            if info is None or getattr(info, "transform_descriptors", None):
+                via_dcp.append(c)
+                continue
+            with self._open_rel(info.relative_path) as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            del data
+            dest = out
+            for d, (o, n) in enumerate(zip(c.offsets, c.sizes)):
+                dest = dest.narrow(d, o, n)
+            dest.copy_(part)
+            del part
+        if via_dcp:
+            items = [self._ReadItem(type=self._TENSOR, dest_index=self._Index(key, c.offsets), dest_offsets=c.offsets,
+                                    storage_index=self._Index(key, c.offsets),
+                                    storage_offsets=torch.Size([0] * len(c.offsets)), lengths=c.sizes)
+                     for c in via_dcp]
             self.reader.read_data(self._LoadPlan(items), _dcp_planner(out, {})).wait()
         return out
+
+    def _open_rel(self, rel: str) -> Any:
+        if "://" in self.path:
+            import fsspec
+
+            return fsspec.open(f"{self.path.rstrip('/')}/{rel}", "rb", **self._fs_opts).open()
+        return open(os.path.join(self.path, rel), "rb")
 
 
 # -- torch.save ----------------------------------------------------------------------------
