@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from typing import Any
 
@@ -24,10 +22,6 @@ from objckpt.cli import main as cli
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def _cli_subprocess(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "objckpt.cli", *args], capture_output=True, text=True, timeout=120)
-
-
 def _dcp_state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
     return {"model": {"w": torch.randn(70, 9, generator=g), "b": torch.arange(5), "h": torch.randn(4).half(),
@@ -35,7 +29,8 @@ def _dcp_state() -> dict[str, Any]:
             "step": 12, "sched": {"lr": 0.25, "gamma": [0.5, 0.1]}}
 
 
-def test_dcp_to_objckpt_to_dcp_round_trip(moto_s3: tuple[str, dict[str, Any]], tmp_path: Any) -> None:
+def test_dcp_to_objckpt_to_dcp_round_trip(moto_s3: tuple[str, dict[str, Any]], tmp_path: Any,
+                                          capsys: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     bucket, opts = moto_s3
@@ -45,9 +40,10 @@ def test_dcp_to_objckpt_to_dcp_round_trip(moto_s3: tuple[str, dict[str, Any]], t
         warnings.simplefilter("ignore")
         dcp.save(sd, checkpoint_id=src, no_dist=True)
     uri = f"s3://{bucket}/conv/ck"
-    r = _cli_subprocess("convert", src, uri, "--endpoint-url", opts["endpoint_url"])
-    assert r.returncode == 0, r.stderr
-    assert "converted dcp" in r.stdout and "4 tensors" in r.stdout
+    capsys.readouterr()
+    assert cli(["convert", src, uri, "--endpoint-url", opts["endpoint_url"]]) == 0
+    out = capsys.readouterr().out
+    assert "converted dcp" in out and "4 tensors" in out
     assert_same(sd, objckpt.read(uri, storage_options=opts))  # nested again, values plain
     assert cli(["convert", uri, back, "--endpoint-url", opts["endpoint_url"]]) == 0
     for where in (src, back):

@@ -129,12 +129,13 @@ class _Opaque:
         return isinstance(other, _Opaque) and other.x == self.x
 
 
-def test_single_process_values_and_objckpt_save_checkpoint(local_or_s3: tuple[str, dict[str, Any]]) -> None:
+def test_single_process_values_and_objckpt_save_checkpoint(moto_s3: tuple[str, dict[str, Any]]) -> None:
     import torch.distributed.checkpoint as dcp
 
     from objckpt.dcp import StorageReader, StorageWriter
 
-    uri, opts = local_or_s3
+    bucket, opts = moto_s3
+    uri = f"s3://{bucket}/one/ck"
     day = datetime.date(2026, 11, 24)
     sd = {"w": torch.randn(300, 5), "e": torch.empty(0, 3), "s": torch.tensor(2.5), "when": day,
           "obj": _Opaque(4), "nested": {"a": [torch.ones(2), "x"]}}

@@ -163,8 +163,8 @@ def convert(src: str, dst: str, *, src_format: "str | Format" = "auto", dst_form
         if dfmt == Format.SAFETENSORS:
             from .hf import ExportOptions, export_safetensors
 
-            r = export_safetensors(src, dst, ExportOptions(), storage_options=storage_options)
-            return ConvertResult(src, dst, sfmt, dfmt, r.tensors, r.nbytes)
+            ex = export_safetensors(src, dst, ExportOptions(), storage_options=storage_options)
+            return ConvertResult(src, dst, sfmt, dfmt, ex.tensors, ex.nbytes)
         raise UnsupportedFormatError(f"convert from objckpt writes dcp or safetensors, not {dfmt.value}")
     if dfmt != Format.OBJCKPT:
         raise UnsupportedFormatError(f"convert from {sfmt.value} writes objckpt, not {dfmt.value} "

@@ -191,7 +191,8 @@ class StorageWriter(dstore.StorageWriter):
         for it in plan.items:
             if it.type == dplan.WriteItemType.BYTE_IO:
                 data = planner.resolve_data(it)
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+                raw = (data.getvalue() if isinstance(data, io.BytesIO)
+                       else bytes(data.read()))  # type: ignore[union-attr,attr-defined]
                 results.append(dstore.WriteResult(index=it.index, size_in_bytes=len(raw), storage_data=_BytesOut(raw)))
             else:
                 tensor_items.append(it)
@@ -259,7 +260,8 @@ class StorageWriter(dstore.StorageWriter):
         per_item: dict[int, list[_ChunkOut]] = {i: [] for i in range(len(items))}
         for c in plan.chunks:
             i = int(c.key)
-            base = tuple(items[i].tensor_data.chunk.offsets) if items[i].tensor_data is not None else ()
+            td = items[i].tensor_data  # a tensor item's global box; absent only for a whole plain tensor
+            base = tuple(td.chunk.offsets) if td is not None else (0,) * len(c.offsets)
             offs = tuple(b + o for b, o in zip(base, c.offsets))
             k = crcs[c]
             per_item[i].append(_ChunkOut(offs, tuple(c.shape), c.blob, c.offset, c.length, k.total, k.blocks))

@@ -86,19 +86,21 @@ class SafetensorsFile:
         meta = header.pop("__metadata__", None) or {}
         self.metadata: dict[str, str] = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
         self.entries: list[StEntry] = []
-        for name, e in header.items():
-            ok = isinstance(e, dict) and isinstance(e.get("shape"), list) and isinstance(e.get("data_offsets"), list)
-            ok = ok and all(isinstance(d, int) and d >= 0 for d in e["shape"]) and len(e["data_offsets"]) == 2
+        for name, ent in header.items():
+            ok = isinstance(ent, dict) and isinstance(ent.get("shape"), list)
+            ok = ok and isinstance(ent.get("data_offsets"), list) and len(ent["data_offsets"]) == 2
+            ok = ok and all(isinstance(d, int) and d >= 0 for d in ent["shape"] + ent["data_offsets"])
             if not ok:
                 raise _bad(path, f"tensor {name!r}: entry malformed")
-            dt = ST_DTYPES.get(e.get("dtype"))
+            dt = ST_DTYPES.get(ent.get("dtype"))
             if dt is None:
-                raise UnsupportedFormatError(f"safetensors file {path!r}: tensor {name!r} has dtype {e.get('dtype')!r}, "
-                                             f"which objckpt does not read (known: {sorted(ST_DTYPES)})")
-            b, end = e["data_offsets"]
-            if end - b != math.prod(e["shape"]) * dt.itemsize:
-                raise _bad(path, f"tensor {name!r}: {end - b} bytes for shape {e['shape']} of {e['dtype']}")
-            self.entries.append(StEntry(name, dt, tuple(e["shape"]), b, end))
+                raise UnsupportedFormatError(f"safetensors file {path!r}: tensor {name!r} has dtype "
+                                             f"{ent.get('dtype')!r}, which objckpt does not read "
+                                             f"(known: {sorted(ST_DTYPES)})")
+            b, end = ent["data_offsets"]
+            if end - b != math.prod(ent["shape"]) * dt.itemsize:
+                raise _bad(path, f"tensor {name!r}: {end - b} bytes for shape {ent['shape']} of {ent['dtype']}")
+            self.entries.append(StEntry(name, dt, tuple(ent["shape"]), b, end))
         self.entries.sort(key=lambda s: s.begin)
         self._by_name = {s.name: s for s in self.entries}
 
@@ -108,7 +110,7 @@ class SafetensorsFile:
         buf = torch.empty(e.end - e.begin, dtype=torch.uint8)
         with _open(self.path, self.storage_options) as f:
             f.seek(self.data_start + e.begin)
-            got = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0  # type: ignore[attr-defined]
+            got = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0  # type: ignore[attr-defined,arg-type]
         if got != buf.numel():
             raise _bad(self.path, f"truncated: tensor {name!r} needs {buf.numel()} bytes, read {got}")
         return buf.view(e.dtype).reshape(e.shape)
@@ -146,7 +148,8 @@ def write_safetensors(path: str, entries: Sequence[tuple[str, torch.dtype, tuple
                     raise UnsupportedFormatError(f"tensor {name!r}: produced {t.dtype} {list(t.shape)}, "
                                                  f"expected {dtype} {list(shape)}")
                 if t.numel():
-                    f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                    f.write(memoryview(flat.numpy()))  # type: ignore[arg-type]
                 del t
             size = f.tell()
         os.replace(tmp, path)

@@ -153,8 +153,8 @@ class DcpSource(Source):
             return out
         via_dcp = []
         for c in smd.chunks:
-            info = self.md.storage_data.get(self._Index(key, c.offsets)) if isinstance(self.md.storage_data,
-                                                                                      dict) else None
+            sdata = self.md.storage_data
+            info = sdata.get(self._Index(key, c.offsets)) if isinstance(sdata, dict) else None
             if info is None or getattr(info, "transform_descriptors", None):
                 via_dcp.append(c)
                 continue
@@ -267,7 +267,8 @@ class SafetensorsSource(Source):
     """A safetensors file, or a directory of them (e.g. a Hugging Face sharded model)."""
 
     def __init__(self, path: str, storage_options: Optional[dict[str, Any]] = None) -> None:
-        files = [SafetensorsFile(p, fsspec_options(p, storage_options)) for p in _list_safetensors(path, storage_options)]
+        paths = _list_safetensors(path, storage_options)
+        files = [SafetensorsFile(p, fsspec_options(p, storage_options)) for p in paths]
         if not files:
             raise NotFoundError(f"{path!r} holds no .safetensors file")
         self._where: dict[str, SafetensorsFile] = {}

@@ -151,7 +151,7 @@ def write_checkpoint(uri: str, sources: Sequence[SourceTensor], load: Callable[[
                 buf = _stage(part, cur, whole)
                 found = part_crcs(part, buf, opts.crc_block)
                 crcs.update(zip(part.chunks, found))
-                view = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")
+                view = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")  # type: ignore[arg-type]
                 pending.append((_runtime.submit(w.write_part_views(part.index, part.offset, [view],
                                                                    crc32c=part_crc(part, found))), whole))
                 stats.add(part.size)
