@@ -4,12 +4,14 @@ Real DCP, real gloo processes, real moto S3 over HTTP.  A checkpoint written by
 ``dcp.save`` at world 2 (DTensors sharded two ways, a replicated DTensor, a plain
 tensor, plain values) is read back by ``dcp.load`` at world 3 into a different
 layout, by ``objckpt.load`` at world 3, and by ``objckpt.read`` in one process;
-``dcp.load`` also reads what ``objckpt.save`` wrote (one rank: v1 chunks; two ranks:
-v3 layouts with rank indexes).
+``dcp.load`` also reads what ``objckpt.save`` wrote (one rank, as a format v1 manifest;
+two ranks, as a format v2 manifest with layouts and rank indexes); and ``objckpt export``
+of a two-rank sharded Llama loads with ``from_pretrained``.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import warnings
 from typing import Any
 
@@ -45,7 +47,8 @@ def _state(mesh: Any, placements: dict[str, Any]) -> dict[str, Any]:
     return {"model": model, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in VALUES.items()}}
 
 
-def _save_world2(rank: int, world: int, uris: dict[str, str], opts: dict[str, Any]) -> bool:
+def _save_world2(rank: int, world: int, uris: dict[str, str], opts: dict[str, Any],
+                 llama: dict[str, torch.Tensor]) -> bool:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -58,6 +61,11 @@ def _save_world2(rank: int, world: int, uris: dict[str, str], opts: dict[str, An
     fut = dcp.async_save(sd, storage_writer=StorageWriter(storage_options=opts), checkpoint_id=uris["async"])
     fut.result()
     objckpt.save(sd, uris["objckpt2"], storage_options=opts)
+    # a sharded training state for test_convert_export's HF export (saved here: one spawn less)
+    from torch.distributed.tensor import distribute_tensor
+
+    objckpt.save({"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in llama.items()}, "step": 1},
+                 uris["llama"], storage_options=opts)
     # a second save to the same URI is refused on every rank, before anything is uploaded
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -104,10 +112,29 @@ def _load_world3(rank: int, world: int, uris: dict[str, str], opts: dict[str, An
     return True
 
 
-def test_dcp_save_world2_load_world3_and_objckpt_read(moto_s3: tuple[str, dict[str, Any]]) -> None:
+def _rewrite_as(uri: str, opts: dict[str, Any], version: int) -> None:
+    """Turn a committed manifest into an older (unsealed) format version, as older objckpt wrote it."""
+    from objckpt import _runtime
+    from objckpt.storage import open_store
+
+    st, prefix = open_store(uri, opts)
+    key = f"{prefix}/manifest.json"
+    obj = json.loads(_runtime.run(st.get(key)))
+    obj.pop("crc32c")
+    obj["format_version"] = version
+    _runtime.run(st.put(key, json.dumps(obj).encode()))
+    assert objckpt.inspect(uri, storage_options=opts, chunks=False).format_version == version
+
+
+def test_dcp_save_world2_load_world3_and_objckpt_read(moto_s3: tuple[str, dict[str, Any]], tmp_path: Any) -> None:
+    from test_convert_export import _check_hf_dir, _tiny_llama
+
     bucket, opts = moto_s3
-    uris = {n: f"s3://{bucket}/run/{n}" for n in ("dcp", "async", "objckpt2")}
-    assert run_multiprocess(2, _save_world2, uris, opts) == [True, True]
+    uris = {n: f"s3://{bucket}/run/{n}" for n in ("dcp", "async", "objckpt2", "llama")}
+    model = _tiny_llama()
+    llama = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert run_multiprocess(2, _save_world2, uris, opts, llama) == [True, True]
+    _rewrite_as(uris["objckpt2"], opts, 2)  # the reader on a format v2 manifest (layouts + rank indexes)
     assert run_multiprocess(3, _load_world3, uris, opts) == [True, True, True]
     expected = {"model": _full(), **VALUES}
     for name in ("dcp", "async"):
@@ -117,6 +144,13 @@ def test_dcp_save_world2_load_world3_and_objckpt_read(moto_s3: tuple[str, dict[s
         assert m.world_size == 2 and {b.rank for b in m.blobs} == {0, 1}  # each rank wrote its own blobs
         assert m.metadata["objckpt.dcp"] == {"torch_save": []}
     assert objckpt.inspect(uris["objckpt2"], storage_options=opts, chunks=False).rank_indexes  # a v2-style layout
+    # objckpt export from the 2-rank DTensor-sharded checkpoint: from_pretrained gets the same model
+    from objckpt.cli import main as cli
+
+    assert objckpt.inspect(uris["llama"], storage_options=opts, chunks=False).world_size == 2
+    out = tmp_path / "hf"
+    assert cli(["export", uris["llama"], str(out), "--prefix", "model.", "--endpoint-url", opts["endpoint_url"]]) == 0
+    _check_hf_dir(out, model)
 
 
 class _Opaque:
@@ -160,6 +194,7 @@ def test_single_process_values_and_objckpt_save_checkpoint(moto_s3: tuple[str, d
     state = {"model": {"w": torch.randn(64, 8), "tied": None}, "step": 3, "hp": [0.9, 0.99]}
     state["model"]["tied"] = state["model"]["w"]
     objckpt.save(state, src, storage_options=opts, part_size=256)
+    _rewrite_as(src, opts, 1)  # the reader on a format v1 manifest (inline chunks, unsealed)
     tmpl2 = {"model": {"w": torch.zeros(64, 8), "tied": torch.zeros(64, 8)}, "step": 0, "hp": None}
     reader = StorageReader(src, storage_options=opts)
     dcp.load(tmpl2, storage_reader=reader, no_dist=True)
