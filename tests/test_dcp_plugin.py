@@ -224,3 +224,38 @@ def test_bad_uris_give_clear_errors(tmp_path: Any) -> None:
     assert StorageWriter.validate_checkpoint_id("s3://b/x") and StorageReader.validate_checkpoint_id("/a/b")
     assert not StorageWriter.validate_checkpoint_id("gopher://x") and not StorageReader.validate_checkpoint_id("")
     assert not list(tmp_path.iterdir())  # nothing was written anywhere
+
+
+def test_failed_saves_commit_nothing_and_clean_up(tmp_path: Any) -> None:
+    """A blob upload that fails, or a manifest write that fails, leaves no checkpoint and no blobs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from objckpt import _runtime
+    from objckpt.dcp import StorageWriter
+    from objckpt.integrations.stream_write import SourceTensor, WriteOptions, write_checkpoint
+    from objckpt.storage import open_store
+    from objckpt.testing.stores import FaultyStore
+
+    state = {f"t{i}": torch.full((64, 4), float(i)) for i in range(5)}
+    for n, (op, nth) in enumerate((("write_part", 3), ("put", 1))):
+        uri = str(tmp_path / f"ck{n}")
+        st, prefix = open_store(uri)
+        faulty = FaultyStore(st, op, nth)
+        with pytest.raises(CheckpointException, match="injected fault|committing"):
+            dcp.save(state, storage_writer=StorageWriter(uri, store=faulty, blob_size=1), no_dist=True)
+        assert faulty.seen[op] >= nth  # the fault did fire, after some blobs were complete
+        assert _runtime.run(st.list(prefix + "/")) == []
+        with pytest.raises(objckpt.NotFoundError):
+            objckpt.inspect(uri)
+    # the converters' streaming writer alike
+    uri = str(tmp_path / "ck-stream")
+    st, prefix = open_store(uri)
+    srcs = [SourceTensor(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+    tree = {k: {"$tensor": k} for k in state}
+    with pytest.raises(ConnectionError, match="injected fault"):
+        write_checkpoint(uri, srcs, state.__getitem__, tree, store=FaultyStore(st, "write_part", 3),
+                         opts=WriteOptions(blob_size=1))
+    assert _runtime.run(st.list(prefix + "/")) == []
+    write_checkpoint(uri, srcs, state.__getitem__, tree, store=st, opts=WriteOptions(blob_size=1))
+    assert_same(state, objckpt.read(uri))
