@@ -201,6 +201,16 @@ def test_single_process_values_and_objckpt_save_checkpoint(moto_s3: tuple[str, d
     assert torch.equal(tmpl2["model"]["w"], state["model"]["w"]) and torch.equal(tmpl2["model"]["tied"],
                                                                                  state["model"]["w"])
     assert tmpl2["step"] == 3 and tmpl2["hp"] == [0.9, 0.99]
+    pickled = uri + "-pickled"  # a value objckpt.save pickled: refused unless the reader opts in
+    objckpt.save({"w": torch.ones(3), "obj": _Opaque(9)}, pickled, storage_options=opts, allow_pickle=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="allow_pickle=True"):
+        dcp.load({"w": torch.zeros(3), "obj": None}, storage_reader=StorageReader(pickled, storage_options=opts),
+                 no_dist=True)
+    tmpl3: dict[str, Any] = {"w": torch.zeros(3), "obj": None}
+    dcp.load(tmpl3, storage_reader=StorageReader(pickled, storage_options=opts, allow_pickle=True), no_dist=True)
+    assert tmpl3["obj"] == _Opaque(9) and torch.equal(tmpl3["w"], torch.ones(3))
     before = reader._ckpt.stats.bytes  # type: ignore[union-attr]
     part = {"model": {"w": torch.zeros(64, 8)}}
     reader2 = StorageReader(src, storage_options=opts)

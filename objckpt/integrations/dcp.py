@@ -340,14 +340,17 @@ class StorageReader(dstore.StorageReader):
 
     ``read_metadata`` is one GET of the manifest; ``read_data`` fetches, per rank, only
     the byte ranges that overlap the boxes DCP asks for (crc32c-checked), straight into
-    the destination tensors where they can land as they are."""
+    the destination tensors where they can land as they are.  ``allow_pickle``: read
+    values that ``objckpt.save(allow_pickle=True)`` pickled (unpickling runs code)."""
 
     def __init__(self, uri: Optional[str | os.PathLike] = None, *,
-                 storage_options: Optional[dict[str, Any]] = None, store: Optional[ObjectStore] = None) -> None:
+                 storage_options: Optional[dict[str, Any]] = None, store: Optional[ObjectStore] = None,
+                 allow_pickle: bool = False) -> None:
         super().__init__()
         self.uri: Optional[str] = os.fspath(uri) if uri is not None else None
         self.storage_options = dict(storage_options or {})
         self._store = store
+        self.allow_pickle = allow_pickle
         self._ckpt: Optional[OpenCheckpoint] = None
         self._view: Optional[DcpView] = None
         self.rank = 0
@@ -384,7 +387,7 @@ class StorageReader(dstore.StorageReader):
     def _view_for(self, ck: OpenCheckpoint, tree: Any) -> DcpView:
         dcp_meta = ck.manifest.metadata.get(META_KEY)
         torch_save = set(dcp_meta.get("torch_save", [])) if isinstance(dcp_meta, dict) else set()
-        return dcp_view(tree, lambda k: (ck.dtype(k), ck.shape(k)), torch_save, repr(self.uri))
+        return dcp_view(tree, lambda k: (ck.dtype(k), ck.shape(k)), torch_save, repr(self.uri), self.allow_pickle)
 
     def set_up_storage_reader(self, metadata: dmeta.Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:

@@ -122,7 +122,7 @@ class DcpView:
 
 
 def dcp_view(tree: Any, tensor_meta: Callable[[str], tuple[torch.dtype, tuple[int, ...]]],
-             torch_save_keys: set[str], where: str) -> DcpView:
+             torch_save_keys: set[str], where: str, allow_pickle: bool = False) -> DcpView:
     """Flatten a decoded objckpt tree the way DCP flattens a state dict.
 
     Tensors are stood in for by meta tensors (no memory), so DCP's own traversal
@@ -137,7 +137,7 @@ def dcp_view(tree: Any, tensor_meta: Callable[[str], tuple[torch.dtype, tuple[in
         refs[id(t)] = (t, key)
         return t
 
-    decoded = decode_tree(tree, placeholder, allow_pickle=False, where=where)
+    decoded = decode_tree(tree, placeholder, allow_pickle=allow_pickle, where=where)
     if not isinstance(decoded, dict):
         raise UnsupportedFormatError(
             f"checkpoint {where}: its top level is a {type(decoded).__name__}; DCP loads only state dicts "
