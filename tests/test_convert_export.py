@@ -51,6 +51,19 @@ def test_dcp_to_objckpt_to_dcp_round_trip(moto_s3: tuple[str, dict[str, Any]], t
             warnings.simplefilter("ignore")
             dcp.load(tmpl, checkpoint_id=where, no_dist=True)
         assert_same(sd, tmpl)
+    # a DCP directory behind an fsspec URL (s3fs on the same moto server) converts the same way
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from objckpt.integrations.convert import convert
+    from objckpt.integrations.sources import fsspec_options
+
+    fs_dcp = f"s3://{bucket}/dcp-on-s3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=FsspecWriter(fs_dcp, **fsspec_options(fs_dcp, opts)), no_dist=True)
+    r = convert(fs_dcp, f"s3://{bucket}/conv/from-fsspec", storage_options=opts)
+    assert r.src_format.value == "dcp" and r.tensors == 4
+    assert_same(sd, objckpt.read(f"s3://{bucket}/conv/from-fsspec", storage_options=opts))
     # an existing destination is refused unless --overwrite
     assert cli(["convert", uri, back, "--endpoint-url", opts["endpoint_url"]]) == 2
     assert cli(["convert", src, uri, "--endpoint-url", opts["endpoint_url"]]) == 2
