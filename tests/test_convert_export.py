@@ -169,7 +169,7 @@ def test_export_hf_llama(moto_s3: tuple[str, dict[str, Any]], tmp_path: Any) -> 
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
     _check_hf_dir(out1, model)
 
-    out16 = tmp_path / "bf16"
+    out16 = out1  # exported again into the same directory, now as one file: the old index must go
     assert cli(["export", one, str(out16), "--prefix", "model.", "--dtype", "bf16", *ep]) == 0
     got = load_file(str(out16 / "model.safetensors"))  # one shard under 5GB: a single file, no index
     assert not (out16 / "model.safetensors.index.json").exists()

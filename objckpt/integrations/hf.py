@@ -130,6 +130,11 @@ def export_safetensors(uri: str, directory: str, opts: ExportOptions = ExportOpt
             json.dump(index, f, indent=2, sort_keys=True)
         os.replace(tmp, os.path.join(directory, INDEX_NAME))
         files = files + [INDEX_NAME]
+    # a layout left by an earlier export would shadow this one: from_pretrained looks
+    # for model.safetensors and the index by name
+    stale = os.path.join(directory, SINGLE_NAME if total > 1 else INDEX_NAME)
+    if os.path.exists(stale):
+        os.unlink(stale)
     return ExportResult(directory, files, len(picked), nbytes)
 
 
