@@ -1,4 +1,4 @@
-"""Command line: ``objckpt demo | ls | info | verify | cp | diff | gc | rm | prune | bench``.
+"""Command line: ``objckpt demo | ls | info | verify | cp | diff | gc | rm | prune | convert | export | bench``.
 
 The storage flags every command takes and the data-moving commands live in
 :mod:`objckpt.cli_ops`; this module registers the commands and runs one.
@@ -73,6 +73,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .integrations.commands import convert_command
+
+    return convert_command(args.src, args.dst, args.src_format, args.dst_format, _opts(args), args.overwrite)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .integrations.commands import export_command
+
+    return export_command(args.uri, args.dir, args.format, args.prefix, args.dtype, args.max_shard_size, _opts(args))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -97,6 +109,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     b.add_argument("--size-mb", type=int, default=256)
     b.add_argument("--repeat", type=int, default=3)
     b.set_defaults(fn=cmd_bench)
+
+    cv = sub.add_parser("convert", parents=[common],
+                        help="convert DCP / torch.save / safetensors <-> objckpt, streaming")
+    cv.add_argument("src", help="DCP directory (path or fsspec URL), torch.save file, safetensors file or "
+                               "directory, or an objckpt checkpoint")
+    cv.add_argument("dst", help="objckpt URI, or (from objckpt) a DCP directory / safetensors directory")
+    cv.add_argument("--from", dest="src_format", default="auto", help="auto|objckpt|dcp|torch|safetensors")
+    cv.add_argument("--to", dest="dst_format", default="auto", help="auto|objckpt|dcp|safetensors")
+    cv.add_argument("--overwrite", action="store_true", help="replace an existing destination checkpoint")
+    cv.set_defaults(fn=cmd_convert)
+
+    ex = sub.add_parser("export", parents=[common],
+                        help="export a checkpoint's tensors as Hugging Face sharded safetensors")
+    ex.add_argument("uri")
+    ex.add_argument("dir", help="local directory to write model*.safetensors (+ index) into")
+    ex.add_argument("--format", default="safetensors", choices=["safetensors"])
+    ex.add_argument("--prefix", default="", help="export keys under this prefix only, stripped (e.g. model.)")
+    ex.add_argument("--dtype", help="cast floating-point tensors: bf16, fp16 or fp32")
+    ex.add_argument("--max-shard-size", default="5GB", help="per shard file, e.g. 5GB, 500MB (default 5GB)")
+    ex.set_defaults(fn=cmd_export)
 
     for name, fn, helptext in [
         ("info", cmd_info, "show a checkpoint's manifest"),

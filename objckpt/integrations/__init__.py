@@ -1,2 +1,2 @@
-"""Adapters between objckpt and training frameworks; each module imports its framework itself,
-so ``import objckpt`` never does."""
+"""Bridges to other checkpoint systems and training stacks (DCP, Hugging Face, Lightning);
+each module imports its framework itself, so ``import objckpt`` never does."""
