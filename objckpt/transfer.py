@@ -35,7 +35,7 @@ from .format import keys
 from .format.manifest import Chunk, Manifest, RankIndexRef, decode
 from .layout import resolver_for
 from .logs import get_logger
-from .save.commit import replaced_objects
+from .save.commit import replaced_keys
 from .storage import BlobWriter, ObjectStore, open_store, split_uri
 from .units import MiB
 
@@ -76,6 +76,7 @@ class _BlobCopy:
     """One blob: where it is, its parts, and the chunks to check in it."""
 
     name: str
+    spread: str  # the blob's spread bucket ("" in the default key layout)
     size: int
     checks: list[_ChunkCheck]
     starts: list[int]  # chunk offsets in the blob, sorted (bisect)
@@ -101,7 +102,7 @@ def _plan(m: Manifest, dst: ObjectStore, part_size: int) -> list[_BlobCopy]:
         checks.sort(key=lambda ch: ch.chunk.offset)
         ps = _part_size(b.size, dst, part_size)
         parts = [(o, min(ps, b.size - o)) for o in range(0, b.size, ps)] or [(0, 0)]
-        out.append(_BlobCopy(b.name, b.size, checks, [ch.chunk.offset for ch in checks], parts, left=len(parts)))
+        out.append(_BlobCopy(b.name, b.spread, b.size, checks, [ch.chunk.offset for ch in checks], parts, left=len(parts)))
     return out
 
 
@@ -158,7 +159,7 @@ async def _read_indexes(src: ObjectStore, sprefix: str, m: Manifest) -> dict[str
     out: dict[str, bytes] = {}
 
     async def one(ref: RankIndexRef) -> None:
-        key = keys.join(sprefix, ref.name)
+        key = m.object_key(sprefix, ref.name, ref.spread)
         try:
             data = await src.get(key)
         except NotFoundError:
@@ -179,6 +180,10 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
     told of every ``n`` blob bytes that reached DST (of ``total``)."""
     t0 = time.perf_counter()
     raw, m = await _fetch_manifest(src, sprefix, src_uri)
+    if m.spread_up and len([p for p in dprefix.split("/") if p]) <= m.spread_up:
+        raise ValueError(f"{src_uri!r} uses the spread key layout with its spread root {m.spread_up} level(s) above "
+                         f"the checkpoint; {dst_uri!r} needs at least {m.spread_up + 1} path segments below the "
+                         "bucket or root to hold the same layout")
     mkey = keys.manifest_key(dprefix)
     if not overwrite and await dst.head(mkey) is not None:
         raise CheckpointExistsError(f"a checkpoint already exists at {dst_uri!r}; pass overwrite=True to replace it")
@@ -197,7 +202,7 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
     verified = [0]
 
     async def part(bc: _BlobCopy, index: int, off: int, n: int) -> None:
-        src_key = keys.join(sprefix, bc.name)
+        src_key = m.object_key(sprefix, bc.name, bc.spread)
         async with slots:
             buf = memoryview(bytearray(n))
             async with requests:
@@ -211,7 +216,7 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
             found = await _runtime.in_thread(_slice_crcs, bc, off, buf)  # not inside ``+=``: it would race
             verified[0] += _record(bc, found, src_key)
             if bc.writer is None:
-                bc.writer = dst.open_writer(keys.join(dprefix, bc.name), bc.size, len(bc.parts))
+                bc.writer = dst.open_writer(m.object_key(dprefix, bc.name, bc.spread), bc.size, len(bc.parts))
             async with requests:
                 await bc.writer.write_part(index, off, buf)
         if progress is not None:
@@ -234,8 +239,8 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
     old: Optional[Manifest] = None
     try:
         await _runtime.gather_fail_fast(tasks)
-        for name, data in indexes.items():
-            await dst.put(keys.join(dprefix, name), data)
+        for ref in m.rank_indexes:
+            await dst.put(m.object_key(dprefix, ref.name, ref.spread), indexes[ref.name])
         old = await _old_manifest(dst, mkey) if overwrite else None
         try:
             await dst.put(mkey, raw, if_absent=not overwrite)
@@ -245,19 +250,17 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
         await asyncio.gather(*(b.writer.abort() for b in blobs if b.writer is not None and not b.completed),
                              return_exceptions=True)
         now = await _old_manifest(dst, mkey)  # a racing copy of the same source may have committed these names
-        keep = set() if now is None else {b.name for b in now.blobs} | {r.name for r in now.rank_indexes}
-        done = [keys.join(dprefix, b.name) for b in blobs if b.completed and b.name not in keep]
-        done += [keys.join(dprefix, n) for n in indexes if n not in keep]
+        keep = set() if now is None else set(now.object_keys(dprefix))
+        done = [k for k in (m.object_key(dprefix, b.name, b.spread) for b in blobs if b.completed) if k not in keep]
+        done += [k for k in (m.object_key(dprefix, r.name, r.spread) for r in m.rank_indexes) if k not in keep]
         try:
             await dst.delete(done)
         except Exception:
             pass  # unreferenced by any manifest: gc's
         raise
     if old is not None and old.attempt != m.attempt:
-        live = {b.name for b in m.blobs} | {r.name for r in m.rank_indexes}
-        dead = [n for n in [b.name for b in old.blobs] + [r.name for r in old.rank_indexes] if n not in live]
         try:
-            await dst.delete(replaced_objects(dprefix, old.attempt, dead))
+            await dst.delete(replaced_keys(dprefix, old, m))
         except Exception:
             pass
     nbytes = sum(b.size for b in m.blobs)

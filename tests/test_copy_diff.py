@@ -221,3 +221,25 @@ def test_cp_holds_at_most_memory_bytes_and_reads_in_parallel(tmp_path: Any) -> N
     assert s.ops["get_range"] == -(-r.bytes // (64 << 10))
     assert (64 << 10) < held.peak <= 256 << 10 and held.now == 0
     assert_same(objckpt.read(dst), state)
+
+
+def test_cp_spread_layout_follows_the_manifest(tmp_path: Any, moto_s3: tuple[str, dict[str, Any]]) -> None:
+    """A spread checkpoint's blobs lie outside its prefix: cp finds them through the
+    manifest and places them the same way at DST, S3 -> local -> S3."""
+    bucket, opts = moto_s3
+    state = {"w": torch.randn(96, 64), "b": torch.arange(300), "step": 9}
+    src = f"s3://{bucket}/run/step-1"
+    objckpt.save(state, src, storage_options=opts, key_layout="spread", blob_size=8 << 10, part_size=8 << 10)
+    local = str(tmp_path / "copy" / "step-1")
+    objckpt.copy(src, local, storage_options=opts)
+    spread_dirs = [p.name for p in (tmp_path / "copy").iterdir() if p.name.startswith(".spread-")]
+    assert spread_dirs, "the copy's blobs must sit under the spread root, as at the source"
+    back = f"s3://{bucket}/again/step-1"
+    objckpt.copy(local, back, storage_options=opts)
+    assert objckpt.diff(src, back, storage_options=opts).equal
+    got = objckpt.read(back, storage_options=opts)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"]) and got["step"] == 9
+    with pytest.raises(ValueError, match="spread key layout"):
+        objckpt.copy(src, f"s3://{bucket}/top", storage_options=opts)  # no segment above it for the spread root
+    objckpt.delete(back, storage_options=opts)
+    assert objckpt.diff(src, local, storage_options=opts).equal  # deleting one copy left the others whole
