@@ -36,24 +36,28 @@ def children(node: Any) -> Optional[list[tuple[Any, Any]]]:
     return list(node.items())
 
 
-def _candidates(node: Any, rest: str) -> Iterator[tuple[str, Any]]:
-    """(what is left of ``rest`` after a child's name, the child) for children named by a prefix of ``rest``."""
+def _candidates(node: Any, rest: str) -> Iterator[tuple[Optional[str], Any]]:
+    """(what is left of ``rest`` after a child's name, None when nothing is; the child) for the
+    children named by a dotted prefix of ``rest``."""
     for k, child in children(node) or ():
         name = str(k)
         if rest == name:
-            yield "", child
+            yield None, child
         elif rest.startswith(name + "."):
             yield rest[len(name) + 1:], child
 
 
 def find(tree: Any, key: str) -> Any:
     """The encoded node at exactly ``key`` ("" is the root), or :data:`NOTHING`."""
-    stack = [(key, tree)]
+    stack: list[tuple[Optional[str], Any]] = [(key if key else None, tree)]
     while stack:
         rest, node = stack.pop()
-        if rest == "":
+        if rest is None:
             return node
-        stack.extend(reversed(list(_candidates(node, rest))))
+        # the longest name first (an exact match before all): "b.0" names the key "b.0" rather than
+        # item 0 of a value "b" when a state holds both
+        found = sorted(_candidates(node, rest), key=lambda c: -1 if c[0] is None else len(c[0]))
+        stack.extend(reversed(found))
     return NOTHING
 
 
