@@ -128,7 +128,9 @@ def worker(rank: int, world: int, port: int, uri: str, storage_options: Optional
 
 def spawn(world: int, uri: str, storage_options: Optional[dict], train_first: bool) -> dict[str, Any]:
     """Run :func:`worker` on ``world`` CPU ranks; rank 0's results (losses from every rank agree)."""
-    ctx = mp.get_context("spawn")
+    # forkserver: the ranks fork from one process that imported torch once, not 5 fresh interpreters
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "torch.distributed.device_mesh", "objckpt"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
