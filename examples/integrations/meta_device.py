@@ -29,7 +29,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import objckpt
 
-CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+CONFIG: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
 
 
