@@ -68,3 +68,32 @@ def test_fsdp2_resumes_at_world_1_2_and_3(moto_s3: tuple[str, dict[str, Any]]) -
         _close(recipe.train(model, opt, step, 3, 0, 1), res["reference"])
     finally:
         torch.set_num_threads(threads)
+
+
+def dcp_route_job(rank: int, world: int, mesh: Any, uri: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """The torch.distributed.checkpoint.state_dict route: save what get_state_dict returns, load into
+    what it returns for fresh objects, hand it over with set_state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = recipe.build(mesh, seed=0)
+    recipe.train(model, opt, 0, 3, rank, world)
+    msd, osd = get_state_dict(model, opt)
+    objckpt.save({"model": msd, "optim": osd, "step": 3}, uri, storage_options=opts)
+    reference = recipe.train(model, opt, 3, 3, rank, world)
+
+    model, opt = recipe.build(mesh, seed=rank + 1)
+    msd, osd = get_state_dict(model, opt)  # torch initialises a fresh optimizer's state here
+    state: dict[str, Any] = {"model": msd, "optim": osd, "step": 0}
+    objckpt.load(state, uri, storage_options=opts)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    resumed = recipe.train(model, opt, state["step"], 3, rank, world)
+    return {"reference": reference, "resumed": resumed, "step": state["step"]}
+
+
+def test_fsdp2_through_get_state_dict_and_set_state_dict(moto_s3: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = moto_s3
+    uri = f"s3://{bucket}/fsdp2-dcp-route/step-3"
+    res = recipe.spawn(2, dcp_route_job, uri, opts)
+    assert res["step"] == 3 and res["resumed"] == res["reference"]
+    keys = objckpt.inspect(uri, storage_options=opts).tensors
+    assert "optim.state.0.weight.exp_avg" in keys  # keyed by parameter name on this route

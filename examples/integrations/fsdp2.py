@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
+import tempfile
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,30 +95,34 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     return out
 
 
-def worker(rank: int, world: int, port: int, uri: str, storage_options: Optional[dict], train_first: bool,
-           queue: Any) -> None:
-    """One rank: (at world 2) train 3 steps, save, train 3 more: the reference; then restore into
-    fresh objects and train 3 steps."""
+def resume_job(rank: int, world: int, mesh: Any, uri: str, storage_options: Optional[dict],
+               train_first: bool) -> dict[str, Any]:
+    """One rank: (``train_first``) train 3 steps, save, train 3 more: the reference; then restore
+    into fresh objects and train 3 steps."""
+    out: dict[str, Any] = {}
+    if train_first:
+        model, opt = build(mesh, seed=0)
+        train(model, opt, 0, 3, rank, world)
+        save_state(model, opt, 3, uri, storage_options)
+        out["reference"] = train(model, opt, 3, 3, rank, world)
+    model, opt = build(mesh, seed=rank + 1)  # other weights, empty optimizer state
+    step = load_state(model, opt, uri, storage_options)
+    restored = full_state(model, opt)
+    out["resumed"] = train(model, opt, step, 3, rank, world)
+    if rank == 0:  # as numpy arrays: tensors would cross the queue through shared memory
+        out["restored"] = {k: v.numpy() for k, v in restored.items()}
+    return out
+
+
+def rank_main(rank: int, world: int, store_file: str, queue: Any, job: Callable[..., Any], args: tuple) -> None:
+    """One rank's process: join the gloo group, build the 1-D mesh, run ``job(rank, world, mesh, *args)``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
-        out: dict[str, Any] = {}
-        if train_first:
-            model, opt = build(mesh, seed=0)
-            train(model, opt, 0, 3, rank, world)
-            save_state(model, opt, 3, uri, storage_options)
-            out["reference"] = train(model, opt, 3, 3, rank, world)
-        model, opt = build(mesh, seed=rank + 1)  # other weights, empty optimizer state
-        step = load_state(model, opt, uri, storage_options)
-        restored = full_state(model, opt)
-        out["resumed"] = train(model, opt, step, 3, rank, world)
-        if rank == 0:  # as numpy arrays: tensors would cross the queue through shared memory
-            out["restored"] = {k: v.numpy() for k, v in restored.items()}
-        queue.put((rank, out))
+        queue.put((rank, job(rank, world, init_device_mesh("cpu", (world,)), *args)))
     except BaseException as e:
         queue.put((rank, e))
         raise
@@ -126,36 +130,39 @@ def worker(rank: int, world: int, port: int, uri: str, storage_options: Optional
         dist.destroy_process_group()
 
 
-def spawn(world: int, uri: str, storage_options: Optional[dict], train_first: bool) -> dict[str, Any]:
-    """Run :func:`worker` on ``world`` CPU ranks; rank 0's results (losses from every rank agree)."""
+def spawn(world: int, job: Callable[..., Any], *args: Any) -> Any:
+    """Run ``job`` on ``world`` CPU ranks; rank 0's result."""
     # forkserver: the ranks fork from one process that imported torch once, not 5 fresh interpreters
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "torch.distributed.device_mesh", "objckpt"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # a file rendezvous: no port to pick, so none to lose to another process in between
+    with tempfile.NamedTemporaryFile(prefix="fsdp2-rdzv-", delete=False) as f:  # empty: a fresh store
+        store_file = f.name
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, uri, storage_options, train_first, queue))
-             for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, store_file, queue, job, args)) for r in range(world)]
     for p in procs:
         p.start()
+    results: dict[int, Any] = {}
     try:
-        results = dict(queue.get(timeout=300) for _ in procs)
+        while len(results) < world:
+            rank, value = queue.get(timeout=300)
+            if isinstance(value, BaseException):  # the others would wait for it: stop them
+                raise RuntimeError(f"rank {rank} failed: {value!r}") from value
+            results[rank] = value
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if len(results) == world else 1)
             if p.is_alive():
                 p.kill()
-    failed = {r: v for r, v in results.items() if isinstance(v, BaseException)}
-    if failed:
-        raise RuntimeError(f"ranks failed: {failed}")
+        if os.path.exists(store_file):
+            os.unlink(store_file)
     return results[0]
 
 
 def main(uri: str, storage_options: Optional[dict] = None) -> dict[str, Any]:
     """Train at world 2 and save; resume at world 2 and at world 3."""
-    two = spawn(2, uri, storage_options, train_first=True)
-    three = spawn(3, uri, storage_options, train_first=False)
+    two = spawn(2, resume_job, uri, storage_options, True)
+    three = spawn(3, resume_job, uri, storage_options, False)
     return {"reference": two["reference"], "world2": two["resumed"], "world3": three["resumed"],
             "restored2": _tensors(two["restored"]), "restored3": _tensors(three["restored"])}
 
