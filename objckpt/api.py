@@ -42,6 +42,11 @@ def _comm(no_dist: bool, process_group: Any) -> Comm:
 def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
     """Save ``state_dict`` (nested dicts/lists of tensors and plain values) to ``uri``.
 
+    A value with ``state_dict()`` and ``load_state_dict()`` (module, optimizer,
+    scheduler, GradScaler, your own object) is saved as its ``state_dict()``:
+    ``save({"model": model, "optim": opt, "step": 5}, uri)`` stores the keys
+    ``model.<param>``, ``optim.state.0.exp_avg``... as the state dicts would.
+
     In a torch.distributed job every rank calls it with the same ``uri``: each
     rank writes only its own shards (DTensor, :class:`objckpt.Shard`), plain
     tensors count as replicated and are written once with the work spread over
@@ -127,7 +132,9 @@ def read(
 
     ``keys=None`` returns the whole saved structure (nested as it was saved,
     tied tensors tied again, sharded tensors assembled whole).  With ``keys``,
-    returns ``{key: value}`` for just those leaves and fetches only their bytes.
+    returns ``{key: value}`` for just those keys and fetches only their bytes; a
+    key may also be a subtree or key prefix (``"optim"``, ``"model.layers.0"``),
+    whose value is then the nested subtree under it (keys relative to it).
     ``read`` never communicates with other ranks; ``no_dist`` is accepted for
     symmetry with :func:`load` and changes nothing.
     """
@@ -149,6 +156,7 @@ def load(
     collective_bytes: int = 256 * MiB,
     no_dist: bool = False,
     collective_timeout: Optional[float] = None,
+    cast: bool = False,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place (any device) from the checkpoint.
 
@@ -157,9 +165,18 @@ def load(
     been saved with any other layout and world size.  Each rank fetches only
     the bytes that overlap what it holds.  Non-tensor values in dicts and lists
     are replaced by the saved ones (per rank, when ranks saved different
-    values).  Dtype and global shape must match exactly.  With ``strict`` (the
-    default) keys missing from the checkpoint or not in ``state_dict`` are an
-    error; otherwise they are reported in the result.
+    values).  Global shape must match exactly, and dtype too unless
+    ``cast=True``, which converts between floating dtypes (an fp32 checkpoint
+    into a bf16 template: each such tensor is read into a temporary of the
+    stored dtype, then copied).  With ``strict`` (the default) keys missing from
+    the checkpoint or not in ``state_dict`` are an error; otherwise they are
+    reported in the result.
+
+    Stateful values (anything with ``state_dict()`` and ``load_state_dict()``:
+    modules, optimizers, schedulers...) are loaded through them: their current
+    ``state_dict()`` is the template, then ``load_state_dict()`` receives it
+    filled.  A freshly built optimizer's missing per-parameter state is created
+    from the checkpoint (see :mod:`objckpt.load.stateful` for the rule).
 
     ``read_strategy`` says how ranks that need the same bytes (replicated
     tensors, the DP groups of a DP x TP layout) read them: ``"direct"`` (each
@@ -183,7 +200,7 @@ def load(
     reader = CollectiveReader(comm, ReadStrategy(strategy), Budget(max(collective_bytes, 1)))
     with reader.failing_together():
         opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes,  # type: ignore[arg-type]
-                           no_dist, collective_timeout)
+                           no_dist, collective_timeout, cast)
         st, prefix = _open(uri, storage_options, store)
         return load_into(state_dict, uri, st, prefix, reader, opts)
 

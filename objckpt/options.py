@@ -129,6 +129,8 @@ class LoadOptions:
     no_dist: bool = False
     #: seconds to wait for the other ranks to join (None: $OBJCKPT_COLLECTIVE_TIMEOUT, else 600)
     collective_timeout: Optional[float] = None
+    #: convert between floating dtypes (an fp32 checkpoint into a bf16 template...); off: a mismatch is an error
+    cast: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_strategy", ReadStrategy.parse(self.read_strategy))

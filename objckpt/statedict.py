@@ -15,6 +15,7 @@ from .errors import UnsupportedValueError
 from .format.dtypes import dtype_name
 from .distributed.placements import Shard, is_dtensor
 from .format.tree import _child_key, encode_tree, iter_leaves
+from .stateful import StatefulValue, expand_for_save
 
 
 @dataclass
@@ -60,7 +61,9 @@ def _identity(t: Any) -> Optional[tuple]:
 def collect(state: Any, *, allow_pickle: bool = False,
             on_new: Optional[Callable[[str, Any], None]] = None) -> Collected:
     """Encode ``state`` and find its tensors; tensors that are the same view of
-    the same storage (tied weights) are recorded as aliases and stored once."""
+    the same storage (tied weights) are recorded as aliases and stored once.
+    Stateful values (:mod:`objckpt.stateful`) are saved as their ``state_dict()``."""
+    state = expand_for_save(state)
     if not isinstance(state, (Mapping, list, tuple)):
         raise UnsupportedValueError(f"state must be a dict (or list/tuple), got {type(state).__name__}")
     tensors: dict[str, Any] = {}
@@ -106,21 +109,33 @@ class Slot:
     index: Any
 
 
-def _has_tensor(x: Any) -> bool:
-    if is_stored_leaf(x):
-        return True
-    if isinstance(x, Mapping):
-        return any(_has_tensor(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return any(_has_tensor(v) for v in x)
-    return False
+def template_slots(state: Any, stateful: Optional[Mapping[str, StatefulValue]] = None) -> Iterator[Slot]:
+    """Leaves of a template, keyed like :func:`objckpt.format.tree.iter_leaves`.
 
+    ``stateful`` (from :func:`objckpt.stateful.find_stateful`): each Stateful value is
+    walked as its state dict, whose containers the load then fills; a state dict that
+    holds no tensor is one slot whose container is the value's holder."""
+    found = stateful or {}
 
-def template_slots(state: Any) -> Iterator[Slot]:
-    """Leaves of a template, keyed like :func:`objckpt.format.tree.iter_leaves`."""
+    def resolve(x: Any, key: str, container: Any, index: Any) -> tuple[Any, Any, Any]:
+        sv = found.get(key)
+        if sv is not None and x is sv.obj:
+            return sv.state, sv.holder, "state"
+        return x, container, index
+
+    def has_tensor(x: Any, key: str) -> bool:
+        """Whether the walk must descend into ``x``: it holds a tensor or a Stateful value."""
+        if is_stored_leaf(x) or (key in found and x is found[key].obj):
+            return True
+        if isinstance(x, Mapping):
+            return any(has_tensor(v, _child_key(key, k)) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return any(has_tensor(v, _child_key(key, i)) for i, v in enumerate(x))
+        return False
 
     def walk(x: Any, key: str, container: Any, index: Any) -> Iterator[Slot]:
-        if key and not _has_tensor(x):
+        x, container, index = resolve(x, key, container, index)
+        if key and not has_tensor(x, key):
             yield Slot(key, x, container, index)
         elif is_stored_leaf(x):
             yield Slot(key, x, container, index)

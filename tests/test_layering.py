@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"format", "memory", "results"},
     {"planning"},
     {"storage"},
-    {"distributed", "statedict"},
+    {"distributed", "statedict", "stateful"},
     {"layout"},
     {"save", "load"},
     {"api", "deletion", "transfer", "compare"},

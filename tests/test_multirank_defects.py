@@ -146,6 +146,21 @@ def test_join_unit() -> None:
 # --------------------------------------------------------------------------- refusals keep their class
 
 
+class _Snapshot:
+    """A Stateful object whose state_dict() can fail (on one rank only, in the test)."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.fail:
+            raise RuntimeError("snapshot refused here")
+        return {"epoch": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
 def refuse_on_rank_1(rank: int, world: int, root: str) -> dict[str, str]:
     out: dict[str, str] = {}
     state: dict[str, Any] = {"w": torch.zeros(8)}
@@ -156,6 +171,13 @@ def refuse_on_rank_1(rank: int, world: int, root: str) -> dict[str, str]:
         out["save"] = "no error"
     except UnsupportedValueError as e:
         out["save"] = f"{type(e).__name__}: {e}"
+    # async, and a Stateful object whose state_dict() fails on rank 1 only
+    stateful: dict[str, Any] = {"w": torch.zeros(8), "sched": _Snapshot(fail=rank == 1)}
+    try:
+        objckpt.async_save(stateful, f"{root}/refused-async").result()
+        out["async"] = "no error"
+    except UnsupportedValueError as e:
+        out["async"] = f"{type(e).__name__}: {e}"
     objckpt.save({"w": torch.zeros(8)}, f"{root}/good")
     tmpl = {"w": torch.zeros(9 if rank == 1 else 8)}
     try:
@@ -170,6 +192,8 @@ def test_refusals_keep_their_class_on_every_rank(tmp_path: Any) -> None:
     r0, r1 = run_multiprocess(2, refuse_on_rank_1, str(tmp_path))
     for out in (r0, r1):
         assert out["save"].startswith("UnsupportedValueError") and "rank 1" in out["save"], out
+        assert out["async"].startswith("UnsupportedValueError") and "'sched'" in out["async"], out
+        assert "snapshot refused here" in out["async"] and "rank 1" in out["async"], out
         assert out["load"].startswith("StateDictMismatchError") and "'w'" in out["load"], out
     assert "rank(s) [1]" in r0["load"], r0
 

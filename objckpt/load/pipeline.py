@@ -8,7 +8,7 @@ read, so a mismatch costs one GET and names every key it concerns.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 import torch
@@ -20,16 +20,19 @@ from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointEr
 from ..format import keys as objkeys
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Manifest, decode
+from ..format.subtree import NOTHING, find, select, tensor_keys
 from ..format.tree import decode_tree, iter_leaves
 from ..layout import resolver_for
 from ..logs import get_logger
 from ..options import LoadOptions
 from ..planning.boxes import whole
 from ..results import IOStats, LoadResult
+from ..stateful import StatefulValue, find_stateful
 from ..statedict import Slot, template_slots
 from ..storage import ObjectStore
 from .collective import CollectiveReader
 from .fill import FillTarget, fill_boxes
+from .stateful import create_optimizer_state, hand_back
 
 log = get_logger("objckpt.load")
 
@@ -114,15 +117,21 @@ def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Itera
 def _read_from(st: ObjectStore, prefix: str, uri: str, m: Manifest, wanted_keys: Optional[list[str]],
                allow_pickle: bool, stats: IOStats) -> Any:
     leaves = dict(iter_leaves(m.tree))
+    nodes: dict[str, Any] = {}
     if wanted_keys is None:
         wanted = list(m.tensors)
     else:
-        missing = [k for k in wanted_keys if k not in leaves]
+        for k in wanted_keys:  # a leaf, else a subtree or key prefix ("optim", "model.layers.0")
+            if not isinstance(k, str):
+                raise TypeError(f"read(keys=...) takes str keys, got {type(k).__name__} {k!r}")
+            nodes[k] = leaves[k] if k in leaves else select(m.tree, k)
+        missing = [k for k, n in nodes.items() if n is NOTHING]
         if missing:
             raise MissingKeyError(
-                f"key(s) {missing[:10]} not in checkpoint {uri!r} (it has {len(leaves)} keys, e.g. {list(leaves)[:5]})"
+                f"key(s) {missing[:10]} not in checkpoint {uri!r}, neither as a key nor as a key prefix "
+                f"(it has {len(leaves)} keys, e.g. {list(leaves)[:5]})"
             )
-        wanted = [k for k in wanted_keys if k in m.tensors]
+        wanted = list(dict.fromkeys(t for n in nodes.values() for t in tensor_keys(n)))
     bufs: dict[str, torch.Tensor] = {}
     for k in wanted:
         sk = _stored_key(m, k)
@@ -141,7 +150,7 @@ def _read_from(st: ObjectStore, prefix: str, uri: str, m: Manifest, wanted_keys:
 
     if wanted_keys is None:
         return decode_tree(m.tree, get_tensor, allow_pickle=allow_pickle, where=repr(uri))
-    return {k: decode_tree(leaves[k], get_tensor, allow_pickle=allow_pickle, where=repr(uri)) for k in wanted_keys}
+    return {k: decode_tree(nodes[k], get_tensor, allow_pickle=allow_pickle, where=repr(uri)) for k in wanted_keys}
 
 
 @dataclass
@@ -154,14 +163,48 @@ class Match:
     n_tensors: int
     missing: list[str]
     unexpected: list[str]
+    #: (template tensor, temporary of the stored dtype) for each tensor loaded with ``cast``
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: the encoded checkpoint value of each value slot, by key
+    values: dict[str, Any] = field(default_factory=dict)
 
 
-def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: str, strict: bool) -> Match:
+def castable(have: torch.dtype, stored: torch.dtype) -> bool:
+    """Whether ``load(..., cast=True)`` converts ``stored`` into ``have``: floating dtypes only."""
+    return have.is_floating_point and stored.is_floating_point
+
+
+def _under_value_leaves(keys: Iterable[str], leaves: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """Template keys that lie inside a tensor-free checkpoint leaf (a Stateful value inside a dict
+    that held no tensor: the template walks down to it, the checkpoint stopped above), with
+    their encoded values; and the checkpoint leaves they lie in."""
+    out: dict[str, Any] = {}
+    covered: set[str] = set()
+    for key in keys:
+        if key in leaves:
+            continue
+        i = key.rfind(".")
+        while i > 0:
+            parent = key[:i]
+            if parent in leaves:
+                node = find(leaves[parent], key[i + 1:])
+                if node is not NOTHING:
+                    out[key] = node
+                    covered.add(parent)
+                break
+            i = key.rfind(".", 0, i)
+    return out, covered
+
+
+def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: str, strict: bool,
+                   cast: bool = False, stateful: Optional[dict[str, StatefulValue]] = None) -> Match:
     """Pair every template leaf with the checkpoint, or raise naming what does not fit."""
-    slots = list(template_slots(state_dict))
+    slots = list(template_slots(state_dict, stateful))
     tkeys = {s.key for s in slots}
-    missing = [s.key for s in slots if s.key not in leaves]
-    unexpected = [k for k in leaves if k not in tkeys]
+    inside, covered = _under_value_leaves(tkeys, leaves)
+    values = {**{k: leaves[k] for k in tkeys if k in leaves}, **inside}
+    missing = [s.key for s in slots if s.key not in values]
+    unexpected = [k for k in leaves if k not in tkeys and k not in covered]
     if strict and (missing or unexpected):
         raise StateDictMismatchError(
             f"state dict does not match checkpoint {uri!r}: missing from checkpoint {missing[:10]}"
@@ -169,10 +212,10 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
             f"{' ...' if len(unexpected) > 10 else ''} (pass strict=False to load the common keys)"
         )
     problems: list[str] = []
-    out = Match([], [], [], 0, missing, unexpected)
+    out = Match([], [], [], 0, missing, unexpected, values=values)
     seen: set[tuple] = set()
     for s in slots:
-        if s.key not in leaves:
+        if s.key not in values:
             continue
         is_t = isinstance(s.value, (torch.Tensor, Shard))
         in_ckpt_t = s.key in m.tensors
@@ -186,9 +229,16 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
         e = m.tensors[s.key]
         part = local_part(s.key, s.value)
         box, local = part.box, part.local
-        if part.dtype != dtype_from_name(e.dtype, s.key) or tuple(part.shape) != e.shape:
+        stored = dtype_from_name(e.dtype, s.key)
+        if tuple(part.shape) != e.shape or (part.dtype != stored and not (cast and castable(part.dtype, stored))):
+            hint = (" (pass cast=True to convert between floating dtypes)"
+                    if not cast and tuple(part.shape) == e.shape and castable(part.dtype, stored) else "")
             problems.append(f"{s.key!r}: state dict has {part.dtype} {list(part.shape)}, checkpoint has "
-                            f"{e.dtype} {list(e.shape)}")
+                            f"{e.dtype} {list(e.shape)}{hint}")
+            continue
+        if local is not None and local.is_meta:
+            problems.append(f"{s.key!r}: the state dict's tensor is on the meta device (no memory to load "
+                            "into); allocate it first, e.g. model.to_empty(device=...)")
             continue
         if box is None or local is None:
             continue  # this rank holds no part of it
@@ -198,6 +248,10 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
         if ident in seen and local.numel():
             continue  # tied destination: fill once
         seen.add(ident)
+        if part.dtype != stored:  # cast=True: read into a temporary of the stored dtype, convert after
+            temp = torch.empty(tuple(local.shape), dtype=stored, device=local.device)
+            out.casts.append((local, temp))
+            local = temp
         out.targets.append(FillTarget(sk, box, local))
         out.sources.append(s.value)
     if problems:
@@ -213,12 +267,13 @@ def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: C
     overwritten meanwhile (ranks loading together cannot agree on that cheaply: they
     raise, saying the checkpoint was replaced)."""
     tries = 0
+    stateful = find_stateful(state_dict)  # each Stateful value's state_dict(), taken once
     while True:
         t0 = time.perf_counter()
         stats = IOStats()
         m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
         try:
-            return _load_from(state_dict, uri, st, prefix, reader, opts, m, stats, t0)
+            return _load_from(state_dict, stateful, uri, st, prefix, reader, opts, m, stats, t0)
         except BlobMissingError as e:
             replaced = replaced_since(st, prefix, uri, m, e, tries)
             if replaced and reader.comm.world_size > 1:
@@ -228,22 +283,28 @@ def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: C
             tries += 1
 
 
-def _load_from(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: CollectiveReader,
-               opts: LoadOptions, m: Manifest, stats: IOStats, t0: float) -> LoadResult:
+def _load_from(state_dict: Any, stateful: dict[str, StatefulValue], uri: str, st: ObjectStore, prefix: str,
+               reader: CollectiveReader, opts: LoadOptions, m: Manifest, stats: IOStats, t0: float) -> LoadResult:
     rank = reader.comm.rank
     tree = m.rank_trees[rank] if m.rank_trees and rank < len(m.rank_trees) else m.tree
     leaves = dict(iter_leaves(tree))
     with stats.timings.timed("plan"):
-        match = match_template(state_dict, m, leaves, uri, opts.strict)
+        create_optimizer_state(stateful, tree, m, opts.allow_pickle, repr(uri))
+        match = match_template(state_dict, m, leaves, uri, opts.strict, opts.cast, stateful)
     try:
         reader.fill(st, prefix, m, match.targets, match.sources, stats, uri)
     except ObjckptError as e:
         _say_template_touched(e, match.n_tensors)
         raise
+    with torch.no_grad():
+        for dest, temp in match.casts:
+            dest.copy_(temp)
+    match.casts.clear()
     for s in match.value_slots:
         if s.container is not None and not isinstance(s.container, tuple):
-            s.container[s.index] = decode_tree(leaves[s.key], lambda k: None, allow_pickle=opts.allow_pickle,
+            s.container[s.index] = decode_tree(match.values[s.key], lambda k: None, allow_pickle=opts.allow_pickle,
                                                where=repr(uri))
+    hand_back(stateful, uri)
     res = LoadResult(uri, stats.bytes, time.perf_counter() - t0, stats.requests, match.n_tensors, match.missing,
                      match.unexpected, reader.received_bytes, reader.strategy, stats.timings)
     log.info("loaded %s rank %d/%d: %d tensors, %d bytes, %d requests, %.3f s (%s; strategy %s)", uri, rank,
