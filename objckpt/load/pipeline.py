@@ -175,21 +175,21 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
             continue
         e = m.tensors[s.key]
         part = local_part(s.key, s.value)
-        box, local = part.box, part.local
         if part.dtype != dtype_from_name(e.dtype, s.key) or tuple(part.shape) != e.shape:
             problems.append(f"{s.key!r}: state dict has {part.dtype} {list(part.shape)}, checkpoint has "
                             f"{e.dtype} {list(e.shape)}")
             continue
-        if box is None or local is None:
+        if not part.pieces or part.local is None:
             continue  # this rank holds no part of it
         out.n_tensors += 1
         sk = _stored_key(m, s.key)
-        ident = (local.device, local.data_ptr(), tuple(local.shape), tuple(local.stride()), sk, box)
-        if ident in seen and local.numel():
-            continue  # tied destination: fill once
-        seen.add(ident)
-        out.targets.append(FillTarget(sk, box, local))
-        out.sources.append(s.value)
+        for box, local in part.pieces:  # several for a strided DTensor: each a view of its local tensor
+            ident = (local.device, local.data_ptr(), tuple(local.shape), tuple(local.stride()), sk, box)
+            if ident in seen and local.numel():
+                continue  # tied destination: fill once
+            seen.add(ident)
+            out.targets.append(FillTarget(sk, box, local))
+            out.sources.append(s.value)
     if problems:
         raise StateDictMismatchError(f"cannot load {uri!r}: " + "; ".join(problems[:20]))
     return out
