@@ -25,7 +25,7 @@ import torch
 
 from ..errors import UnsupportedValueError
 from ..planning.boxes import Box
-from ..planning.strided import LocalPiece, Step, local_pieces, nested_order
+from ..planning.strided import LocalPiece, Step, local_pieces, local_shape, nested_order
 
 Ranks = tuple[int, ...]
 
@@ -126,8 +126,9 @@ def _dtensor_pieces(key: str, dt: Any) -> Optional[list[LocalPiece]]:
             steps[d].append(Step(int(mesh.size(md)), _split_factor(p)))
             coords[d].append(int(coord[md]))
     pieces = local_pieces(shape, steps, coords)
-    if not pieces:  # holds nothing: the empty box torch reports
-        return [LocalPiece(_compute_local(dt.shape, mesh, placements), tuple(0 for _ in shape))]
+    if not pieces:  # holds nothing: an empty box where torch says it starts
+        off = _compute_local(dt.shape, mesh, placements)[0]
+        return [LocalPiece((off, local_shape(shape, steps, coords)), tuple(0 for _ in shape))]
     return pieces
 
 

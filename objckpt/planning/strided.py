@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -163,5 +162,8 @@ def nested_order(shape: Sequence[int], mesh_shape: Sequence[int],
     return tuple(perm)
 
 
-def pieces_volume(pieces: Sequence[LocalPiece]) -> int:
-    return sum(math.prod(p.box[1]) for p in pieces)
+def local_shape(shape: Sequence[int], steps: Sequence[Sequence[Step]],
+                coords: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The shape of the local tensor of the mesh point (empty pieces included)."""
+    return tuple(sum(ln for _, ln in dim_runs(int(n), tuple(st), tuple(co))) if st else int(n)
+                 for n, st, co in zip(shape, steps, coords))
