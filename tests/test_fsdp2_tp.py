@@ -9,6 +9,9 @@ single process; a plain checkpoint goes back into a 2x2 model.
 """
 from __future__ import annotations
 
+import importlib
+import pathlib
+import sys
 from typing import Any
 
 import torch
@@ -17,39 +20,19 @@ import objckpt
 
 from mp import run_multiprocess
 
-#: HIDDEN divides by every tp size used (torch's TP needs it); IN = 6 rows of the second
-#: weight over dp=4 is uneven (2, 2, 2, 0) for FSDP2.  Uneven strided shards: ``BIG``
-#: here, every size in tests/test_strided_pieces.py.
-IN, HIDDEN = 6, 12
-BIG = (250, 64)  # rows that split unevenly over 4 and over 2x2
+BIG = (250, 64)  # rows that split unevenly over 4, over 2 and over 2x2
 
 
-def build(shape: tuple[int, int]) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
-    """A tiny MLP, tensor parallel over "tp", then FSDP2 over "dp" (torchtitan's order)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, IN))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
-    return mesh, model, torch.optim.AdamW(model.parameters(), lr=0.05)
-
-
-def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, first: int, n: int) -> list[float]:
-    """``n`` training steps; every rank sees the same global batch of the step."""
-    out = []
-    for step in range(first, first + n):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, IN, generator=g), torch.randn(8, IN, generator=g)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
+def recipe() -> Any:
+    """examples/integrations/fsdp2_tp.py, the recipe docs/integrations.md shows (spawned
+    children import it the same way: spawn passes ``sys.path`` on).  Its model: IN=6,
+    HIDDEN=12 (HIDDEN divides by every tp size, as torch's TP needs; the second weight's
+    6 rows over dp=4 are uneven for FSDP2).  Uneven strided shards: ``BIG`` here, and
+    every size in tests/test_strided_pieces.py."""
+    path = str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "integrations")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module("fsdp2_tp")
 
 
 def full(v: Any) -> Any:
@@ -92,13 +75,13 @@ def save_2x2(rank: int, world: int, base: str, opts: dict[str, Any]) -> dict[str
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh, model, opt = build((2, 2))
-    steps(model, opt, 0, 2)
-    msd, osd = get_state_dict(model, opt)
-    placements = {k: str(v.placements) for k, v in msd.items()}
+    ex = recipe()
+    mesh, model, opt = ex.build((2, 2))
+    ex.train(model, opt, 0, 2)
+    placements = {k: str(v.placements) for k, v in get_state_dict(model, opt)[0].items()}
     saved = full_state(model, opt)
-    objckpt.save({"model": msd, "optim": osd, "step": 2}, f"{base}/train", storage_options=opts)
-    reference = steps(model, opt, 2, 3)  # the uninterrupted run
+    ex.save(model, opt, 2, f"{base}/train", opts)
+    reference = ex.train(model, opt, 2, 3)  # the uninterrupted run
     big = as_dtensor(big_global(), mesh, [_StridedShard(0, split_factor=2), Shard(0)])
     objckpt.save({"big": big}, f"{base}/big", storage_options=opts, crc_block=512)
     # a genuinely strided layout: each rank holds several boxes (saved with listed chunks)
@@ -112,20 +95,16 @@ def save_2x2(rank: int, world: int, base: str, opts: dict[str, Any]) -> dict[str
 
 def restore(shape: tuple[int, int], uri: str, opts: dict[str, Any], saved: dict[str, Any]) -> list[float]:
     """Fresh model and optimizer on ``shape``, restored from ``uri``; the next 3 losses."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    _, model, opt = build(shape)
-    msd, osd = get_state_dict(model, opt)  # materialises AdamW's state as templates
-    state = {"model": msd, "optim": osd, "step": 0}
-    objckpt.load(state, uri, storage_options=opts)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    ex = recipe()
+    model, opt, step = ex.resume(shape, uri, opts)
+    assert step == 2
     now = full_state(model, opt)
     for k, t in saved["model"].items():
         assert same(torch.from_numpy(now["model"][k]), t), (shape, k)
     for fqn, st in saved["optim"].items():
         for n, t in st.items():
             assert same(torch.from_numpy(now["optim"][fqn][n]), t), (shape, fqn, n)
-    return steps(model, opt, state["step"], 3)
+    return ex.train(model, opt, step, 3)
 
 
 def _manifest_and_indexes(uri: str, opts: dict[str, Any]) -> int:
@@ -157,6 +136,7 @@ def restore_4(rank: int, world: int, base: str, opts: dict[str, Any], saved: dic
     flat = init_device_mesh("cpu", (4,))
     load_big(flat, [Shard(0)], f"{base}/big", opts)
     load_big(flat, [_StridedShard(0, split_factor=3)], f"{base}/big", opts)  # several boxes per rank
+    out["recipe"] = recipe().main(f"{base}/recipe", opts)  # the recipe end to end, as torchrun runs it
     return out
 
 
@@ -202,5 +182,6 @@ def test_fsdp2_tp_2x2_restores_into_1x4_4x1_2x1_single_process_and_back(moto_s3:
     assert out[0]["back"] == reference  # same 2x2 layout: bit for bit
     for name in ("1x4", "4x1"):
         assert _close(out[0][name], reference), (name, out[0][name], reference)
+    assert _close(out[0]["recipe"], reference[:2]), (out[0]["recipe"], reference)
     two = run_multiprocess(2, restore_2, base, opts, saved)
     assert _close(two[0], reference), (two[0], reference)
