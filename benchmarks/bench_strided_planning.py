@@ -26,6 +26,8 @@ def plan_one(defs: list, world: int, tp: int, rank: int, strided: bool) -> float
     ock = internals()
     sp.dim_runs.cache_clear()
     sp._dim_order.cache_clear()
+    sp._local_pieces.cache_clear()
+    sp._nested_order.cache_clear()
     t0 = time.process_time()
     dp = world // tp
     grid = [[r * tp + c for c in range(tp)] for r in range(dp)]  # (dp, tp) mesh, row-major ranks
@@ -33,7 +35,10 @@ def plan_one(defs: list, world: int, tp: int, rank: int, strided: bool) -> float
     base = ock.Mesh((dp, tp), tuple(r for row in grid for r in row))
     meshes = [flat, base]
     coord = (rank // tp, rank % tp)
+    base_ranks = [r for row in grid for r in row]
+    swapped_ranks = [grid[r][c] for c in range(tp) for r in range(dp)]
     descs, boxes = [], {}
+    by_perm: dict = {}
     for d in defs:
         kind = PLACEMENTS[d.kind]
         if kind is None:
@@ -45,16 +50,19 @@ def plan_one(defs: list, world: int, tp: int, rank: int, strided: bool) -> float
                                      [list(coord)] + [[] for _ in d.shape[1:]])
             perm = sp.nested_order(d.shape, (dp, tp), shardings)
             assert perm == (1, 0), perm
-            # the permuted mesh's ranks, per tensor as objckpt's describe computes them
-            swapped = ock.Mesh((tp, dp), tuple(grid[r][c] for c in range(tp) for r in range(dp)))
-            if swapped not in meshes:
-                meshes.append(swapped)
-            mid, pl = meshes.index(swapped), ("S0", "S0")
-            rule = ock.cell_box(d.shape, swapped.shape, pl, swapped.coordinate(rank))
+            # the permuted mesh's ranks, per tensor as objckpt's mesh_description lists them;
+            # the Mesh itself is made once per (mesh, permutation), as describe_symbolic does
+            ranks = list(swapped_ranks)
+            if perm not in by_perm:
+                by_perm[perm] = len(meshes)
+                meshes.append(ock.Mesh((tp, dp), tuple(ranks)))
+            mid, pl = by_perm[perm], ("S0", "S0")
+            rule = ock.cell_box(d.shape, meshes[mid].shape, pl, meshes[mid].coordinate(rank))
             assert (pieces[0].box == rule) if pieces else 0 in rule[1], (d.key, pieces, rule)
             boxes[d.key] = rule
         else:
-            mid = meshes.index(ock.Mesh((dp, tp), tuple(r for row in grid for r in row)))  # the same, per tensor
+            ranks = list(base_ranks)  # as mesh_description lists them (``tolist()``), per tensor
+            mid = 1
             pl = tuple("R" if p[0] == "R" else f"S{p[1]}" for p in kind)
             boxes[d.key] = ock.cell_box(d.shape, base.shape, pl, coord)
         descs.append(ock.TensorDesc(d.key, tuple(d.shape), d.itemsize, mid, pl))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -97,6 +98,13 @@ def local_pieces(shape: Sequence[int], steps: Sequence[Sequence[Step]],
     """The boxes a mesh point holds: ``steps[d]`` / ``coords[d]`` are the shardings of
     tensor dim ``d`` (left to right) and the point's coordinate on each.  Empty when
     the point holds nothing; one box when its local tensor is one box of the global."""
+    return list(_local_pieces(tuple(int(n) for n in shape), tuple(tuple(st) for st in steps),
+                              tuple(tuple(int(c) for c in co) for co in coords)))
+
+
+@functools.lru_cache(maxsize=16384)  # a model repeats its shapes layer after layer
+def _local_pieces(shape: tuple[int, ...], steps: tuple[tuple[Step, ...], ...],
+                  coords: tuple[tuple[int, ...], ...]) -> tuple[LocalPiece, ...]:
     per_dim = [dim_runs(int(n), tuple(st), tuple(co)) if st else ((0, int(n)),) if n else ()
                for n, st, co in zip(shape, steps, coords)]
     if any(not r for r in per_dim):
@@ -107,15 +115,34 @@ def local_pieces(shape: Sequence[int], steps: Sequence[Sequence[Step]],
         runs = [per_dim[d][i] for d, i in enumerate(combo)]
         out.append(LocalPiece((tuple(s for s, _ in runs), tuple(n for _, n in runs)),
                               tuple(local_starts[d][i] for d, i in enumerate(combo))))
-    return out
+    return tuple(out)
+
+
+#: above this many points a dim's order is checked on a sample of them (see :func:`_dim_order`)
+FULL_CHECK_POINTS = 64
+
+
+def _sample(k: int) -> list[int]:
+    """Coordinates along a mesh dim of size k where uneven splits differ: both ends and the middle."""
+    return sorted({c for c in (0, 1, k // 2, k - 2, k - 1) if 0 <= c < k})
 
 
 @functools.lru_cache(maxsize=4096)
 def _dim_order(n: int, steps: tuple[Step, ...]) -> Optional[tuple[int, ...]]:
-    """An order of ``steps`` in which plain nested chunking gives every coordinate
-    the indices the strided rule gives it; None when there is none."""
+    """An order of ``steps`` in which plain nested chunking gives the mesh points
+    the indices the strided rule gives them; None when there is none.
+
+    Up to :data:`FULL_CHECK_POINTS` points every one is checked; beyond, a sample
+    (the ends and middle of each mesh dim, where uneven splits differ), so a
+    4,096-rank mesh costs what a small one does.  That is safe because this
+    only *proposes* a description: every rank then checks its own box against
+    it, and a save in which any rank disagrees lists its chunks instead
+    (:func:`objckpt.save.describe.describe_symbolic`)."""
     sizes = tuple(s.size for s in steps)
-    coords = list(itertools.product(*(range(k) for k in sizes)))
+    if math.prod(sizes) <= FULL_CHECK_POINTS:
+        coords = list(itertools.product(*(range(k) for k in sizes)))
+    else:
+        coords = list(itertools.product(*(_sample(k) for k in sizes)))
     want = [dim_runs(n, steps, c) for c in coords]
     if any(len(w) > 1 for w in want):
         return None
@@ -139,13 +166,22 @@ def _dim_order(n: int, steps: tuple[Step, ...]) -> Optional[tuple[int, ...]]:
 def nested_order(shape: Sequence[int], mesh_shape: Sequence[int],
                  shardings: Sequence[Optional[tuple[int, int]]]) -> Optional[tuple[int, ...]]:
     """A permutation of the mesh dims under which plain nested ``Shard`` placements
-    hold exactly what ``shardings`` hold, or None.
+    hold what ``shardings`` hold (checked on a sample of points for big meshes:
+    see :func:`_dim_order`), or None.
 
     ``shardings[m]``: (tensor dim, split factor) of mesh dim ``m``, None for
     Replicate.  The result ``perm`` says that new mesh dim ``p`` is old mesh dim
     ``perm[p]``; only mesh dims sharding the same tensor dim trade places, so
     the Replicate dims keep their order (and so the replica slots theirs)."""
+    return _nested_order(tuple(int(n) for n in shape), tuple(int(k) for k in mesh_shape), tuple(shardings))
+
+
+@functools.lru_cache(maxsize=16384)
+def _nested_order(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                  shardings: tuple[Optional[tuple[int, int]], ...]) -> Optional[tuple[int, ...]]:
     perm = list(range(len(mesh_shape)))
+    if math.prod(shape) == 0:  # nothing to hold: every order holds the same (nothing)
+        return tuple(perm)
     by_dim: dict[int, list[int]] = {}
     for m, s in enumerate(shardings):
         if s is not None:

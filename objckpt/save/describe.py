@@ -138,6 +138,9 @@ def describe_symbolic(local: LocalState, values: dict[str, Any], comm: Comm) -> 
             if len(t.boxes) > 1:
                 return None
             mine = t.boxes[0] if t.boxes else None
+            # every mesh point checks its own box against the rule: this is also what
+            # makes a strided layout's permuted-mesh description exact (nested_order
+            # only proposes it from a sample of points on big meshes)
             rule = cell_box(t.shape, meshes[mid].shape, placements, coord)
             if mine is None or (rule != mine and (math.prod(rule[1]) or math.prod(mine[1]))):
                 return None
