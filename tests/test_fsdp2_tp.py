@@ -144,7 +144,19 @@ def restore_2(rank: int, world: int, base: str, opts: dict[str, Any], saved: dic
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    load_big(init_device_mesh("cpu", (2,)), [Shard(0)], f"{base}/big", opts)
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    flat = init_device_mesh("cpu", (2,))
+    load_big(flat, [Shard(0)], f"{base}/big", opts)
+    # a local shard that does not fit its placements (4 rows each): refused, naming the tensor
+    bad = DTensor.from_local(torch.zeros(3, 4), flat, [_StridedShard(0, split_factor=2)], shape=(8, 4),
+                             stride=(4, 1), run_check=False)
+    try:
+        objckpt.save({"fsdp_tp": bad}, f"{base}/bad", storage_options=opts)
+        raise AssertionError("a strided shard of the wrong shape was saved")
+    except objckpt.ObjckptError as e:
+        assert "'fsdp_tp'" in str(e) and "[3, 4]" in str(e) and "[4, 4]" in str(e), str(e)
     return restore((2, 1), f"{base}/train", opts, saved)
 
 

@@ -108,7 +108,7 @@ def _local_pieces(shape: tuple[int, ...], steps: tuple[tuple[Step, ...], ...],
     per_dim = [dim_runs(int(n), tuple(st), tuple(co)) if st else ((0, int(n)),) if n else ()
                for n, st, co in zip(shape, steps, coords)]
     if any(not r for r in per_dim):
-        return []
+        return ()
     local_starts = [list(itertools.accumulate((ln for _, ln in r), initial=0)) for r in per_dim]
     out = []
     for combo in itertools.product(*(range(len(r)) for r in per_dim)):
