@@ -63,7 +63,7 @@ def layouts(draw: Any) -> tuple[tuple[int, ...], tuple[int, ...], list[Any]]:
     return shape, mesh, placements
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_pieces_match_torch_on_every_mesh_point(layout: tuple[tuple[int, ...], tuple[int, ...], list[Any]]) -> None:
     shape, mesh, placements = layout
@@ -83,7 +83,7 @@ def test_pieces_match_torch_on_every_mesh_point(layout: tuple[tuple[int, ...], t
     assert bool((seen == 1).all()), "the points' pieces must hold every element exactly once"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(layouts())
 def test_nested_order_holds_the_same_boxes_as_the_strided_rule(
         layout: tuple[tuple[int, ...], tuple[int, ...], list[Any]]) -> None:
