@@ -9,7 +9,9 @@ Three kinds of tensor leaves are understood:
 * a plain ``torch.Tensor``: the whole tensor, identical on every rank
   (replicated), so it is written once, its bytes spread over the replicas;
 * a ``DTensor`` (any DeviceMesh, Shard(d)/Replicate placements, uneven shards):
-  its local shard is the box torch computes for this rank;
+  its local shard is the box torch computes for this rank; with
+  ``_StridedShard`` placements (FSDP2 x TP) it may be several boxes, each a
+  view of the local tensor (:mod:`objckpt.planning.strided`);
 * :class:`Shard`: a local tensor plus its global shape and offsets, for
   frameworks that shard by hand (Megatron style).
 """
@@ -23,6 +25,7 @@ import torch
 
 from ..errors import UnsupportedValueError
 from ..planning.boxes import Box
+from ..planning.strided import LocalPiece, Step, local_pieces, local_shape, nested_order
 
 Ranks = tuple[int, ...]
 
@@ -72,64 +75,132 @@ def is_dtensor(x: Any) -> bool:
     return t is not None and isinstance(x, t)
 
 
-def _dtensor_box(key: str, dt: Any) -> Optional[Box]:
-    placements = list(dt.placements)
-    for p in placements:
-        name = type(p).__name__
-        if name == "_StridedShard":
-            raise UnsupportedValueError(
-                f"tensor {key!r}: DTensor placement {p} (strided sharding, FSDP2 + TP) is not supported yet; "
-                "call .redistribute() to plain Shard/Replicate placements first"
-            )
-        if name == "Partial" or (hasattr(p, "is_partial") and p.is_partial()):
-            raise UnsupportedValueError(
-                f"tensor {key!r}: DTensor has a Partial placement (pending reduction); reduce it before saving"
-            )
-    mesh = dt.device_mesh
-    if mesh.get_coordinate() is None:  # this rank is not in the mesh
-        return None
+def _compute_local(shape: Any, mesh: Any, placements: list[Any]) -> Box:
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # torch 2.4
         from torch.distributed._tensor._utils import compute_local_shape_and_global_offset  # type: ignore
-    shape, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
-    return tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
+    shp, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in shp)
+
+
+def _is_strided(p: Any) -> bool:
+    return type(p).__name__ == "_StridedShard"
+
+
+def _shard_dim(p: Any) -> Optional[int]:
+    """The tensor dim a Shard / _StridedShard placement shards, None for others."""
+    name = type(p).__name__
+    return int(p.dim) if name in ("Shard", "_StridedShard") else None
+
+
+def _split_factor(p: Any) -> int:
+    return int(p.split_factor) if _is_strided(p) else 1
+
+
+def _dtensor_pieces(key: str, dt: Any) -> Optional[list[LocalPiece]]:
+    """The boxes this rank holds of a DTensor and where each sits in its local
+    tensor; None when the rank is outside the mesh.  Without ``_StridedShard``
+    it is the one box torch computes; with it, what :mod:`objckpt.planning.strided`
+    derives (several boxes when the local tensor is strided over the global one)."""
+    placements = list(dt.placements)
+    for p in placements:
+        if type(p).__name__ == "Partial" or (hasattr(p, "is_partial") and p.is_partial()):
+            raise UnsupportedValueError(
+                f"tensor {key!r}: DTensor has a Partial placement (pending reduction); reduce it before saving"
+            )
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not in the mesh
+        return None
+    shape = tuple(int(d) for d in dt.shape)
+    if not any(_is_strided(p) for p in placements):
+        return [LocalPiece(_compute_local(dt.shape, mesh, placements), tuple(0 for _ in shape))]
+    steps: list[list[Step]] = [[] for _ in shape]
+    coords: list[list[int]] = [[] for _ in shape]
+    for md, p in enumerate(placements):
+        d = _shard_dim(p)
+        if d is not None:
+            if d >= len(shape):
+                raise UnsupportedValueError(f"tensor {key!r}: placement {p} on a {len(shape)}-d tensor")
+            steps[d].append(Step(int(mesh.size(md)), _split_factor(p)))
+            coords[d].append(int(coord[md]))
+    pieces = local_pieces(shape, steps, coords)
+    if not pieces:  # holds nothing: an empty box where torch says it starts
+        off = _compute_local(dt.shape, mesh, placements)[0]
+        return [LocalPiece((off, local_shape(shape, steps, coords)), tuple(0 for _ in shape))]
+    return pieces
 
 
 @dataclass(frozen=True)
 class LocalPart:
-    """What this rank holds of a tensor leaf."""
+    """What this rank holds of a tensor leaf: ``pieces`` pairs each box it holds with
+    the view of ``local`` holding it (usually one; several for a strided DTensor);
+    empty when the rank holds no part of it (outside the DTensor's mesh)."""
 
     shape: tuple[int, ...]  # global
     dtype: torch.dtype
-    box: Optional[Box]  # None: this rank holds no part of it (outside the DTensor's mesh)
-    local: Optional[torch.Tensor]  # the local tensor holding ``box``
+    local: Optional[torch.Tensor]  # the local tensor
+    pieces: tuple[tuple[Box, torch.Tensor], ...] = ()
+    #: where each piece's box starts in ``local`` (same order as ``pieces``)
+    local_offsets: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def box(self) -> Optional[Box]:
+        """The box held when it is one box (None: none, or several)."""
+        return self.pieces[0][0] if len(self.pieces) == 1 else None
+
+
+def local_view(local: torch.Tensor, box: Box, local_offsets: tuple[int, ...]) -> torch.Tensor:
+    """The view of ``local`` holding ``box`` (a piece starting at ``local_offsets``)."""
+    if tuple(local.shape) == tuple(box[1]):
+        return local
+    v = local
+    for d, (o, n) in enumerate(zip(local_offsets, box[1])):
+        if (o, n) != (0, local.shape[d]):
+            v = v.narrow(d, o, n)
+    return v
 
 
 def local_part(key: str, x: Any) -> LocalPart:
     """This rank's part of a plain tensor (all of it), a DTensor or an :class:`Shard`."""
     if isinstance(x, Shard):
-        return LocalPart(x.global_shape, x.local.dtype, (x.global_offsets, tuple(x.local.shape)), x.local)
+        box = (x.global_offsets, tuple(x.local.shape))
+        return LocalPart(x.global_shape, x.local.dtype, x.local, ((box, x.local),), (tuple(0 for _ in box[0]),))
     if is_dtensor(x):
-        box = _dtensor_box(key, x)
-        local = x.to_local() if box is not None else None
-        if local is not None and box is not None and tuple(local.shape) != box[1]:
+        shape = tuple(int(d) for d in x.shape)
+        pieces = _dtensor_pieces(key, x)
+        if pieces is None:
+            return LocalPart(shape, x.dtype, None)
+        local = x.to_local()
+        want = tuple(max((p.local_offsets[d] + p.box[1][d] for p in pieces), default=0) for d in range(len(shape)))
+        if len(pieces) == 1:
+            want = pieces[0].box[1]
+        if tuple(local.shape) != want:
             raise UnsupportedValueError(
-                f"tensor {key!r}: DTensor local shard has shape {list(local.shape)}, expected {list(box[1])}"
+                f"tensor {key!r}: DTensor local shard has shape {list(local.shape)}, expected {list(want)} "
+                f"from its placements {list(map(str, x.placements))}"
             )
-        return LocalPart(tuple(int(d) for d in x.shape), x.dtype, box, local)
+        return LocalPart(shape, x.dtype, local,
+                         tuple((p.box, local_view(local, p.box, p.local_offsets)) for p in pieces),
+                         tuple(p.local_offsets for p in pieces))
     t: torch.Tensor = x
-    return LocalPart(tuple(t.shape), t.dtype, (tuple(0 for _ in t.shape), tuple(t.shape)), t)
+    box = (tuple(0 for _ in t.shape), tuple(t.shape))
+    return LocalPart(tuple(t.shape), t.dtype, t, ((box, t),), (box[0],))
 
 
 def dtensor_placements(x: Any) -> Optional[tuple[str, ...]]:
-    """A DTensor's placements as layout strings ("S<dim>", "R"); None when one
-    of them has no symbolic form (the save then lists its chunks)."""
+    """A DTensor's placements as strings: "S<dim>", "R", and "S<dim>/<sf>" for a
+    ``_StridedShard`` (an in-memory form only: :func:`mesh_description` turns it
+    into plain "S<dim>" on a permuted mesh, or gives up).  None when one of them
+    has no symbolic form (the save then lists its chunks)."""
     out = []
     for p in x.placements:
         name = type(p).__name__
-        if name == "Shard":
+        if name == "Shard" or (name == "_StridedShard" and _split_factor(p) <= 1):
             out.append(f"S{int(p.dim)}")
+        elif name == "_StridedShard":
+            out.append(f"S{int(p.dim)}/{_split_factor(p)}")
         elif name == "Replicate":
             out.append("R")
         else:
@@ -159,14 +230,43 @@ class MeshDescription:
     placements: tuple[str, ...]  # "S<dim>" / "R" per mesh dim
 
 
-def mesh_description(x: Any, placements: tuple[str, ...]) -> MeshDescription:
-    """The mesh a DTensor is described on, and its placements there.
+def _parse(p: str) -> Optional[tuple[int, int]]:
+    """(tensor dim, split factor) of "S<d>" / "S<d>/<sf>", None for "R"."""
+    if p == "R":
+        return None
+    d, _, sf = p[1:].partition("/")
+    return int(d), int(sf or 1)
+
+
+def _unstride(shape: tuple[int, ...], mesh_t: Any, placements: tuple[str, ...],
+              ident: Any) -> Optional[MeshDescription]:
+    """Strided placements as plain Shard on a permuted mesh (same points, same
+    boxes), or None when no order of the mesh dims reproduces them."""
+    mshape = tuple(int(d) for d in mesh_t.shape)
+    if not any("/" in p for p in placements):
+        return MeshDescription(ident, mshape, tuple(int(r) for r in mesh_t.flatten().tolist()), placements)
+    perm = nested_order(shape, mshape, [_parse(p) for p in placements])
+    if perm is None:
+        return None
+    m = mesh_t.permute(*perm) if len(perm) > 1 else mesh_t
+    plain = tuple("R" if p == "R" else p.partition("/")[0] for p in placements)
+    return MeshDescription((ident, perm), tuple(mshape[i] for i in perm),
+                           tuple(int(r) for r in m.flatten().tolist()), tuple(plain[i] for i in perm))
+
+
+def mesh_description(x: Any, placements: tuple[str, ...]) -> Optional[MeshDescription]:
+    """The mesh a DTensor is described on, and its placements there; None when
+    it has no symbolic description.
 
     A DTensor on a slice of a bigger mesh (tensor parallel on ``mesh["tp"]``
     under data parallel) is described on the root mesh, Replicate on the
     other dims: that description is the same on every rank, where the slice's
-    own rank list differs from one replica to the next."""
+    own rank list differs from one replica to the next.  ``_StridedShard``
+    placements (FSDP2 x TP: "tp" sharded first, "dp" second) are described as
+    plain nested Shard on the mesh with those dims swapped, when that holds
+    exactly the same indices on every point (:func:`objckpt.planning.strided.nested_order`)."""
     mesh = x.device_mesh
+    shape = tuple(int(d) for d in x.shape)
     root = _root_mesh(mesh)
     names = getattr(mesh, "mesh_dim_names", None)
     rnames = getattr(root, "mesh_dim_names", None) if root is not None else None
@@ -174,13 +274,8 @@ def mesh_description(x: Any, placements: tuple[str, ...]) -> MeshDescription:
         pos = [rnames.index(n) for n in names]
         if pos == sorted(pos):
             by_dim = dict(zip(pos, placements))
-            m = root.mesh
-            return MeshDescription(id(root), tuple(int(d) for d in m.shape),
-                                   tuple(int(r) for r in m.flatten().tolist()),
-                                   tuple(by_dim.get(i, "R") for i in range(len(rnames))))
-    m = mesh.mesh
-    return MeshDescription(id(mesh), tuple(int(d) for d in m.shape), tuple(int(r) for r in m.flatten().tolist()),
-                           placements)
+            return _unstride(shape, root.mesh, tuple(by_dim.get(i, "R") for i in range(len(rnames))), id(root))
+    return _unstride(shape, mesh.mesh, placements, id(mesh))
 
 
 def _is_replicate(p: Any) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .. import _runtime
-from ..distributed.placements import Shard, local_part
+from ..distributed.placements import Shard, local_part, local_view
 from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointError, MissingKeyError, NotFoundError,
                       ObjckptError, StateDictMismatchError)
 from ..format import keys as objkeys
@@ -228,7 +228,7 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
             continue
         e = m.tensors[s.key]
         part = local_part(s.key, s.value)
-        box, local = part.box, part.local
+        local = part.local
         stored = dtype_from_name(e.dtype, s.key)
         if tuple(part.shape) != e.shape or (part.dtype != stored and not (cast and castable(part.dtype, stored))):
             hint = (" (pass cast=True to convert between floating dtypes)"
@@ -240,20 +240,23 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
             problems.append(f"{s.key!r}: the state dict's tensor is on the meta device (no memory to load "
                             "into); allocate it first, e.g. model.to_empty(device=...)")
             continue
-        if box is None or local is None:
+        if not part.pieces or part.local is None:
             continue  # this rank holds no part of it
         out.n_tensors += 1
         sk = _stored_key(m, s.key)
-        ident = (local.device, local.data_ptr(), tuple(local.shape), tuple(local.stride()), sk, box)
-        if ident in seen and local.numel():
-            continue  # tied destination: fill once
-        seen.add(ident)
+        pieces = part.pieces  # several for a strided DTensor: each a view of its local tensor
         if part.dtype != stored:  # cast=True: read into a temporary of the stored dtype, convert after
             temp = torch.empty(tuple(local.shape), dtype=stored, device=local.device)
             out.casts.append((local, temp))
-            local = temp
-        out.targets.append(FillTarget(sk, box, local))
-        out.sources.append(s.value)
+            pieces = tuple((box, local_view(temp, box, offs))
+                           for (box, _), offs in zip(part.pieces, part.local_offsets))
+        for box, view in pieces:
+            ident = (view.device, view.data_ptr(), tuple(view.shape), tuple(view.stride()), sk, box)
+            if ident in seen and view.numel():
+                continue  # tied destination: fill once
+            seen.add(ident)
+            out.targets.append(FillTarget(sk, box, view))
+            out.sources.append(s.value)
     if problems:
         raise StateDictMismatchError(f"cannot load {uri!r}: " + "; ".join(problems[:20]))
     return out

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..distributed.comm import Comm
-from ..distributed.placements import Shard, dtensor_placements, is_dtensor, local_part, mesh_description
+from ..distributed.placements import Shard, dtensor_placements, is_dtensor, local_part, local_view, mesh_description
 from ..format.dtypes import dtype_name, itemsize
 from ..format.manifest import Mesh
 from ..planning.assign import TensorMeta
@@ -29,10 +29,20 @@ Mirror = Callable[[str, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Source:
-    """Where a tensor's bytes come from on this rank: its box, and the local tensor holding it."""
+    """Where a tensor's bytes come from on this rank: its box, and the local tensor holding it.
+
+    A strided DTensor (``_StridedShard``) holds several boxes: ``parts`` maps each
+    to where it starts in ``tensor`` (empty for the usual single box)."""
 
     box: Box
     tensor: torch.Tensor
+    parts: dict[Box, tuple[int, ...]] = field(default_factory=dict)
+
+    def view(self, box: Box) -> torch.Tensor:
+        """The part of ``tensor`` holding ``box`` (one of the boxes this rank holds)."""
+        if box == self.box and not self.parts:
+            return self.tensor
+        return local_view(self.tensor, box, self.parts[box])
 
 
 @dataclass
@@ -51,6 +61,7 @@ class LocalState:
 
     @property
     def boxes(self) -> dict[str, Box]:
+        """Each tensor's box, where this rank holds one box (a symbolic save: always)."""
         return {k: s.box for k, s in self.sources.items()}
 
 
@@ -76,11 +87,12 @@ def describe_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None,
         dtypes[key] = dtype_name(part.dtype, key)
         if key in col.alias_of:
             continue
-        boxes = (part.box,) if part.box is not None else ()
+        boxes = tuple(b for b, _ in part.pieces)
         metas[key] = TensorMeta(dtypes[key], part.shape, itemsize(part.dtype), boxes)
         values[key] = value
-        if part.box is not None and part.local is not None:
-            sources[key] = Source(part.box, early.get(key, part.local))
+        if part.pieces and part.local is not None:
+            parts = dict(zip(boxes, part.local_offsets)) if len(boxes) > 1 else {}
+            sources[key] = Source(boxes[0], early.get(key, part.local), parts)
     out = LocalState(col.tree, metas, sources, dict(col.alias_of), dtypes)
     if comm is not None and comm.world_size > 1:
         out.symbolic = describe_symbolic(out, values, comm)
@@ -106,6 +118,8 @@ def describe_symbolic(local: LocalState, values: dict[str, Any], comm: Comm) -> 
             if pl is None:
                 return None
             md = mesh_description(v, pl)
+            if md is None:
+                return None
             placements = md.placements
             mid = mesh_ids.get(md.ident, -1)
             if mid < 0:
@@ -121,7 +135,12 @@ def describe_symbolic(local: LocalState, values: dict[str, Any], comm: Comm) -> 
             return None
         coord = meshes[mid].coordinate(comm.rank)
         if coord is not None:
+            if len(t.boxes) > 1:
+                return None
             mine = t.boxes[0] if t.boxes else None
+            # every mesh point checks its own box against the rule: this is also what
+            # makes a strided layout's permuted-mesh description exact (nested_order
+            # only proposes it from a sample of points on big meshes)
             rule = cell_box(t.shape, meshes[mid].shape, placements, coord)
             if mine is None or (rule != mine and (math.prod(rule[1]) or math.prod(mine[1]))):
                 return None

@@ -226,7 +226,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, Piece] = {}
     for i, it in enumerate(writes.items):
-        src = local.sources[it.key].tensor
+        src = local.sources[it.key].view(it.box)
         pk = f"{it.key}\x00{i}"  # the packing key plan_save was given (see planning.pack.pack_items)
         tensors[pk] = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
         pieces[pk] = Piece(it.key, it.offsets)
