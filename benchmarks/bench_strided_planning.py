@@ -40,6 +40,7 @@ def plan_one(defs: list, world: int, tp: int, rank: int, strided: bool) -> float
     descs, boxes = [], {}
     by_perm: dict = {}
     for d in defs:
+        pl: tuple[str, ...]
         kind = PLACEMENTS[d.kind]
         if kind is None:
             mid, pl = 0, ("R",)

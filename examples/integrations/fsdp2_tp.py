@@ -67,7 +67,7 @@ def resume(shape: tuple[int, int], uri: str, storage_options: Optional[dict[str,
     """A fresh model and optimizer on a ``shape`` mesh, restored from ``uri`` (saved on any mesh)."""
     _, model, opt = build(shape)
     model_sd, optim_sd = get_state_dict(model, opt)  # the templates: this mesh's shards, AdamW state included
-    state = {"model": model_sd, "optim": optim_sd, "step": 0}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "step": 0}
     objckpt.load(state, uri, storage_options=storage_options)  # fills the templates in place
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return model, opt, state["step"]
