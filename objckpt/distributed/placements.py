@@ -17,7 +17,7 @@ Three kinds of tensor leaves are understood:
 """
 from __future__ import annotations
 
-import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -58,16 +58,30 @@ class Shard:
         return self.local.dtype
 
 
-@functools.lru_cache(maxsize=1)
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
+_dtensor_cls: Optional[type] = None
+
+
 def _dtensor_type() -> Optional[type]:
-    try:
-        from torch.distributed.tensor import DTensor  # torch >= 2.5
-    except ImportError:
-        try:
-            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]  # torch 2.4
-        except ImportError:
+    """DTensor's class, or None while no DTensor can exist yet.
+
+    Importing ``torch.distributed.tensor`` costs about a second of a cold process
+    (it pulls in sympy); a DTensor cannot exist before its module is imported, so
+    the class is looked up only once the caller's code has imported it.
+    """
+    global _dtensor_cls
+    if _dtensor_cls is None:
+        if not any(m in sys.modules for m in _DTENSOR_MODULES):
             return None
-    return DTensor
+        try:
+            from torch.distributed.tensor import DTensor  # torch >= 2.5
+        except ImportError:
+            try:
+                from torch.distributed._tensor import DTensor  # type: ignore[no-redef]  # torch 2.4
+            except ImportError:
+                return None
+        _dtensor_cls = DTensor
+    return _dtensor_cls
 
 
 def is_dtensor(x: Any) -> bool:
