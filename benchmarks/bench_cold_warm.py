@@ -24,7 +24,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Optional
@@ -140,6 +144,18 @@ def table(summaries: dict[str, dict[str, Any]], state_bytes: int) -> str:
     return h.md_table(head, rows)
 
 
+def _export_baseline(ref: str) -> str:
+    """Export ``ref``'s tree to a temporary directory for ``objckpt_s3_base`` (environment
+    of the op processes); returns the commit it resolved to."""
+    commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=h.REPO_ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    root = tempfile.mkdtemp(prefix="objckpt-baseline-")
+    archive = subprocess.run(["git", "archive", commit, "objckpt"], cwd=h.REPO_ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", root], input=archive.stdout, check=True)
+    os.environ["OBJCKPT_BASELINE"], os.environ["OBJCKPT_BASELINE_REF"] = root, f"{ref} ({commit})"
+    return f"{ref} ({commit})"
+
+
 def drive(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods.split(",") if m]
     rid = h.run_id("coldwarm")
@@ -149,6 +165,9 @@ def drive(args: argparse.Namespace) -> int:
     h.log(f"state {len(specs)} tensors, {state_bytes / h.GiB:.3f} GiB; methods {methods}; "
           f"{args.rounds} round(s) x {args.reps} reps")
     runs: list[dict[str, Any]] = []
+    if args.baseline:
+        methods_note = _export_baseline(args.baseline)
+        h.log(f"objckpt_s3_base runs objckpt at {methods_note}")
     with h.Server("fast", args.bucket) as server:
         client = h.boto3_client(server.url)
         for rnd in range(args.rounds):
@@ -167,9 +186,11 @@ def drive(args: argparse.Namespace) -> int:
                     if r.get("status") != "ok":
                         break
                 h.delete_prefix(client, args.bucket, prefix)
+    if os.environ.get("OBJCKPT_BASELINE"):
+        shutil.rmtree(os.environ.pop("OBJCKPT_BASELINE"), ignore_errors=True)
     summaries = {m: summarize([r for r in runs if r["method"] == m], state_bytes) for m in methods}
     md = table(summaries, state_bytes)
-    cfg = dict(vars(args), methods=methods, state_bytes=state_bytes, tensors=len(specs))
+    cfg = dict(vars(args), methods=methods, baseline=os.environ.get("OBJCKPT_BASELINE_REF"), state_bytes=state_bytes, tensors=len(specs))
     path = h.write_results(h.result_path(name), {
         "name": name, "config": cfg,
         "environment": h.environment("boto3", "aiobotocore", "s3fs", "tensorstore", "s3torchconnector"),
@@ -189,6 +210,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--bucket", default="bench")
     ap.add_argument("--name", default=None, help="benchmarks/results/<name>.json")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--baseline", default=None, metavar="REF",
+                    help="also run objckpt_s3_base: objckpt as of git REF (add it to --methods)")
     ap.add_argument("--one", choices=("save", "load"), help="internal: run the reps of one op here")
     ap.add_argument("--endpoint-url", default=None)
     ap.add_argument("--prefix", default="manual")

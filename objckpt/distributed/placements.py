@@ -71,8 +71,9 @@ def _dtensor_type() -> Optional[type]:
     """
     global _dtensor_cls
     if _dtensor_cls is None:
-        if not any(m in sys.modules for m in _DTENSOR_MODULES):
-            return None
+        mods = sys.modules
+        if mods.get(_DTENSOR_MODULES[0]) is None and mods.get(_DTENSOR_MODULES[1]) is None:
+            return None  # called for every tensor of every save and load: kept cheap
         try:
             from torch.distributed.tensor import DTensor  # torch >= 2.5
         except ImportError:

@@ -22,7 +22,11 @@ import ctypes
 import os
 import sys
 import threading
-from typing import Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from ..memory import host_bytes, plain_host
 
 _MADV_POPULATE_WRITE = 23
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -116,6 +120,11 @@ class Prefault:
         with self._lock:
             self._stopped = True
 
+    def close(self) -> None:
+        """:meth:`finish`, from outside the event loop."""
+        self.cancel()
+        concurrent.futures.wait(self.futures)
+
     async def finish(self) -> None:
         """Cancel and wait for the threads: the memory must stay valid while one is
         inside madvise for it."""
@@ -138,6 +147,14 @@ def start(views: Iterable[memoryview]) -> Optional[Prefault]:
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="objckpt-prefault")
         job.futures = [_pool.submit(job._work) for _ in range(_threads())]
     return job
+
+
+def tensor_memory(tensors: Iterable[Any]) -> Iterator[memoryview]:
+    """The bytes of each CPU tensor (a DTensor's local shard) that a load may write in place."""
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else getattr(t, "local", t)  # DTensor, objckpt.Shard
+        if isinstance(local, torch.Tensor) and plain_host(local) and not local.is_meta and local.numel():
+            yield host_bytes(local)
 
 
 def _after_fork_in_child() -> None:
