@@ -348,6 +348,18 @@ class Objckpt(Method):
         return self.objckpt.read(self.uri(target), keys=[key], storage_options=self.options(target))[key]
 
 
+class ObjckptNoPrefault(Objckpt):
+    """objckpt_s3 with destination pre-faulting off (``objckpt.load.prefault.ENABLED``): what it buys."""
+
+    name = "objckpt_s3_nopf"
+
+    def setup(self, target: Target) -> None:
+        super().setup(target)
+        from objckpt.load import prefault
+
+        prefault.ENABLED = False
+
+
 class ObjckptBaseline(Objckpt):
     """objckpt_s3 with the objckpt of another commit: ``OBJCKPT_BASELINE`` names a directory
     holding its source (``bench_cold_warm --baseline REF`` exports one), put first on
@@ -385,7 +397,7 @@ class ObjckptLocal(Objckpt):
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (
     TorchSaveBoto3, DcpS3fs, TensorStoreOcdbt, Objckpt, DcpLocal, TorchSaveLocal, ObjckptLocal, DcpS3fsT4,
-    TorchSaveS3tc, ObjckptBaseline)}
+    TorchSaveS3tc, ObjckptBaseline, ObjckptNoPrefault)}
 #: run when ``--methods`` is not given (``dcp_s3fs_t4`` and ``torchsave_s3tc`` are opt-in)
 DEFAULT_METHODS = ["torchsave_boto3", "dcp_s3fs", "tensorstore_ocdbt", "objckpt_s3", "dcp_local", "torchsave_local",
                    "objckpt_local"]

@@ -12,7 +12,8 @@ order the requests were issued, while the responses are still coming:
 writing to it*, so it cannot race with the bytes the receiver stores (a thread
 that touched the pages by writing could overwrite data already received).
 Where the call is missing (other systems, older kernels) nothing is done.
-Pages already present (a template loaded into before) cost a page-table walk.
+Pieces whose first and last pages are present already (a template loaded into
+before) are skipped after two ``mincore`` probes.
 """
 from __future__ import annotations
 
@@ -64,6 +65,24 @@ def _get_madvise() -> Optional[ctypes._CFuncPtr]:  # type: ignore[name-defined]
     return _madvise
 
 
+_mincore: Optional[ctypes._CFuncPtr] = None  # type: ignore[name-defined]
+
+
+def _resident(addr: int) -> bool:
+    """Whether the page holding ``addr`` is mapped already (``mincore``); False when unknown."""
+    global _mincore
+    if _mincore is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).mincore
+        except (OSError, AttributeError):
+            return False
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        fn.restype = ctypes.c_int
+        _mincore = fn
+    vec = ctypes.create_string_buffer(1)
+    return _mincore(addr & ~(_PAGE - 1), _PAGE, vec) == 0 and bool(vec.raw[0] & 1)
+
+
 def _populate(addr: int, length: int) -> bool:
     """MADV_POPULATE_WRITE over the pages holding [addr, addr + length); False when the
     kernel does not know the advice (then it is never tried again)."""
@@ -112,6 +131,10 @@ class Prefault:
                     return
                 addr, n = self._pieces[self._next]
                 self._next += 1
+            # A piece whose first and last pages are there already (a template loaded into
+            # before) is skipped: populating it would walk its page tables for nothing.
+            if _resident(addr) and _resident(addr + n - 1):
+                continue
             if not _populate(addr, n) and _supported is False:
                 return
 
