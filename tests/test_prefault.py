@@ -71,3 +71,11 @@ def test_load_with_prefault_round_trips(small_threshold: None, tmp_path, fresh: 
     for k, v in state.items():
         assert torch.equal(dest[k], v), k
     assert torch.equal(objckpt.read(uri, keys=["a"])["a"], state["a"])
+
+
+def test_odd_buffers_never_fail_a_load(small_threshold: None) -> None:
+    def views():
+        yield host_bytes(torch.zeros(8))
+        raise RuntimeError("a template walk that fails")
+
+    assert prefault.start(views()) is None

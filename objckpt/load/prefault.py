@@ -161,7 +161,10 @@ def start(views: Iterable[memoryview]) -> Optional[Prefault]:
     global _pool
     if _supported is False or not ENABLED:
         return None
-    regions = [(address(v), len(v)) for v in views if len(v) and not v.readonly]
+    try:
+        regions = [(address(v), len(v)) for v in views if len(v) and not v.readonly]
+    except Exception:  # noqa: BLE001 - an odd buffer or template: the load itself will say what is wrong
+        return None
     if sum(n for _, n in regions) < MIN_BYTES or _get_madvise() is None:
         return None
     job = Prefault(_pieces(regions))
