@@ -348,6 +348,40 @@ class Objckpt(Method):
         return self.objckpt.read(self.uri(target), keys=[key], storage_options=self.options(target))[key]
 
 
+class ObjckptNoPrefault(Objckpt):
+    """objckpt_s3 with destination pre-faulting off (``objckpt.load.prefault.ENABLED``): what it buys."""
+
+    name = "objckpt_s3_nopf"
+
+    def setup(self, target: Target) -> None:
+        super().setup(target)
+        from objckpt.load import prefault
+
+        prefault.ENABLED = False
+
+
+class ObjckptBaseline(Objckpt):
+    """objckpt_s3 with the objckpt of another commit: ``OBJCKPT_BASELINE`` names a directory
+    holding its source (``bench_cold_warm --baseline REF`` exports one), put first on
+    ``sys.path`` before objckpt is imported, so before/after run in the same benchmark run."""
+
+    name = "objckpt_s3_base"
+
+    def setup(self, target: Target) -> None:
+        import sys
+
+        root = os.environ.get("OBJCKPT_BASELINE")
+        if not root:
+            raise RuntimeError("OBJCKPT_BASELINE is not set (bench_cold_warm --baseline REF)")
+        if "objckpt" in sys.modules:
+            raise RuntimeError("objckpt was imported before the baseline could be put first on sys.path")
+        sys.path.insert(0, root)
+        super().setup(target)
+        if not os.path.abspath(self.objckpt.__file__).startswith(os.path.abspath(root)):
+            raise RuntimeError("the baseline objckpt was not the one imported")
+        self.info["objckpt_ref"] = os.environ.get("OBJCKPT_BASELINE_REF")
+
+
 class ObjckptLocal(Objckpt):
     """objckpt to a plain local directory."""
 
@@ -363,7 +397,7 @@ class ObjckptLocal(Objckpt):
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (
     TorchSaveBoto3, DcpS3fs, TensorStoreOcdbt, Objckpt, DcpLocal, TorchSaveLocal, ObjckptLocal, DcpS3fsT4,
-    TorchSaveS3tc)}
+    TorchSaveS3tc, ObjckptBaseline, ObjckptNoPrefault)}
 #: run when ``--methods`` is not given (``dcp_s3fs_t4`` and ``torchsave_s3tc`` are opt-in)
 DEFAULT_METHODS = ["torchsave_boto3", "dcp_s3fs", "tensorstore_ocdbt", "objckpt_s3", "dcp_local", "torchsave_local",
                    "objckpt_local"]

@@ -17,7 +17,7 @@ Three kinds of tensor leaves are understood:
 """
 from __future__ import annotations
 
-import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -58,16 +58,31 @@ class Shard:
         return self.local.dtype
 
 
-@functools.lru_cache(maxsize=1)
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
+_dtensor_cls: Optional[type] = None
+
+
 def _dtensor_type() -> Optional[type]:
-    try:
-        from torch.distributed.tensor import DTensor  # torch >= 2.5
-    except ImportError:
+    """DTensor's class, or None while no DTensor can exist yet.
+
+    Importing ``torch.distributed.tensor`` costs about a second of a cold process
+    (it pulls in sympy); a DTensor cannot exist before its module is imported, so
+    the class is looked up only once the caller's code has imported it.
+    """
+    global _dtensor_cls
+    if _dtensor_cls is None:
+        mods = sys.modules
+        if mods.get(_DTENSOR_MODULES[0]) is None and mods.get(_DTENSOR_MODULES[1]) is None:
+            return None  # called for every tensor of every save and load: kept cheap
         try:
-            from torch.distributed._tensor import DTensor  # type: ignore[no-redef]  # torch 2.4
+            from torch.distributed.tensor import DTensor  # torch >= 2.5
         except ImportError:
-            return None
-    return DTensor
+            try:
+                from torch.distributed._tensor import DTensor  # type: ignore[no-redef]  # torch 2.4
+            except ImportError:
+                return None
+        _dtensor_cls = DTensor
+    return _dtensor_cls
 
 
 def is_dtensor(x: Any) -> bool:

@@ -31,6 +31,7 @@ from ..stateful import StatefulValue, find_stateful
 from ..statedict import Slot, template_slots
 from ..storage import ObjectStore
 from .collective import CollectiveReader
+from . import prefault
 from .fill import FillTarget, fill_boxes
 from .stateful import create_optimizer_state, hand_back
 
@@ -271,29 +272,40 @@ def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: C
     raise, saying the checkpoint was replaced)."""
     tries = 0
     stateful = find_stateful(state_dict)  # each Stateful value's state_dict(), taken once
-    while True:
-        t0 = time.perf_counter()
-        stats = IOStats()
-        m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
-        try:
-            return _load_from(state_dict, stateful, uri, st, prefix, reader, opts, m, stats, t0)
-        except BlobMissingError as e:
-            replaced = replaced_since(st, prefix, uri, m, e, tries)
-            if replaced and reader.comm.world_size > 1:
-                e.args = (f"{e.args[0]} (the checkpoint was overwritten while it was loading: load again)",)
-            if not replaced or reader.comm.world_size > 1:
-                raise
-            tries += 1
+    # A restarting job's template was just allocated: its pages get populated by other
+    # threads while the client starts and the manifest is fetched (a cold process spends
+    # about 0.5 s there), not faulted in by the receiving loop later.
+    faults = prefault.start(prefault.tensor_memory(s.value for s in template_slots(state_dict, stateful)))
+    try:
+        while True:
+            t0 = time.perf_counter()
+            stats = IOStats()
+            m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
+            try:
+                return _load_from(state_dict, stateful, uri, st, prefix, reader, opts, m, stats, t0, faults)
+            except BlobMissingError as e:
+                replaced = replaced_since(st, prefix, uri, m, e, tries)
+                if replaced and reader.comm.world_size > 1:
+                    e.args = (f"{e.args[0]} (the checkpoint was overwritten while it was loading: load again)",)
+                if not replaced or reader.comm.world_size > 1:
+                    raise
+                tries += 1
+    finally:
+        if faults is not None:
+            faults.close()
 
 
 def _load_from(state_dict: Any, stateful: dict[str, StatefulValue], uri: str, st: ObjectStore, prefix: str,
-               reader: CollectiveReader, opts: LoadOptions, m: Manifest, stats: IOStats, t0: float) -> LoadResult:
+               reader: CollectiveReader, opts: LoadOptions, m: Manifest, stats: IOStats, t0: float,
+               faults: Optional[prefault.Prefault] = None) -> LoadResult:
     rank = reader.comm.rank
     tree = m.rank_trees[rank] if m.rank_trees and rank < len(m.rank_trees) else m.tree
     leaves = dict(iter_leaves(tree))
     with stats.timings.timed("plan"):
         create_optimizer_state(stateful, tree, m, opts.allow_pickle, repr(uri))
         match = match_template(state_dict, m, leaves, uri, opts.strict, opts.cast, stateful)
+    if faults is not None:
+        faults.cancel()  # the fill populates what is left in the order of its requests
     try:
         reader.fill(st, prefix, m, match.targets, match.sources, stats, uri)
     except ObjckptError as e:

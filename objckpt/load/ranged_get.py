@@ -21,6 +21,7 @@ from ..format.manifest import Chunk
 from ..planning.ranges import Request, Span, plan_requests
 from ..results import IOStats
 from ..storage.base import ObjectStore
+from . import prefault
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ async def read_ranges(
     max_request: int = 16 << 20,
     split_above: int = 16 << 20,
     split_into: int = 8 << 20,
+    prefault_dest: bool = True,
 ) -> None:
     spans = [Span(r.blob_key, r.offset, len(r.dest), i) for i, r in enumerate(reads)]
     requests = plan_requests(
@@ -148,9 +150,17 @@ async def read_ranges(
             if pending[i] == 0:  # type: ignore[index]
                 await finish(i)  # type: ignore[arg-type]
 
+    # fresh destinations: their pages are populated by other threads, in request order,
+    # rather than faulted in one by one by this loop as the bytes arrive
+    faults = prefault.start(reads[span.target].dest[in_span : in_span + n]  # type: ignore[index]
+                            for req in requests for span, _, in_span, n in req.pieces) if prefault_dest else None
     tasks = [asyncio.ensure_future(fetch(r)) for r in requests]
     # zero-length chunks have no request; they are done already
     for i, n in pending.items():
         if n == 0:
             tasks.append(asyncio.ensure_future(finish(i)))
-    await _runtime.gather_fail_fast(tasks)
+    try:
+        await _runtime.gather_fail_fast(tasks)
+    finally:
+        if faults is not None:
+            await faults.finish()

@@ -1,0 +1,227 @@
+"""Cold and warm save/load, objckpt against its peers, each method in its own new process.
+
+    python -m benchmarks.bench_cold_warm --scale 0.05                       # quick check (~1 min)
+    python -m benchmarks.bench_cold_warm --scale 1 --rounds 2 --name cold-warm
+
+Why a separate scenario: ``bench_save_load`` warms every client with one request and
+loads into a template it zeroed (its pages already touched), which is the situation of a
+job's second checkpoint, not of a restart. A restarting job imports the library, creates
+its client, allocates its model's tensors (never touched yet) and loads once. Here, per
+method and round, one process saves ``--reps`` times (rep 0 cold: the first call after
+``setup``, no warm-up request), then a second new process loads ``--reps`` times, each rep
+into **fresh** destinations (``torch.empty`` of the template's shapes, as ``to_empty`` of a
+meta-built model gives; the previous rep's tensors are freed first, so their pages go
+back to the OS and the new ones fault in again). Rep 0 is **cold**; **warm** is the median
+of reps 1..n. ``setup_s`` (imports, client objects) is reported apart, never in the op.
+
+Per rep: wall seconds, process CPU seconds (all threads), peak RSS during the op
+(``VmHWM`` reset just before) and the RSS before it. Loads are verified after the timer
+(crc32 of every tensor). Methods run interleaved round by round, so drift of the shared
+machine spreads over all of them; ratios are taken within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+from . import harness as h
+from .bench_save_load import _crc
+from .gpt_state import gpt_specs, iter_gpt_state, make_gpt_state, scaled_bytes
+from .methods import METHODS, Target
+
+DEFAULT = ["objckpt_s3", "tensorstore_ocdbt", "dcp_s3fs", "torchsave_s3tc"]
+
+
+def _timed(fn: Any) -> dict[str, Any]:
+    """Run ``fn()``; wall, CPU and peak RSS of the call."""
+    gc.collect()
+    with h.PeakRss() as rss:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        err = None
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported
+            err = f"{type(e).__name__}: {e}"
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": rss.op_peak or rss.lifetime,
+            "rss_before_bytes": rss.before, "error": err}
+
+
+def one_process(args: argparse.Namespace) -> dict[str, Any]:
+    """Every rep of one op of one method, in this (new) process."""
+    t0 = time.perf_counter()
+    method = METHODS[args.method]()
+    target = Target(args.endpoint_url, args.bucket, args.prefix)
+    try:
+        method.setup(target)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "skipped", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
+    out: dict[str, Any] = {"status": "ok", "setup_s": time.perf_counter() - t0, "reps": []}
+    total = scaled_bytes(args.scale)
+    specs = gpt_specs(total)
+    if args.one == "save":
+        state = make_gpt_state(total, args.seed)
+        for rep in range(args.reps):
+            where = Target(args.endpoint_url, args.bucket, f"{args.prefix}/r{rep}")
+            out["reps"].append(_timed(lambda: method.save(state, where)))
+        return out
+    crcs = {k: _crc(t) for k, t in iter_gpt_state(total, args.seed)}
+    where = Target(args.endpoint_url, args.bucket, f"{args.prefix}/r0")
+    for rep in range(args.reps):
+        gc.collect()
+        # fresh, untouched destinations each rep (what a restarting job has after to_empty)
+        dest = {s.key: torch.empty(s.shape, dtype=torch.float32) for s in specs}
+        r = _timed(lambda: method.load(dest, where))
+        if not r["error"]:
+            bad = [k for k, c in crcs.items() if _crc(dest[k]) != c]
+            r["verify"] = f"{len(bad)} tensors differ, e.g. {bad[:3]}" if bad else "ok"
+        out["reps"].append(r)
+        del dest
+    return out
+
+
+def _ok(r: dict[str, Any]) -> bool:
+    return not r.get("error") and r.get("verify", "ok") == "ok"
+
+
+def summarize(runs: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
+    """Cold = rep 0 (median over rounds), warm = median of reps 1.. over rounds; min/max too,
+    so the table can say how noisy each figure is."""
+    out: dict[str, Any] = {}
+    for op in ("save", "load"):
+        procs = [r for r in runs if r["op"] == op and r.get("status") == "ok"]
+        cold = [p["reps"][0] for p in procs if p["reps"] and _ok(p["reps"][0])]
+        warm = [r for p in procs for r in p["reps"][1:] if _ok(r)]
+        d: dict[str, Any] = {"processes": len(procs), "setup_s": h.median(p["setup_s"] for p in procs)}
+        for name, rs in (("cold", cold), ("warm", warm)):
+            walls = [r["wall_s"] for r in rs]
+            d[name] = {"n": len(rs), "wall_s": h.median(walls), "wall_min": min(walls, default=None),
+                       "wall_max": max(walls, default=None),
+                       "cpu_s_per_gb": h.median(r["cpu_s"] / (nbytes / 1e9) for r in rs),
+                       "peak_rss_bytes": h.median(r["peak_rss_bytes"] for r in rs)}
+        bad = [r.get("error") or r.get("verify") for p in procs for r in p["reps"] if not _ok(r)]
+        bad += [r.get("error") for r in runs if r["op"] == op and r.get("status") != "ok"]
+        d["problems"] = bad[:3]
+        out[op] = d
+    return out
+
+
+def table(summaries: dict[str, dict[str, Any]], state_bytes: int) -> str:
+    def cell(d: dict[str, Any]) -> str:
+        if d["wall_s"] is None:
+            return "–"
+        spread = "" if d["n"] < 2 else f" ({d['wall_min']:.2f}–{d['wall_max']:.2f})"
+        return f"{d['wall_s']:.2f}{spread}"
+
+    ref = summaries.get("tensorstore_ocdbt")
+    head = ["method", "load cold s", "load warm s", "save cold s", "save warm s", "load cold / TS", "load warm / TS",
+            "CPU-s/GB load cold / warm", "CPU-s/GB save warm", "peak RSS load − state MiB (cold)", "setup s"]
+    rows = []
+    for m, s in summaries.items():
+        ld, sv = s["load"], s["save"]
+
+        def vs(op: str, kind: str) -> str:
+            mine, theirs = s[op][kind]["wall_s"], ref and ref[op][kind]["wall_s"]
+            return h.ratio(theirs, mine, "{:.2f}x") if mine and theirs else "–"
+
+        rss = ld["cold"]["peak_rss_bytes"]
+        rows.append([m, cell(ld["cold"]), cell(ld["warm"]), cell(sv["cold"]), cell(sv["warm"]), vs("load", "cold"),
+                     vs("load", "warm"),
+                     f"{h.fmt(ld['cold']['cpu_s_per_gb'], '{:.2f}')} / {h.fmt(ld['warm']['cpu_s_per_gb'], '{:.2f}')}",
+                     h.fmt(sv["warm"]["cpu_s_per_gb"], "{:.2f}"),
+                     "–" if rss is None else f"{(rss - state_bytes) / h.MiB:.0f}", h.fmt(ld["setup_s"], "{:.2f}")])
+    return h.md_table(head, rows)
+
+
+def _export_baseline(ref: str) -> str:
+    """Export ``ref``'s tree to a temporary directory for ``objckpt_s3_base`` (environment
+    of the op processes); returns the commit it resolved to."""
+    commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=h.REPO_ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    root = tempfile.mkdtemp(prefix="objckpt-baseline-")
+    archive = subprocess.run(["git", "archive", commit, "objckpt"], cwd=h.REPO_ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", root], input=archive.stdout, check=True)
+    os.environ["OBJCKPT_BASELINE"], os.environ["OBJCKPT_BASELINE_REF"] = root, f"{ref} ({commit})"
+    return f"{ref} ({commit})"
+
+
+def drive(args: argparse.Namespace) -> int:
+    methods = [m for m in args.methods.split(",") if m]
+    rid = h.run_id("coldwarm")
+    specs = gpt_specs(scaled_bytes(args.scale))
+    state_bytes = sum(s.nbytes for s in specs)
+    name = args.name or f"cold-warm-s{args.scale:g}-{rid.split('-', 1)[1]}"
+    h.log(f"state {len(specs)} tensors, {state_bytes / h.GiB:.3f} GiB; methods {methods}; "
+          f"{args.rounds} round(s) x {args.reps} reps")
+    runs: list[dict[str, Any]] = []
+    if args.baseline:
+        methods_note = _export_baseline(args.baseline)
+        h.log(f"objckpt_s3_base runs objckpt at {methods_note}")
+    with h.Server("fast", args.bucket) as server:
+        client = h.boto3_client(server.url)
+        for rnd in range(args.rounds):
+            order = methods if rnd % 2 == 0 else methods[::-1]  # interleaved, alternating order
+            for m in order:
+                prefix = f"{rid}/{m}/round{rnd}"
+                for op in ("save", "load"):
+                    cmd = ["-m", "benchmarks.bench_cold_warm", "--one", op, "--methods", m, "--endpoint-url",
+                           server.url, "--bucket", args.bucket, "--prefix", prefix, "--scale", str(args.scale),
+                           "--reps", str(args.reps), "--seed", str(args.seed)]
+                    r = dict(h.run_json(cmd, args.timeout), method=m, op=op, round=rnd)
+                    r.setdefault("status", "crashed" if not r.get("ok", True) else "ok")
+                    runs.append(r)
+                    walls = " ".join(f"{x['wall_s']:.3f}" + ("" if _ok(x) else "!") for x in r.get("reps", []))
+                    h.log(f"round {rnd} {m:18s} {op}: {r.get('status')} {walls} {r.get('error') or ''}")
+                    if r.get("status") != "ok":
+                        break
+                h.delete_prefix(client, args.bucket, prefix)
+    if os.environ.get("OBJCKPT_BASELINE"):
+        shutil.rmtree(os.environ.pop("OBJCKPT_BASELINE"), ignore_errors=True)
+    summaries = {m: summarize([r for r in runs if r["method"] == m], state_bytes) for m in methods}
+    md = table(summaries, state_bytes)
+    cfg = dict(vars(args), methods=methods, baseline=os.environ.get("OBJCKPT_BASELINE_REF"), state_bytes=state_bytes, tensors=len(specs))
+    path = h.write_results(h.result_path(name), {
+        "name": name, "config": cfg,
+        "environment": h.environment("boto3", "aiobotocore", "s3fs", "tensorstore", "s3torchconnector"),
+        "summary": summaries, "runs": runs, "table_markdown": md})
+    print(f"\n{len(specs)} tensors, {state_bytes / h.GiB:.3f} GiB, fast server, {args.rounds} round(s) x "
+          f"{args.reps} reps; cold = rep 0, warm = median of reps 1..; (min–max):\n\n{md}\n\nresults: {path}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default=",".join(DEFAULT))
+    ap.add_argument("--scale", type=float, default=1.0, help="state size relative to 1.03 GiB")
+    ap.add_argument("--reps", type=int, default=3, help="ops per process: rep 0 cold, the rest warm")
+    ap.add_argument("--rounds", type=int, default=1, help="new processes per method and op")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bucket", default="bench")
+    ap.add_argument("--name", default=None, help="benchmarks/results/<name>.json")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--baseline", default=None, metavar="REF",
+                    help="also run objckpt_s3_base: objckpt as of git REF (add it to --methods)")
+    ap.add_argument("--one", choices=("save", "load"), help="internal: run the reps of one op here")
+    ap.add_argument("--endpoint-url", default=None)
+    ap.add_argument("--prefix", default="manual")
+    args = ap.parse_args(argv)
+    if args.one:
+        args.method = args.methods.split(",")[0]
+        print(json.dumps(one_process(args), default=repr), flush=True)
+        return 0
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

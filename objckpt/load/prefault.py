@@ -1,0 +1,192 @@
+"""Pre-fault load destinations, so the receiving thread does not take the page faults.
+
+A restarting job loads into tensors it has just allocated (``torch.empty``,
+``to_empty`` of a meta-built model): none of their pages exists yet.  The first
+write to each 4 KiB page faults and the kernel zeroes it, about 0.4 s per GiB on
+one core, and in a ranged-GET load that first write is the event-loop thread
+copying received bytes: every fault stalls every request in flight.
+
+:func:`start` asks the kernel to populate those pages from other threads, in the
+order the requests were issued, while the responses are still coming:
+``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) maps each page writable *without
+writing to it*, so it cannot race with the bytes the receiver stores (a thread
+that touched the pages by writing could overwrite data already received).
+Where the call is missing (other systems, older kernels) nothing is done.
+Pieces whose first and last pages are present already (a template loaded into
+before) are skipped after two ``mincore`` probes.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import os
+import sys
+import threading
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from ..memory import host_bytes, plain_host
+
+_MADV_POPULATE_WRITE = 23
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: bytes per madvise call: small enough that the populating threads stay just ahead of the data
+STEP = 8 << 20
+#: switch (benchmarks compare loads with and without)
+ENABLED = True
+#: loads smaller than this are not worth the threads
+MIN_BYTES = 32 << 20
+
+_lock = threading.Lock()
+_madvise: Optional[ctypes._CFuncPtr] = None  # type: ignore[name-defined]
+_supported: Optional[bool] = None if sys.platform.startswith("linux") else False
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _threads() -> int:
+    """Populating threads: one core is left to the receiving event loop."""
+    return max(1, min(4, (os.cpu_count() or 2) - 1))
+
+
+def _get_madvise() -> Optional[ctypes._CFuncPtr]:  # type: ignore[name-defined]
+    global _madvise, _supported
+    if _supported is False:
+        return None
+    if _madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            _supported = False
+            return None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _madvise = fn
+    return _madvise
+
+
+_mincore: Optional[ctypes._CFuncPtr] = None  # type: ignore[name-defined]
+
+
+def _resident(addr: int) -> bool:
+    """Whether the page holding ``addr`` is mapped already (``mincore``); False when unknown."""
+    global _mincore
+    if _mincore is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).mincore
+        except (OSError, AttributeError):
+            return False
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        fn.restype = ctypes.c_int
+        _mincore = fn
+    vec = ctypes.create_string_buffer(1)
+    return _mincore(addr & ~(_PAGE - 1), _PAGE, vec) == 0 and bool(vec.raw[0] & 1)
+
+
+def _populate(addr: int, length: int) -> bool:
+    """MADV_POPULATE_WRITE over the pages holding [addr, addr + length); False when the
+    kernel does not know the advice (then it is never tried again)."""
+    global _supported
+    fn = _get_madvise()
+    if fn is None or length <= 0:
+        return False
+    start = addr & ~(_PAGE - 1)
+    end = (addr + length + _PAGE - 1) & ~(_PAGE - 1)
+    if fn(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        if ctypes.get_errno() == 22:  # EINVAL: advice unknown to this kernel
+            _supported = False
+        return False  # ENOMEM / EFAULT / EHWPOISON: the receiver will fault as usual
+    _supported = True
+    return True
+
+
+def address(view: memoryview) -> int:
+    """The address of a writable, contiguous buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _pieces(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Regions cut into ``STEP``-sized pieces, in order."""
+    out = []
+    for addr, n in regions:
+        for off in range(0, n, STEP):
+            out.append((addr + off, min(STEP, n - off)))
+    return out
+
+
+class Prefault:
+    """Threads populating pieces in order; :meth:`cancel` makes them give up what is left."""
+
+    def __init__(self, pieces: list[tuple[int, int]]) -> None:
+        self._pieces = pieces
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.futures: list[concurrent.futures.Future] = []
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped or self._next >= len(self._pieces):
+                    return
+                addr, n = self._pieces[self._next]
+                self._next += 1
+            # A piece whose first and last pages are there already (a template loaded into
+            # before) is skipped: populating it would walk its page tables for nothing.
+            if _resident(addr) and _resident(addr + n - 1):
+                continue
+            if not _populate(addr, n) and _supported is False:
+                return
+
+    def cancel(self) -> None:
+        """Populate nothing more (the pieces being populated finish)."""
+        with self._lock:
+            self._stopped = True
+
+    def close(self) -> None:
+        """:meth:`finish`, from outside the event loop."""
+        self.cancel()
+        concurrent.futures.wait(self.futures)
+
+    async def finish(self) -> None:
+        """Cancel and wait for the threads: the memory must stay valid while one is
+        inside madvise for it."""
+        self.cancel()
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in self.futures), return_exceptions=True)
+
+
+def start(views: Iterable[memoryview]) -> Optional[Prefault]:
+    """Populate the pages of ``views`` (in this order) from background threads; None when
+    there is nothing to do.  Await :meth:`Prefault.finish` before the buffers may be freed."""
+    global _pool
+    if _supported is False or not ENABLED:
+        return None
+    try:
+        regions = [(address(v), len(v)) for v in views if len(v) and not v.readonly]
+    except Exception:  # noqa: BLE001 - an odd buffer or template: the load itself will say what is wrong
+        return None
+    if sum(n for _, n in regions) < MIN_BYTES or _get_madvise() is None:
+        return None
+    job = Prefault(_pieces(regions))
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="objckpt-prefault")
+        job.futures = [_pool.submit(job._work) for _ in range(_threads())]
+    return job
+
+
+def tensor_memory(tensors: Iterable[Any]) -> Iterator[memoryview]:
+    """The bytes of each CPU tensor (a DTensor's local shard) that a load may write in place."""
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else getattr(t, "local", t)  # DTensor, objckpt.Shard
+        if isinstance(local, torch.Tensor) and plain_host(local) and not local.is_meta and local.numel():
+            yield host_bytes(local)
+
+
+def _after_fork_in_child() -> None:
+    global _pool
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,81 @@
+"""Pre-faulting load destinations: never changes a byte, never needed for correctness.
+
+``MADV_POPULATE_WRITE`` maps pages without writing them, so populating memory that
+already holds data (or receives it at the same time) must leave it as it is.  The
+loads here run with the size threshold lowered, so small tensors take the path a
+1 GiB restore takes.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import objckpt
+from objckpt.load import prefault
+from objckpt.memory import host_bytes
+
+
+@pytest.fixture
+def small_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefault, "MIN_BYTES", 0)
+    monkeypatch.setattr(prefault, "STEP", 64 << 10)  # many pieces, several threads at once
+
+
+def test_populate_keeps_contents(small_threshold: None) -> None:
+    t = torch.arange(1 << 20, dtype=torch.int64)  # 8 MiB, written
+    before = t.clone()
+    job = prefault.start([host_bytes(t)])
+    if job is not None:
+        job.close()
+    assert torch.equal(t, before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise advice of Linux")
+def test_populate_unaligned_slices(small_threshold: None) -> None:
+    t = torch.full((3 << 20,), 7, dtype=torch.uint8)
+    view = host_bytes(t)
+    job = prefault.start([view[1:5000], view[4097:(2 << 20) + 3], view[-1:]])
+    if job is not None:
+        job.close()
+    assert bool((t == 7).all())
+
+
+def test_disabled_and_tiny_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = torch.empty(1 << 20)
+    assert prefault.start([host_bytes(t)]) is None  # below MIN_BYTES
+    monkeypatch.setattr(prefault, "MIN_BYTES", 0)
+    monkeypatch.setattr(prefault, "ENABLED", False)
+    assert prefault.start([host_bytes(t)]) is None
+
+
+def test_tensor_memory_skips_what_is_not_plain_host() -> None:
+    plain, strided, empty = torch.zeros(4, 4), torch.zeros(4, 4).t(), torch.zeros(0)
+    got = list(prefault.tensor_memory([plain, strided, empty, torch.empty(3, device="meta"), "value"]))
+    assert len(got) == 1 and len(got[0]) == plain.numel() * 4
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_load_with_prefault_round_trips(small_threshold: None, tmp_path, fresh: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(300, 257, generator=g), "b": torch.randn(64, generator=g),
+             "t": torch.randn(40, 30, generator=g).t(), "i": torch.randint(0, 9, (1000,), generator=g)}
+    uri = str(tmp_path / "ck")
+    objckpt.save(state, uri)
+    if fresh:
+        dest = {k: torch.empty_like(v) for k, v in state.items()}
+    else:
+        dest = {k: torch.full_like(v, 3) for k, v in state.items()}
+    objckpt.load(dest, uri)
+    for k, v in state.items():
+        assert torch.equal(dest[k], v), k
+    assert torch.equal(objckpt.read(uri, keys=["a"])["a"], state["a"])
+
+
+def test_odd_buffers_never_fail_a_load(small_threshold: None) -> None:
+    def views():
+        yield host_bytes(torch.zeros(8))
+        raise RuntimeError("a template walk that fails")
+
+    assert prefault.start(views()) is None
