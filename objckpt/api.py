@@ -121,7 +121,7 @@ def inspect(
 
 def read(
     uri: str,
-    keys: Optional[Iterable[str]] = None,
+    keys: "str | Iterable[str] | None" = None,
     *,
     storage_options: Optional[dict[str, Any]] = None,
     allow_pickle: bool = False,
@@ -134,11 +134,14 @@ def read(
     tied tensors tied again, sharded tensors assembled whole).  With ``keys``,
     returns ``{key: value}`` for just those keys and fetches only their bytes; a
     key may also be a subtree or key prefix (``"optim"``, ``"model.layers.0"``),
-    whose value is then the nested subtree under it (keys relative to it).
+    whose value is then the nested subtree under it (keys relative to it).  A
+    single string is one key (``read(uri, "optim")`` is ``read(uri, ["optim"])``).
     ``read`` never communicates with other ranks; ``no_dist`` is accepted for
     symmetry with :func:`load` and changes nothing.
     """
     del no_dist  # read is always this rank alone
+    if isinstance(keys, str):
+        keys = [keys]  # not its characters
     st, prefix = _open(uri, storage_options, store)
     return read_checkpoint(st, prefix, uri, keys, allow_pickle)
 

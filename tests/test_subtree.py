@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import objckpt
 from objckpt.format.subtree import NOTHING, find, select, tensor_keys
 from objckpt.format.tree import encode_tree, iter_leaves
 
@@ -47,3 +49,11 @@ def test_tensor_keys_of_a_subtree() -> None:
     tree = {"m": {"w": {"$tensor": "m.w"}, "l": [{"$tensor": "m.l.0"}, 3]}, "o": {"$tensor": "o"}}
     assert sorted(tensor_keys(select(tree, "m"))) == ["m.l.0", "m.w"]
     assert tensor_keys(select(tree, "m.l")) == ["m.l.0"]
+
+
+def test_a_single_string_is_one_key(tmp_path: Any) -> None:
+    uri = str(tmp_path / "ck")
+    objckpt.save({"w": torch.arange(4), "optim": {"lr": 0.5, "m": torch.ones(2)}}, uri)
+    assert list(objckpt.read(uri, "w")) == ["w"]
+    got = objckpt.read(uri, "optim")
+    assert got["optim"]["lr"] == 0.5 and torch.equal(got["optim"]["m"], torch.ones(2))
