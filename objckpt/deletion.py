@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import CorruptCheckpointError, NotFoundError
+from .errors import CorruptCheckpointError
 from .format import keys
 from .format.manifest import decode
+from .load.pipeline import manifest_bytes
 from .storage import ObjectStore
 
 
@@ -34,10 +35,7 @@ class DeleteReport:
 async def delete_checkpoint(store: ObjectStore, prefix: str, uri: str = "") -> DeleteReport:
     """Delete the checkpoint at ``prefix``; :class:`NotFoundError` when none is committed there."""
     mkey = keys.manifest_key(prefix)
-    try:
-        raw = await store.get(mkey)
-    except NotFoundError:
-        raise NotFoundError(f"no checkpoint at {uri or prefix!r} (no {keys.MANIFEST_NAME})") from None
+    raw = await manifest_bytes(store, prefix, uri or prefix)
     report = DeleteReport(manifest=mkey)
     try:
         m = decode(raw, mkey)

@@ -34,6 +34,7 @@ from .errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsErro
 from .format import keys
 from .format.manifest import Chunk, Manifest, RankIndexRef, decode
 from .layout import resolver_for
+from .load.pipeline import manifest_bytes
 from .logs import get_logger
 from .save.commit import replaced_keys
 from .storage import BlobWriter, ObjectStore, open_store, split_uri
@@ -146,12 +147,7 @@ def _record(bc: _BlobCopy, found: list[tuple[int, int, int, int]], where: str) -
 
 
 async def _fetch_manifest(st: ObjectStore, prefix: str, uri: str) -> tuple[bytes, Manifest]:
-    try:
-        raw = await st.get(keys.manifest_key(prefix))
-    except BucketNotFoundError:
-        raise
-    except NotFoundError:
-        raise NotFoundError(f"no checkpoint at {uri!r} (no {keys.MANIFEST_NAME} under it)") from None
+    raw = await manifest_bytes(st, prefix, uri)
     return raw, decode(raw, f"{uri.rstrip('/')}/{keys.MANIFEST_NAME}")
 
 

@@ -43,15 +43,20 @@ log = get_logger("objckpt.load")
 REPLACED_RETRIES = 3
 
 
-async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
-    mkey = objkeys.manifest_key(prefix)
-    t0 = time.perf_counter()
+async def manifest_bytes(store: ObjectStore, prefix: str, uri: str) -> bytes:
+    """The stored manifest of the checkpoint at ``prefix``, undecoded; :class:`NotFoundError`
+    saying there is no checkpoint at ``uri`` (a missing bucket keeps its own, more precise error)."""
     try:
-        data = await store.get(mkey)
+        return await store.get(objkeys.manifest_key(prefix))
     except BucketNotFoundError:
         raise  # names the bucket: more precise than "no checkpoint"
     except NotFoundError:
         raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)") from None
+
+
+async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
+    t0 = time.perf_counter()
+    data = await manifest_bytes(store, prefix, uri)
     m = decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
     if stats is not None:
         stats.add(len(data))
