@@ -85,11 +85,16 @@ def _read_manifest_through(proxy: FaultProxy, bucket: str, **options: Any) -> by
     return bytes(_runtime.run(store.get(keys[0])))
 
 
-def test_cut_manifest_body_is_fetched_again(server: S3Server) -> None:
+# reads take the direct path by default (s3_direct); botocore's is the fallback: both are tested
+READ_PATHS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "botocore"])
+
+
+@READ_PATHS
+def test_cut_manifest_body_is_fetched_again(server: S3Server, direct: bool) -> None:
     """About half the connections cut their response after 600-700 bytes: the manifest
     (about 1.8 kB) is fetched again until whole, and the read is bit-exact."""
-    bucket = _bucket(server, "body-cut-retry")
-    opts = {"endpoint_url": server.endpoint_url, **_KEYS}
+    bucket = _bucket(server, f"body-cut-retry-{direct}".lower())
+    opts = {"endpoint_url": server.endpoint_url, "direct_reads": direct, **_KEYS}
     state = make_state(1)
     objckpt.save(state, f"s3://{bucket}/ck", storage_options=opts)
     with FaultProxy(server.endpoint_url, kind="cut", probability=0.5, seed=3, direction="down", min_offset=600,
@@ -100,12 +105,13 @@ def test_cut_manifest_body_is_fetched_again(server: S3Server) -> None:
     assert same(state, back)
 
 
-def test_body_that_always_breaks_is_named(server: S3Server) -> None:
-    bucket = _bucket(server, "body-cut-named")
+@READ_PATHS
+def test_body_that_always_breaks_is_named(server: S3Server, direct: bool) -> None:
+    bucket = _bucket(server, f"body-cut-named-{direct}".lower())
     objckpt.save(make_state(1), f"s3://{bucket}/ck", storage_options={"endpoint_url": server.endpoint_url, **_KEYS})
     with FaultProxy(server.endpoint_url, kind="cut", probability=1.0, direction="down", min_offset=600,
                     max_offset=700) as proxy:
         with pytest.raises(StorageError, match=rf"s3://{bucket}/ck/.*manifest.*2 attempts"):
             objckpt.read(f"s3://{bucket}/ck", storage_options={"endpoint_url": proxy.url, "error_attempts": 2,
-                                                                "max_backoff": 0.05, **_KEYS})
+                                                                "max_backoff": 0.05, "direct_reads": direct, **_KEYS})
         assert proxy.injected >= 2

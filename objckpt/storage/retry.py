@@ -97,12 +97,8 @@ def http_status(e: BaseException) -> int:
 
 
 def classify(e: BaseException) -> Failure:
-    """The kind of ``e`` (a botocore/aiohttp/OS exception, or one wrapping it as its cause)."""
-    from botocore.exceptions import (
-        ConnectionError as BotoConnectionError, ConnectTimeoutError, EndpointConnectionError,
-        HTTPClientError, ReadTimeoutError,
-    )
-
+    """The kind of ``e`` (a botocore/aiohttp/OS exception, an S3 error answer of the
+    direct read path, or one wrapping it as its cause)."""
     cause = e.__cause__ if getattr(e, "response", None) is None and e.__cause__ is not None else e
     code, status = error_code(cause), http_status(cause)
     if code in _THROTTLE_CODES or status == 429:
@@ -111,12 +107,26 @@ def classify(e: BaseException) -> Failure:
         return Failure.SERVER
     if status:
         return Failure.FATAL
-    if isinstance(cause, (ConnectTimeoutError, ReadTimeoutError, asyncio.TimeoutError, TimeoutError)):
+    if isinstance(cause, (asyncio.TimeoutError, TimeoutError)):
         return Failure.TIMEOUT
-    if isinstance(cause, (EndpointConnectionError, ConnectionRefusedError)):
+    if isinstance(cause, ConnectionRefusedError):
         return Failure.CONNECT
-    if isinstance(cause, (BotoConnectionError, HTTPClientError, ConnectionError)) or _is_payload_error(e):
+    if isinstance(cause, ConnectionError):
         return Failure.SERVER
+    # botocore's own exception types (imported here: a restore on the direct path has no botocore)
+    from botocore.exceptions import (
+        ConnectionError as BotoConnectionError, ConnectTimeoutError, EndpointConnectionError,
+        HTTPClientError, ReadTimeoutError,
+    )
+
+    if isinstance(cause, (ConnectTimeoutError, ReadTimeoutError)):
+        return Failure.TIMEOUT
+    if isinstance(cause, EndpointConnectionError):
+        return Failure.CONNECT
+    if isinstance(cause, (BotoConnectionError, HTTPClientError)) or _is_payload_error(e):
+        return Failure.SERVER
+    if isinstance(cause, OSError):  # unreachable network, DNS, TLS: the connection never worked
+        return Failure.CONNECT
     return Failure.FATAL
 
 

@@ -26,9 +26,10 @@ from .. import _runtime
 from ..checksum import composite_header, crc32c, crc_header, crc_of_views
 from ..logs import get_logger, register_secret
 from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
-from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 from .limiter import AimdLimiter
+from . import s3_direct
+from .s3_direct import DirectReader, Sink, Unsupported
 from .retry import Failure, RetryPolicy, classify, error_code, http_status
 
 log = get_logger("objckpt.storage")
@@ -161,6 +162,12 @@ class S3Store(ObjectStore):
         self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
         # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
         self.checksums = str(options.pop("checksums", True)).lower() not in ("false", "0", "no")
+        # direct_reads=False: every read through botocore (see s3_direct)
+        self._direct_wanted = str(options.pop("direct_reads", os.environ.get("OBJCKPT_S3_DIRECT_READS", True))
+                                  ).lower() not in ("false", "0", "no")
+        unknown = sorted(set(options) - set(_CLIENT_KEYS) - {"addressing_style", "profile"})
+        if unknown:  # said at once: a restore may never build the botocore client
+            raise ValueError(f"unknown S3 storage_options: {unknown}")
         self._options = options
         for k in _SECRET_OPTIONS:  # never logged, whatever error text carries them
             register_secret(options.get(k))
@@ -172,6 +179,9 @@ class S3Store(ObjectStore):
         self._lock: Optional[asyncio.Lock] = None
         self._bucket_seen = False  # a HeadBucket succeeded: 404s are about keys
         self._answered = False  # the endpoint has sent an HTTP answer (see _send)
+        self._direct_reader: Optional[DirectReader] = None
+        self._direct_decided = False
+        self._direct_lock: Optional[asyncio.Lock] = None
         _runtime.on_reset(self._forget)
 
     def _no_bucket(self) -> BucketNotFoundError:
@@ -187,6 +197,19 @@ class S3Store(ObjectStore):
         """
         if self._bucket_seen:
             return
+        reader = await self._direct()
+        if reader is not None:
+            try:
+                exists = await self._direct_call(reader.bucket_exists, where=f"HeadBucket s3://{self.bucket}")
+            except Unsupported as e:
+                self._direct_refused(e)
+            except Exception:
+                return  # 403 etc.: let the original outcome stand
+            else:
+                if not exists:
+                    raise self._no_bucket()
+                self._bucket_seen = True
+                return
         client = await self.client()
         try:
             await client.head_bucket(Bucket=self.bucket)
@@ -197,6 +220,9 @@ class S3Store(ObjectStore):
         self._bucket_seen = True
 
     def _forget(self) -> None:
+        if self._direct_reader is not None:
+            self._direct_reader.forget()
+        self._direct_lock = None
         self._client = self._body_client = self._lock = None
         self._client_cms = []
         self._answered = False
@@ -271,10 +297,95 @@ class S3Store(ObjectStore):
                 raise ValueError(f"storage option profile: {e} (see ~/.aws/config, AWS_CONFIG_FILE)") from None
             raise
 
+    # -- the direct read path (s3_direct): GET/HEAD without botocore -------------
+    async def _direct(self) -> Optional[DirectReader]:
+        """The direct reader, decided once per store (and after fork): ``None`` when
+        switched off, when the endpoint needs what only botocore does, or after
+        the endpoint refused it once."""
+        if self._direct_decided:
+            return self._direct_reader
+        if self._direct_lock is None:
+            self._direct_lock = asyncio.Lock()
+        async with self._direct_lock:
+            if not self._direct_decided:
+                self._direct_reader = await self._make_direct() if self._direct_wanted else None
+                self._direct_decided = True
+        return self._direct_reader
+
+    async def _make_direct(self) -> Optional[DirectReader]:
+        from .sigv4 import resolve_credentials
+
+        target = s3_direct.resolve_target(self.bucket, self._options)
+        if target is None:
+            return None
+        try:
+            # botocore's provider chain may do network calls (roles, IMDS): off the loop
+            creds = await _runtime.in_thread(resolve_credentials, self._options)
+        except Exception as e:  # e.g. a profile that does not exist: botocore's path says it best
+            log.debug("direct S3 reads off for %s: credentials: %s", self.describe(), e)
+            return None
+        if creds is None:
+            return None
+        return DirectReader(self.bucket, target, creds, connect_timeout=self.policy.connect_timeout,
+                            read_timeout=self.policy.read_timeout)
+
+    def _direct_refused(self, e: Unsupported) -> None:
+        """The endpoint wants something the direct path does not do: botocore from now on."""
+        reader, self._direct_reader = self._direct_reader, None
+        if reader is not None:
+            log.info("direct S3 reads off for %s (%s); reading through botocore", self.describe(), e)
+            reader.close()
+
+    async def _direct_call(self, fn: Any, *args: Any, where: str) -> Any:
+        """``fn(*args, first_byte)`` on a receiving thread, under the same retry
+        policy, limiter and first-answer bound as botocore calls (see _retrying)."""
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        while True:
+            first = self.policy.read_timeout if self._answered else min(self.policy.first_answer_timeout,
+                                                                          self.policy.read_timeout)
+            sent_at = time.monotonic()
+            try:
+                if self.limiter is None:
+                    r = await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
+                else:
+                    async with self.limiter:
+                        sent_at = time.monotonic()
+                        r = await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
+                    self.limiter.succeeded()
+                self._answered = True
+                return r
+            except Unsupported:
+                raise
+            except Exception as e:
+                if http_status(e):
+                    self._answered = True
+                if _is_no_bucket(e):
+                    raise self._no_bucket() from None
+                if _is_missing(e) or error_code(e) == "InvalidRange" or http_status(e) == 416:
+                    raise
+                if isinstance(e, TimeoutError) and not self._answered:
+                    e = asyncio.TimeoutError(f"no answer from {self.endpoint()} within {first:g} s "
+                                             "(storage option first_answer_timeout)")
+                kind = classify(e)
+                if kind is Failure.THROTTLE and self.limiter is not None:
+                    self.limiter.throttled(sent_at)
+                attempt += 1
+                status = f"HTTP {http_status(e)}, " if http_status(e) else ""
+                if attempt >= self.policy.attempts(kind):
+                    tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+                    raise StorageError(f"S3 {where} at {self.endpoint()} failed ({status}{kind.value}, {tries}): "
+                                       f"{type(e).__name__}: {e}") from e
+                log.warning("S3 %s (%s%s), attempt %d of %d; retrying: %s: %s", where, status, kind.value, attempt,
+                            self.policy.attempts(kind), type(e).__name__, e)
+                await self.policy.backoff(attempt)
+
     async def call_with_body(self, op: str, views: Sequence[memoryview], **kw: Any) -> Any:
         """One API call that sends ``views``; a fresh body per attempt."""
         client = await self.body_client()
         fn = getattr(client, op)
+        from . import http_body  # aiohttp: imported only by a process that writes
+
         return await self._retrying(fn, kw, lambda: {"Body": http_body.body(views)}, has_body=True)
 
     async def call(self, fn: Any, **kw: Any) -> Any:
@@ -339,6 +450,17 @@ class S3Store(ObjectStore):
         """A whole object.  A body that breaks mid-stream (cut, reset, stalled past
         ``read_timeout``) is fetched again within the policy's budget for that
         kind of failure, like a ranged GET; what is left is a StorageError naming the key."""
+        reader = await self._direct()
+        if reader is not None:
+            try:
+                return bytes(await self._direct_call(reader.get, key, where=f"GET s3://{self.bucket}/{key}"))
+            except Unsupported as e:
+                self._direct_refused(e)
+            except Exception as e:
+                if _is_missing(e):
+                    await self._check_bucket()
+                    raise not_found(f"s3://{self.bucket}/{key}") from None
+                raise
         client = await self.client()
         attempt = 0
         while True:
@@ -381,6 +503,12 @@ class S3Store(ObjectStore):
         total = sum(len(v) for v in views)
         if total == 0:
             return 0
+        reader = await self._direct()
+        if reader is not None:
+            try:
+                return await self._read_direct(reader, key, offset, views, allow_short=allow_short)
+            except Unsupported as e:
+                self._direct_refused(e)
         client = await self.client()
         got = 0  # bytes delivered so far, across views
         vi, vpos = 0, 0  # current view and position in it
@@ -426,6 +554,33 @@ class S3Store(ObjectStore):
             )
         return got
 
+    async def _read_direct(self, reader: DirectReader, key: str, offset: int, views: list[memoryview], *,
+                           allow_short: bool) -> int:
+        sink = Sink(views)
+        where = f"GET s3://{self.bucket}/{key} at {offset}"
+        try:
+            while sink.got < sink.total:
+                before = sink.got
+                await self._direct_call(reader.read_range, key, offset, sink, where=where)
+                if sink.got == before:
+                    break  # the object ends before the range does
+        except asyncio.CancelledError:
+            sink.cancelled = True  # the receiving thread stops at its next buffer
+            raise
+        except BucketNotFoundError:
+            raise
+        except Exception as e:
+            if _is_missing(e):
+                await self._check_bucket()
+                raise not_found(f"s3://{self.bucket}/{key}") from None
+            if not (error_code(e) == "InvalidRange" or http_status(e) == 416):
+                raise
+        if sink.got != sink.total and not allow_short:
+            raise CorruptCheckpointError(
+                f"object s3://{self.bucket}/{key} is truncated: wanted bytes {offset}..{offset + sink.total}, "
+                f"got {sink.got}")
+        return sink.got
+
     async def put(self, key: str, data: memoryview | bytes, *, if_absent: bool = False) -> None:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
         if if_absent:
@@ -440,6 +595,17 @@ class S3Store(ObjectStore):
             raise
 
     async def head(self, key: str) -> Optional[ObjectInfo]:
+        reader = await self._direct()
+        if reader is not None:
+            try:
+                r = await self._direct_call(reader.head, key, where=f"HEAD s3://{self.bucket}/{key}")
+            except Unsupported as e:
+                self._direct_refused(e)
+            else:
+                if r is None:
+                    await self._check_bucket()
+                    return None
+                return ObjectInfo(key, r[0], r[1])
         client = await self.client()
         try:
             r = await self.call(client.head_object, Bucket=self.bucket, Key=key)
@@ -502,6 +668,8 @@ class S3Store(ObjectStore):
                 raise
 
     async def close(self) -> None:
+        if self._direct_reader is not None:
+            self._direct_reader.close()
         cms, self._client_cms = self._client_cms, []
         self._client = self._body_client = None
         for cm in cms:

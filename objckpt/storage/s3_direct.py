@@ -1,0 +1,472 @@
+"""S3 reads straight from the socket into destination memory.
+
+A restore is dominated by receiving bytes.  Through aiobotocore each byte was
+copied three times (socket buffer, aiohttp's parser, our copy into the tensor)
+on the one event-loop thread, and a new process first paid 0.5-0.7 s of
+imports and client set-up.  Here a GET or HEAD is a small blocking HTTP/1.1
+exchange on a kept-alive connection, run on a pool of threads: the head is
+parsed from a few hundred bytes, the body lands with ``recv_into`` directly in
+the caller's buffers (one copy, kernel to tensor, with the GIL released), and
+as many responses are received in parallel as threads run.
+
+Only reads go this way; writes, listings and deletes stay on the botocore
+client.  The path is used when it can reproduce what botocore would send:
+plain HTTP(S) to the configured endpoint, SigV4 with the same credentials and
+region.  Anything it does not handle (a proxy, FIPS or dual-stack endpoints, a
+redirect, a region or signature complaint) is reported as
+:class:`Unsupported`, and the store falls back to botocore for good.
+Integrity does not depend on this layer: every chunk's crc32c is checked above.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import socket
+import ssl
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+from urllib.parse import urlsplit
+
+from .. import _runtime
+from .sigv4 import CredentialSource, Signer, quote_path
+
+_PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+_UNHANDLED_ENV = ("AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT", "AWS_S3_USE_ARN_REGION")
+_MAX_HEAD = 64 << 10
+_ERROR_BODY = 64 << 10
+# answers that mean "botocore would have done something else here"
+_FALLBACK_CODES = {"PermanentRedirect", "TemporaryRedirect", "AuthorizationHeaderMalformed",
+                   "SignatureDoesNotMatch", "IllegalLocationConstraintException", "InvalidRequest"}
+
+
+class Unsupported(Exception):
+    """This endpoint needs something the direct path does not do: use botocore."""
+
+
+class S3HttpError(Exception):
+    """An S3 error answer, shaped like botocore's ClientError (``response``) so the
+    store's error mapping and retry classification treat both alike."""
+
+    def __init__(self, status: int, code: str, message: str, what: str) -> None:
+        super().__init__(f"{what}: HTTP {status} {code or ''} {message or ''}".strip())
+        self.response = {"Error": {"Code": code or str(status), "Message": message},
+                         "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+class ShortBody(ConnectionError):
+    """The connection ended before the announced body did (retried for the rest)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a bucket's requests go and how they are addressed."""
+
+    scheme: str
+    host: str  # to connect to
+    port: int
+    host_header: str
+    prefix: str  # path before the key: "/bucket" (path style) or "" (virtual host)
+    region: str
+    cafile: Optional[str] = None
+
+
+def _truthy(v: Optional[str]) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_target(bucket: str, options: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> Optional[Target]:
+    """The target botocore would use for ``bucket`` with these options; ``None``
+    where the direct path must not guess (proxies, FIPS, dual-stack, China)."""
+    if any(env.get(k) for k in _PROXY_ENV) or any(_truthy(env.get(k)) for k in _UNHANDLED_ENV):
+        return None
+    region = str(options.get("region_name") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1")
+    endpoint = options.get("endpoint_url") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    style = str(options.get("addressing_style") or env.get("AWS_S3_ADDRESSING_STYLE") or
+                ("path" if endpoint else "auto"))
+    if endpoint:
+        u = urlsplit(str(endpoint))
+        if u.scheme not in ("http", "https") or not u.hostname or u.query:
+            return None
+        hostname, base = u.hostname, u.path.rstrip("/")
+    else:
+        if region.startswith("cn-") or region.startswith("us-iso"):
+            return None
+        u = urlsplit(f"https://s3.{region}.amazonaws.com")
+        hostname, base = str(u.hostname), ""
+    virtual = style == "virtual" or (style == "auto" and "." not in bucket
+                                     and re.fullmatch(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]", bucket) is not None)
+    if virtual:
+        hostname, prefix = f"{bucket}.{hostname}", base
+    else:
+        prefix = f"{base}/{bucket}"
+    scheme = u.scheme
+    port = u.port or (443 if scheme == "https" else 80)
+    shown = f"[{hostname}]" if ":" in hostname else hostname
+    host_header = shown if port == (443 if scheme == "https" else 80) else f"{shown}:{port}"
+    cafile = env.get("AWS_CA_BUNDLE") or None
+    return Target(scheme, hostname, port, host_header, prefix, region, cafile)
+
+
+@dataclass
+class Sink:
+    """Consecutive destination buffers and how far they are filled.
+
+    It outlives one attempt: after a broken response the retry asks for the
+    rest of the range from ``got`` on."""
+
+    views: list[memoryview]
+    got: int = 0
+    cancelled: bool = False  # set by the waiting side: stop writing into these buffers
+    _vi: int = 0
+    _vpos: int = 0
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in self.views if len(v)]
+        self.total = sum(len(v) for v in self.views)
+
+    def room(self) -> memoryview:
+        """Where the next bytes go (the rest of the current buffer)."""
+        return self.views[self._vi][self._vpos:]
+
+    def advance(self, n: int) -> None:
+        self.got += n
+        self._vpos += n
+        if self._vpos == len(self.views[self._vi]):
+            self._vi, self._vpos = self._vi + 1, 0
+
+    def write(self, data: memoryview) -> None:
+        while len(data) and self.got < self.total:
+            room = self.room()
+            n = min(len(room), len(data))
+            room[:n] = data[:n]
+            data = data[n:]
+            self.advance(n)
+
+
+class _Conn:
+    """One kept-alive connection and the bytes read past the last response head."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.extra = bytearray()
+        self.used = False
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+@dataclass
+class _Head:
+    status: int
+    headers: dict[str, str]
+    body: Optional[Sink] = None  # a whole object's bytes (see DirectReader.get)
+
+    @property
+    def reusable(self) -> bool:
+        """The server keeps the connection open after this answer."""
+        return self.headers.get("connection", "").lower() != "close"
+
+
+class DirectReader:
+    """GET/HEAD for one bucket, blocking; call from :func:`pool` threads."""
+
+    def __init__(self, bucket: str, target: Target, creds: CredentialSource, *, connect_timeout: float,
+                 read_timeout: float) -> None:
+        self.bucket = bucket
+        self.target = target
+        self.creds = creds
+        self.signer = Signer(target.region)
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._ssl: Optional[ssl.SSLContext] = None
+        if target.scheme == "https":
+            self._ssl = ssl.create_default_context(cafile=target.cafile)
+
+    # -- connections ------------------------------------------------------
+    def _connect(self) -> _Conn:
+        t = self.target
+        sock = socket.create_connection((t.host, t.port), timeout=self.connect_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._ssl is not None:
+            sock = self._ssl.wrap_socket(sock, server_hostname=t.host)
+        return _Conn(sock)
+
+    def _take(self) -> _Conn:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _give_back(self, conn: _Conn) -> None:
+        conn.used = True
+        with self._lock:
+            self._idle.append(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    def forget(self) -> None:
+        """After fork: the inherited sockets belong to the parent; drop them unclosed."""
+        self._idle = []
+
+    # -- one exchange -----------------------------------------------------
+    def _request(self, conn: _Conn, method: str, path: str, extra: dict[str, str], first_byte: float) -> _Head:
+        hdrs = self.signer.headers(method, path, "", self.target.host_header, self.creds.get())
+        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.target.host_header}", "Accept-Encoding: identity",
+                 "User-Agent: objckpt"]
+        lines += [f"{k}: {v}" for k, v in {**hdrs, **extra}.items()]
+        conn.sock.settimeout(first_byte)
+        conn.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        buf = conn.extra
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(buf) > _MAX_HEAD:
+                raise ConnectionError(f"{self.target.host_header}: response head over {_MAX_HEAD} bytes")
+            chunk = conn.sock.recv(16 << 10)
+            if not chunk:
+                raise ConnectionResetError(f"{self.target.host_header} closed the connection before answering")
+            buf += chunk
+        head = bytes(buf[:end]).decode("latin-1").split("\r\n")
+        conn.extra = buf[end + 4:]
+        conn.sock.settimeout(self.read_timeout)
+        parts = head[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise ConnectionError(f"{self.target.host_header}: not an HTTP/1.1 answer: {head[0][:80]!r}")
+        headers: dict[str, str] = {}
+        for line in head[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        return _Head(int(parts[1]), headers)
+
+    def _recv_body(self, conn: _Conn, head: _Head, sink: Optional[Sink], skip: int = 0) -> bool:
+        """Receive the body into ``sink`` (``None``: keep it, up to a bound, for an
+        error message); True when the connection can be reused."""
+        te = head.headers.get("transfer-encoding", "").lower()
+        if "chunked" in te:
+            return self._recv_chunked(conn, head, sink, skip)
+        length = head.headers.get("content-length")
+        if length is None:
+            raise Unsupported(f"{self.target.host_header}: a response without Content-Length or chunking")
+        left = int(length)
+        # bytes already read with the head
+        if conn.extra:
+            take = conn.extra[:left]
+            del conn.extra[:len(take)]
+            left -= len(take)
+            self._deliver(memoryview(take), sink, skip)
+            skip = max(0, skip - len(take))
+        while left > 0 and skip > 0:
+            data = conn.sock.recv(min(left, skip, 1 << 20))
+            if not data:
+                raise ShortBody("connection closed mid-body")
+            left -= len(data)
+            skip -= len(data)
+        while left > 0 and sink is not None and sink.got < sink.total:
+            if sink.cancelled:
+                raise ConnectionAbortedError("read cancelled")
+            room = sink.room()
+            n = conn.sock.recv_into(room, min(len(room), left))
+            if n == 0:
+                raise ShortBody("connection closed mid-body")
+            sink.advance(n)
+            left -= n
+        if left > 0:  # more than the caller wants (or an error body): read and drop
+            if left > (_ERROR_BODY if sink is None else 4 << 20):
+                return False  # not worth draining; close instead
+            while left > 0:
+                data = conn.sock.recv(min(left, 1 << 20))
+                if not data:
+                    raise ShortBody("connection closed mid-body")
+                left -= len(data)
+        return head.reusable
+
+    def _recv_chunked(self, conn: _Conn, head: _Head, sink: Optional[Sink], skip: int) -> bool:
+        buf = conn.extra
+
+        def need(n: int) -> None:
+            while len(buf) < n:
+                data = conn.sock.recv(1 << 20)
+                if not data:
+                    raise ShortBody("connection closed mid-body")
+                buf.extend(data)
+
+        while True:
+            while b"\r\n" not in buf:
+                need(len(buf) + 1)
+            line, _, _ = bytes(buf[:buf.index(b"\r\n")]).partition(b";")
+            size = int(line.strip() or b"0", 16)
+            del buf[:buf.index(b"\r\n") + 2]
+            if size == 0:
+                while not buf.startswith(b"\r\n"):  # trailers, then the blank line
+                    while b"\r\n" not in buf:
+                        need(len(buf) + 1)
+                    del buf[:buf.index(b"\r\n") + 2]
+                del buf[:2]
+                return head.reusable
+            need(size + 2)
+            self._deliver(memoryview(bytes(buf[:size])), sink, skip)
+            skip = max(0, skip - size)
+            del buf[:size + 2]
+
+    @staticmethod
+    def _deliver(data: memoryview, sink: Optional[Sink], skip: int) -> None:
+        if sink is not None and len(data) > skip:
+            sink.write(data[skip:])
+
+    def _error(self, conn: _Conn, head: _Head, what: str, has_body: bool) -> Exception:
+        """The exception for a non-2xx answer (its body read, the connection reused)."""
+        body = bytearray()
+        keep = not has_body and head.reusable
+        try:
+            sink = Sink([memoryview(bytearray(_ERROR_BODY))])
+            if has_body:
+                keep = self._recv_body(conn, head, sink)
+            body = bytearray(sink.views[0][:sink.got]) if sink.views else bytearray()
+        except Unsupported:
+            pass
+        finally:
+            if keep:
+                self._give_back(conn)
+            else:
+                conn.close()
+        text = body.decode("utf-8", "replace")
+        code = _xml_field(text, "Code")
+        message = _xml_field(text, "Message")
+        if head.status in (301, 302, 307, 308) or code in _FALLBACK_CODES:
+            return Unsupported(f"{what}: HTTP {head.status} {code} {message}".strip())
+        return S3HttpError(head.status, code, message, what)
+
+    def _exchange(self, method: str, path: str, extra: dict[str, str], first_byte: float,
+                  sink: "Optional[Sink | Callable[[_Head], Sink]]", what: str) -> _Head:
+        """One request and its answer, on a kept-alive connection when one is idle.
+
+        ``sink``: where the body goes, or a function that makes it from the
+        answer's head (a whole object, sized by its Content-Length).  A reused
+        connection the server has closed meanwhile fails before any answer:
+        that is retried once on a fresh connection, unseen by callers."""
+        for fresh in (False, True):
+            conn = self._connect() if fresh else self._take()
+            reused = conn.used
+            try:
+                head = self._request(conn, method, path, extra, first_byte)
+            except (ConnectionError, OSError) as e:
+                conn.close()
+                if reused and not fresh and not isinstance(e, TimeoutError):
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            if not 200 <= head.status < 300:
+                raise self._error(conn, head, what, has_body=method != "HEAD" and head.status not in (204, 304))
+            keep = head.reusable
+            try:
+                if method != "HEAD":
+                    out = sink(head) if callable(sink) else sink
+                    # a 200 to a ranged GET: the server ignored Range, skip to its start
+                    skip = int(extra["range"][6:].split("-")[0]) if head.status == 200 and "range" in extra else 0
+                    keep = self._recv_body(conn, head, out, skip)
+                    if callable(sink):
+                        head.body = out
+            except BaseException:
+                conn.close()
+                raise
+            if keep:
+                self._give_back(conn)
+            else:
+                conn.close()
+            return head
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- the calls --------------------------------------------------------
+    def _path(self, key: str) -> str:
+        return quote_path(f"{self.target.prefix}/{key}")
+
+    def read_range(self, key: str, start: int, sink: Sink, first_byte: float) -> None:
+        """Bytes ``start + sink.got ..`` of ``key`` into ``sink``, until it is full or
+        the object ends (a shorter 206 answer); 416 when ``start`` is past the end."""
+        if sink.got >= sink.total:
+            return
+        lo, hi = start + sink.got, start + sink.total - 1
+        self._exchange("GET", self._path(key), {"range": f"bytes={lo}-{hi}"}, first_byte, sink,
+                       f"GET s3://{self.bucket}/{key} bytes {lo}-{hi}")
+
+    def get(self, key: str, first_byte: float) -> bytes:
+        """A whole object (small ones: manifests, indexes), in one request."""
+        what = f"GET s3://{self.bucket}/{key}"
+
+        def sized(head: _Head) -> Sink:
+            n = head.headers.get("content-length")
+            if n is None:
+                raise Unsupported(f"{what}: no Content-Length")
+            return Sink([memoryview(bytearray(int(n)))])
+
+        head = self._exchange("GET", self._path(key), {}, first_byte, sized, what)
+        body = head.body
+        assert body is not None
+        if body.got != body.total:
+            raise ShortBody(f"{what}: {body.got} of {body.total} bytes")
+        return bytes(body.views[0]) if body.total else b""
+
+    def head(self, key: str, first_byte: float) -> Optional[tuple[int, Optional[str]]]:
+        """(size, ETag) of ``key``; ``None`` if absent."""
+        try:
+            h = self._exchange("HEAD", self._path(key), {}, first_byte, None, f"HEAD s3://{self.bucket}/{key}")
+        except S3HttpError as e:
+            if e.response["ResponseMetadata"]["HTTPStatusCode"] == 404:
+                return None
+            raise
+        return int(h.headers.get("content-length", "0")), h.headers.get("etag")
+
+    def bucket_exists(self, first_byte: float) -> bool:
+        """HeadBucket: tells a missing bucket from a missing key after a bodiless 404."""
+        try:
+            self._exchange("HEAD", quote_path(self.target.prefix or "/"), {}, first_byte, None,
+                           f"HEAD s3://{self.bucket}")
+        except S3HttpError as e:
+            if e.response["ResponseMetadata"]["HTTPStatusCode"] == 404:
+                return False
+            raise
+        return True
+
+
+def _xml_field(text: str, name: str) -> str:
+    m = re.search(rf"<{name}>(.*?)</{name}>", text, re.S)
+    return m.group(1).strip() if m else ""
+
+
+# -- the threads that run the exchanges -----------------------------------------
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that block in socket calls (the GIL is released while they wait
+    or copy), shared by all stores; sized so each store's concurrency fits."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="objckpt-recv")
+        return _pool
+
+
+def _after_fork() -> None:
+    global _pool
+    _pool = None
+
+
+_runtime.on_reset(_after_fork)
+
