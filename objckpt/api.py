@@ -62,7 +62,7 @@ def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
     ``metadata`` (free-form JSON stored in the manifest), ``allow_pickle``,
     ``process_group``, ``blob_size`` (1 GiB), ``part_size`` (16 MiB),
     ``staging_bytes`` (512 MiB for the parts that need staging), ``crc_block``
-    (1 MiB), ``store`` (an ObjectStore replacing the backend the URI would
+    (bytes per block crc; by default chosen from the chunk sizes, at most 1 MiB), ``store`` (an ObjectStore replacing the backend the URI would
     open; the URI's path is then the prefix).
 
     ``key_layout="spread"`` (for jobs of thousands of ranks on S3): each rank's

@@ -87,7 +87,9 @@ class SaveOptions:
     part_size: int = 16 * MiB
     #: host memory for staging; None: this rank's whole share (async) / 512 MiB (sync)
     staging_bytes: Optional[int] = None
-    crc_block: int = 1 * MiB
+    #: bytes per block crc (0: whole-chunk crcs only); None: chosen per save from the chunk sizes,
+    #: at most 1 MiB, so resharded reads fetch little beyond what they need (objckpt.planning.crc_blocks)
+    crc_block: Optional[int] = None
     #: this rank alone: no collectives even in a process group (e.g. a save on rank 0 only)
     no_dist: bool = False
     #: seconds to wait for the other ranks to join (None: $OBJCKPT_COLLECTIVE_TIMEOUT, else 600)
@@ -106,7 +108,7 @@ class SaveOptions:
         for name in ("blob_size", "part_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.crc_block < 0:
+        if self.crc_block is not None and self.crc_block < 0:
             raise ValueError(f"crc_block must be 0 (whole-chunk crc only) or positive, got {self.crc_block}")
         if self.staging_bytes is not None and self.staging_bytes <= 0:
             raise ValueError(f"staging_bytes must be positive, got {self.staging_bytes}")
@@ -150,7 +152,7 @@ class SaveArgs(TypedDict, total=False):
     blob_size: int
     part_size: int
     staging_bytes: Optional[int]
-    crc_block: int
+    crc_block: Optional[int]
     no_dist: bool
     collective_timeout: Optional[float]
     key_layout: "str | KeyLayout"

@@ -162,7 +162,7 @@ def _blocked(tmp_path: Any) -> tuple[str, dict[str, Any]]:
     state = {"w": torch.arange(3 * 262144, dtype=torch.float32).reshape(768, 1024),
              "h": torch.arange(1 << 20, dtype=torch.float32).to(torch.bfloat16).reshape(1024, 1024),
              "c": torch.randn(300000, dtype=torch.complex64), "flag": torch.ones(5, dtype=torch.bool)}
-    objckpt.save(state, ck)
+    objckpt.save(state, ck, crc_block=1 << 20)
     m = objckpt.inspect(ck)
     assert m.crc_block == 1 << 20 and [len(c.block_crc32c) for c in m.tensors["w"].chunks] == [3]
     return ck, state

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from objckpt.planning.pack import TensorSpec, plan_save
-from objckpt.planning.ranges import Span, plan_requests
+from objckpt.planning.ranges import FREE_GAP, GAP_SHARE, Span, plan_requests
 
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 specs = st.lists(st.tuples(shapes, st.sampled_from([1, 2, 4, 8, 16])), min_size=1, max_size=25)
@@ -71,3 +71,6 @@ def test_requests_cover_each_span_exactly(raw: list, gap: int, max_req: int, spl
         assert covered[s.target] == s.length
     # merged requests waste at most the gaps they bridge
     assert sum(r.length for r in reqs) <= sum(s.length for s in items) + gap * max(len(items), 1)
+    # and at most FREE_GAP per span plus GAP_SHARE of the wanted bytes (resharded reads stay near their share)
+    wanted = sum(s.length for s in items)
+    assert sum(r.length for r in reqs) - wanted <= FREE_GAP * len(items) + GAP_SHARE * wanted

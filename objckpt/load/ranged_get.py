@@ -55,6 +55,17 @@ def chunk_checks(chunk: Chunk, start: int, end: int, block: int) -> tuple[tuple[
     return tuple(out)
 
 
+def first_mismatch(r: RangeRead) -> Optional[tuple[tuple[int, int, int, str], int]]:
+    """The first check of ``r`` its bytes fail, with the crc they have; None when all pass.
+    One call for all of a read's checks: a partial read of small crc blocks has many."""
+    for check in r.checks:
+        at, n, want, _ = check
+        got = crc32c(r.dest[at : at + n])
+        if got != want:
+            return check, got
+    return None
+
+
 def _overlapping(req: Request) -> bool:
     """True when two pieces of ``req`` want the same bytes (two destinations of one
     stored range: tied tensors loaded into separate template tensors)."""
@@ -114,9 +125,10 @@ async def read_ranges(
 
     async def finish(i: int) -> None:
         r = reads[i]
-        for at, n, want, what in r.checks:
-            got = await _runtime.in_thread(crc32c, r.dest[at : at + n])
-            if got != want:
+        if r.checks:
+            bad = await _runtime.in_thread(first_mismatch, r)
+            if bad is not None:
+                (at, n, want, what), got = bad
                 raise CorruptCheckpointError(
                     f"tensor {r.key!r}: crc32c mismatch in blob {r.blob_key!r} at offset {r.offset + at} "
                     f"(length {n}, {what}): stored {want:#010x}, read {got:#010x}"

@@ -2,7 +2,12 @@
 
 Spans of one object are sorted and merged when the gap between them is small
 (one request instead of two costs less than the wasted bytes), but merged
-requests never exceed ``max_request``; a single span larger than
+requests never exceed ``max_request``.  A gap is small when it is at most
+``merge_gap`` *and* the gap bytes of the merged request stay within
+``gap_share`` of its wanted bytes (gaps up to ``free_gap``, chunk alignment
+padding, always merge): a resharded read's gaps are other ranks' rows, and
+merging every gap under a fixed 256 KiB made a tiny Llama's ranks fetch whole
+blobs, 2-3x their share.  A single span larger than
 ``split_above`` is split into pieces fetched concurrently.  Each request
 records which spans it serves, so the engine can read straight into the
 destination when a request serves exactly one span.
@@ -45,9 +50,17 @@ class Request:
         return len(self.pieces) == 1 and self.pieces[0][1] == 0 and self.pieces[0][3] == self.length
 
 
+#: gaps merged whatever their share: the padding that aligns chunks to 64 bytes
+FREE_GAP = 64
+#: gap bytes a merged request may carry, as a share of the span bytes it carries
+GAP_SHARE = 1 / 32
+
+
 def plan_requests(spans: Iterable[Span], *, merge_gap: int = 256 << 10, max_request: int = 32 << 20,
-                  split_above: int = 32 << 20, split_into: int = 16 << 20) -> list[Request]:
-    """Requests covering ``spans`` (each span's bytes fetched exactly once)."""
+                  split_above: int = 32 << 20, split_into: int = 16 << 20, gap_share: float = GAP_SHARE,
+                  free_gap: int = FREE_GAP) -> list[Request]:
+    """Requests covering ``spans`` (each span's bytes fetched exactly once); the
+    gap bytes fetched are at most ``free_gap`` per span plus ``gap_share`` of the span bytes."""
     by_obj: dict[Hashable, list[Span]] = {}
     for s in spans:
         if s.length > 0:
@@ -56,6 +69,7 @@ def plan_requests(spans: Iterable[Span], *, merge_gap: int = 256 << 10, max_requ
     for obj, group in by_obj.items():
         group.sort(key=lambda s: (s.offset, s.length))
         cur: Request | None = None
+        cur_gaps = 0  # bytes of cur that no span wants
         for s in group:
             if s.length > split_above:
                 if cur is not None:
@@ -68,18 +82,23 @@ def plan_requests(spans: Iterable[Span], *, merge_gap: int = 256 << 10, max_requ
                     pos += n
                 continue
             end = s.offset + s.length
+            gap = s.offset - (cur.offset + cur.length) if cur is not None else 0
+            merged = max(end - cur.offset, cur.length) if cur is not None else 0
             if (
                 cur is not None
-                and s.offset - (cur.offset + cur.length) <= merge_gap
-                and max(end, cur.offset + cur.length) - cur.offset <= max_request
+                and gap <= merge_gap
+                and (gap <= free_gap or cur_gaps + gap <= gap_share * (merged - cur_gaps - gap))
+                and merged <= max_request
                 and s.offset >= cur.offset
             ):
+                cur_gaps += max(gap, 0)
                 cur.length = max(cur.length, end - cur.offset)
                 cur.pieces.append(RequestPiece(s, s.offset - cur.offset, 0, s.length))
             else:
                 if cur is not None:
                     out.append(cur)
                 cur = Request(obj, s.offset, s.length, [RequestPiece(s, 0, 0, s.length)])
+                cur_gaps = 0
         if cur is not None:
             out.append(cur)
     return out

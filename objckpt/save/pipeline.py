@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
 from ..memory import Budget, HostPool
 from ..options import KeyLayout, SaveOptions
+from ..planning import crc_blocks
 from ..planning.pack import PackLimits, SavePlan
 from ..results import IOStats, SaveResult
 from ..storage import ObjectStore, split_uri
@@ -61,6 +63,8 @@ class Hello:
     prints_digest: bytes = b""
     #: how far above the prefix this rank's spread root is (0: default key layout); must agree
     spread_up: int = 0
+    #: the crc block this rank would choose for its chunks; the save uses the smallest
+    crc_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class Prepared:
     blob_names: list[str]
     #: where this rank's objects go (under the prefix, or spread)
     place: Placement
+    #: bytes per block crc, the same on every rank (the manifest records one)
+    crc_block: int
     stats: IOStats = field(default_factory=IOStats)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -203,6 +209,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
         tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
         exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err, spread_up=up,
+        crc_block=_crc_block_wanted(local, opts) if local is not None else 0,
     )
     hellos: list[Hello] = comm.all_gather_object(hello) if world > 1 else [hello]
     failed = [(r, h.error) for r, h in enumerate(hellos) if h.error]
@@ -233,8 +240,19 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     place = Placement(prefix, comm.rank, up, opts.spread_digits)
     names = [place.blob_name(attempt, b.index) for b in writes.plan.blobs]
     stats.timings.add("plan", time.perf_counter() - t0 - stats.timings["describe"])
+    crc_block = min(h.crc_block for h in hellos)  # every rank computes the same
     return Prepared(uri, st, prefix, comm.rank, world, opts, attempt, local, layout, writes.plan, tensors, pieces,
-                    names, place, stats=stats, t0=t0)
+                    names, place, crc_block, stats=stats, t0=t0)
+
+
+def _crc_block_wanted(local: LocalState, opts: SaveOptions) -> int:
+    """``opts.crc_block`` when given, else the block :func:`crc_blocks.choose` picks for
+    the chunks this rank's boxes are stored as (the ranks then agree on the smallest)."""
+    if opts.crc_block is not None:
+        return opts.crc_block
+    lengths = [n for meta in local.metas.values() for _, shape in meta.boxes
+               for n in crc_blocks.chunk_lengths(math.prod(shape) * meta.itemsize, opts.part_size)]
+    return crc_blocks.choose(lengths)
 
 
 @dataclass(frozen=True)
@@ -268,7 +286,7 @@ async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: b
 
     try:
         crcs = await write_plan(prep.store, prep.blob_keys, prep.plan, prep.tensors, pool, budget, prep.stats,
-                                zero_copy=zero_copy, crc_block=prep.opts.crc_block,
+                                zero_copy=zero_copy, crc_block=prep.crc_block,
                                 on_staged=staged if on_staged is not None else None, stream=stream)
         changed = sorted({prep.pieces[k].key for k, v in _versions(prep.tensors).items() if before.get(k, v) != v})
         if changed:
@@ -318,7 +336,7 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         errors = [o.error for o in outcomes]
         if any(errors):
             return None, errors  # every rank raises below, from the same list
-        m = prep.layout.manifest(outcomes, ManifestCommon(prep.attempt, prep.opts.metadata, prep.opts.crc_block))
+        m = prep.layout.manifest(outcomes, ManifestCommon(prep.attempt, prep.opts.metadata, prep.crc_block))
         m.spread_up = prep.place.up
         return commit(st, prep.prefix, m, prep.opts.overwrite, prep.uri, prep.written_keys, prep.stats,
                       commit_errors), errors
