@@ -7,6 +7,7 @@ loads here run with the size threshold lowered, so small tensors take the path a
 """
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 
 import pytest
@@ -79,3 +80,41 @@ def test_odd_buffers_never_fail_a_load(small_threshold: None) -> None:
         raise RuntimeError("a template walk that fails")
 
     assert prefault.start(views()) is None
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "absent"
+    return text.split("[")[1].split("]")[0] if "[" in text else "absent"
+
+
+def _huge_kib(addr: int, length: int) -> int:
+    """AnonHugePages (KiB) of the mappings overlapping [addr, addr + length)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < addr + length and hi > addr
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_fresh_large_destination_is_backed_by_huge_pages(small_threshold: None) -> None:
+    """A fresh 64 MiB destination advised MADV_HUGEPAGE is mapped 2 MiB at a time
+    (where THP is on "madvise" or "always"), and keeps the bytes written after."""
+    t = torch.empty(64 << 20, dtype=torch.uint8)
+    view = host_bytes(t)
+    addr = prefault.address(view)
+    job = prefault.start([view])
+    assert job is not None
+    concurrent.futures.wait(job.futures)  # every piece populated (close() would cancel the rest)
+    job.close()
+    if _thp_mode() in ("madvise", "always"):
+        assert _huge_kib(addr, len(view)) >= 32 << 10  # at least half of it
+    t.fill_(3)
+    assert int(t.sum()) == 3 * (64 << 20)

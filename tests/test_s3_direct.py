@@ -24,7 +24,7 @@ import torch
 import objckpt
 from objckpt import _runtime
 from objckpt.storage import open_store
-from objckpt.storage.s3_direct import DirectReader, Sink, Target, resolve_target
+from objckpt.storage.s3_direct import DirectClient, Sink, Target, resolve_target
 from objckpt.storage.sigv4 import CredentialSource, Credentials, Signer, quote_path, resolve_credentials
 from objckpt.testing.s3server import S3Server
 
@@ -151,34 +151,40 @@ def test_ranged_reads_from_moto_land_in_place(moto_endpoint: str) -> None:
         _runtime.run(gone.get("x"))
 
 
-def test_fresh_process_restore_needs_no_aiobotocore(moto_endpoint: str) -> None:
-    """The restore a restarting job does: new process, fresh tensors, first call."""
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "botocore"])
+def test_fresh_process_save_and_restore(moto_endpoint: str, direct: bool) -> None:
+    """What a job does at start and at its first checkpoint: a new process saves a
+    state large enough for multipart uploads, another restores it into fresh
+    tensors.  On the direct path neither imports aiobotocore; with
+    ``direct_http=False`` everything goes through botocore, which stays tested."""
     bucket = make_bucket(moto_endpoint)
-    opts = s3_options(moto_endpoint)
-    state = {"w": torch.randn(300, 500), "b": torch.arange(1000, dtype=torch.int64), "step": 7}
-    objckpt.save(state, f"s3://{bucket}/ck", storage_options=opts)
+    opts = {**s3_options(moto_endpoint), "direct_http": direct}
     code = textwrap.dedent(f"""
         import sys, torch, objckpt
-        saved = torch.load(sys.argv[1])
-        into = {{"w": torch.empty(300, 500), "b": torch.empty(1000, dtype=torch.int64), "step": 0}}
-        out = objckpt.load(into, "s3://{bucket}/ck", storage_options={opts!r})
-        assert torch.equal(into["w"], saved["w"]) and torch.equal(into["b"], saved["b"]) and into["step"] == 7
-        print(sorted(m for m in ("aiobotocore", "aiohttp", "botocore") if m in sys.modules))
+        g = torch.Generator().manual_seed(5)
+        state = {{"w": torch.randn(3000, 5000, generator=g), "b": torch.arange(1000, dtype=torch.int64), "step": 7}}
+        if sys.argv[1] == "save":
+            objckpt.save(state, "s3://{bucket}/ck", storage_options={opts!r})
+        else:
+            into = {{"w": torch.empty(3000, 5000), "b": torch.empty(1000, dtype=torch.int64), "step": 0}}
+            objckpt.load(into, "s3://{bucket}/ck", storage_options={opts!r})
+            assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"]) and into["step"] == 7
+        print(sorted(m for m in ("aiobotocore", "aiohttp") if m in sys.modules))
     """)
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"objckpt-direct-{os.getpid()}.pt")
-    torch.save(state, path)
-    try:
-        for env, want in (({}, "[]"), ({"OBJCKPT_S3_DIRECT_READS": "0"}, "['aiobotocore', 'aiohttp', 'botocore']")):
-            r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120,
-                               env={**os.environ, **env})
-            assert r.returncode == 0, r.stderr
-            assert r.stdout.strip().splitlines()[-1] == want
-    finally:
-        os.unlink(path)
+    for op in ("save", "load"):
+        r = subprocess.run([sys.executable, "-c", code, op], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().splitlines()[-1] == ("[]" if direct else "['aiobotocore', 'aiohttp']")
+    import boto3
+
+    keys = [o["Key"] for o in boto3.client("s3", **s3_options(moto_endpoint)).list_objects_v2(Bucket=bucket)["Contents"]]
+    assert any(k.endswith("manifest.json") for k in keys)
+    # 60 MB in one rank's blob: written as a multipart upload, completed, none left open
+    assert not boto3.client("s3", **s3_options(moto_endpoint)).list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
 @pytest.mark.parametrize("code", ["AuthorizationHeaderMalformed", "SignatureDoesNotMatch", "PermanentRedirect"])
-def test_endpoint_that_refuses_direct_reads_is_read_through_botocore(code: str) -> None:
+def test_endpoint_that_refuses_direct_requests_is_read_through_botocore(code: str) -> None:
     with S3Server() as srv:
         url = srv.endpoint_url
         opts = {**s3_options(url), "throttle_attempts": 1}
@@ -187,12 +193,12 @@ def test_endpoint_that_refuses_direct_reads_is_read_through_botocore(code: str) 
         boto3.client("s3", **s3_options(url)).create_bucket(Bucket="b")
         state = {"x": torch.randn(1000)}
         objckpt.save(state, "s3://b/ck", storage_options=opts)
-        open_store("s3://b", opts)[0].__dict__.update(_direct_decided=False, _direct_reader=None)
+        open_store("s3://b", opts)[0].__dict__.update(_direct_decided=False, _direct_client=None)
         srv.fail("GetObject", count=1, status=301 if code == "PermanentRedirect" else 400, code=code)
         into = {"x": torch.empty(1000)}
         objckpt.load(into, "s3://b/ck", storage_options=opts)
         assert torch.equal(into["x"], state["x"])
-        assert open_store("s3://b", opts)[0]._direct_reader is None  # type: ignore[attr-defined]
+        assert open_store("s3://b", opts)[0]._direct_client is None  # type: ignore[attr-defined]
 
 
 class _RawServer:
@@ -249,11 +255,11 @@ class _RawServer:
 def reader_for() -> Iterator[Any]:
     servers: list[_RawServer] = []
 
-    def make(data: bytes, mode: str) -> tuple[DirectReader, _RawServer]:
+    def make(data: bytes, mode: str) -> tuple[DirectClient, _RawServer]:
         srv = _RawServer(data, mode)
         servers.append(srv)
         target = Target("http", "127.0.0.1", srv.port, f"127.0.0.1:{srv.port}", "/b", "us-east-1")
-        return DirectReader("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2,
+        return DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2,
                             read_timeout=5), srv
 
     yield make
@@ -281,3 +287,18 @@ def test_body_cut_midway_is_resumed_from_the_first_missing_byte(reader_for: Any)
     reader.read_range("k", 10, sink, 2.0)  # the retry asks for the rest only
     assert bytes(sink.views[0]) == data[10:600_010]
     assert srv.ranges == [(10, 600_009), (300_010, 600_009)]
+
+
+@pytest.mark.parametrize("op", ["PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload"])
+def test_endpoint_that_refuses_a_direct_write_is_written_through_botocore(op: str) -> None:
+    with S3Server(min_part_size=1 << 20) as srv:
+        url = srv.endpoint_url
+        opts = {**s3_options(url), "throttle_attempts": 1}
+        import boto3
+
+        boto3.client("s3", **s3_options(url)).create_bucket(Bucket="b")
+        state = {"x": torch.randn(5 << 20)}  # 20 MiB: multipart
+        srv.fail(op, count=1, status=400, code="AuthorizationHeaderMalformed")
+        objckpt.save(state, "s3://b/ck", storage_options=opts)
+        assert open_store("s3://b", opts)[0]._direct_client is None  # type: ignore[attr-defined]
+        assert torch.equal(objckpt.read("s3://b/ck", storage_options=opts)["x"], state["x"])

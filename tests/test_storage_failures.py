@@ -94,7 +94,7 @@ def test_cut_manifest_body_is_fetched_again(server: S3Server, direct: bool) -> N
     """About half the connections cut their response after 600-700 bytes: the manifest
     (about 1.8 kB) is fetched again until whole, and the read is bit-exact."""
     bucket = _bucket(server, f"body-cut-retry-{direct}".lower())
-    opts = {"endpoint_url": server.endpoint_url, "direct_reads": direct, **_KEYS}
+    opts = {"endpoint_url": server.endpoint_url, "direct_http": direct, **_KEYS}
     state = make_state(1)
     objckpt.save(state, f"s3://{bucket}/ck", storage_options=opts)
     with FaultProxy(server.endpoint_url, kind="cut", probability=0.5, seed=3, direction="down", min_offset=600,
@@ -113,5 +113,5 @@ def test_body_that_always_breaks_is_named(server: S3Server, direct: bool) -> Non
                     max_offset=700) as proxy:
         with pytest.raises(StorageError, match=rf"s3://{bucket}/ck/.*manifest.*2 attempts"):
             objckpt.read(f"s3://{bucket}/ck", storage_options={"endpoint_url": proxy.url, "error_attempts": 2,
-                                                                "max_backoff": 0.05, "direct_reads": direct, **_KEYS})
+                                                                "max_backoff": 0.05, "direct_http": direct, **_KEYS})
         assert proxy.injected >= 2

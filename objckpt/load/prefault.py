@@ -14,6 +14,12 @@ that touched the pages by writing could overwrite data already received).
 Where the call is missing (other systems, older kernels) nothing is done.
 Pieces whose first and last pages are present already (a template loaded into
 before) are skipped after two ``mincore`` probes.
+
+Where transparent huge pages are on "madvise" (the common default), large
+fresh destinations are first advised ``MADV_HUGEPAGE``: the kernel then maps
+them 2 MiB at a time, 512 times fewer faults, and the populate costs 10-40%
+less CPU (the zeroing stays).  The advice only changes how the memory is
+backed, never its contents.
 """
 from __future__ import annotations
 
@@ -30,6 +36,12 @@ import torch
 from ..memory import host_bytes, plain_host
 
 _MADV_POPULATE_WRITE = 23
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+#: advise huge pages for fresh destinations of at least this size
+HUGE_MIN = 4 << 20
+#: at most this many regions get the advice per load (each may split a mapping in three)
+HUGE_MAX_REGIONS = 4096
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: bytes per madvise call: small enough that the populating threads stay just ahead of the data
 STEP = 8 << 20
@@ -100,6 +112,25 @@ def _populate(addr: int, length: int) -> bool:
     return True
 
 
+def _advise_huge(regions: list[tuple[int, int]]) -> None:
+    """MADV_HUGEPAGE over the 2 MiB-aligned inside of large regions not yet mapped."""
+    fn = _get_madvise()
+    if fn is None:
+        return
+    done = 0
+    for addr, n in regions:
+        if n < HUGE_MIN:
+            continue
+        start = (addr + _HUGE - 1) & ~(_HUGE - 1)
+        end = (addr + n) & ~(_HUGE - 1)
+        # (the region's own first page may hold the allocator's header: probe inside)
+        if end > start and not _resident(start):
+            fn(start, end - start, _MADV_HUGEPAGE)  # refused (no THP): nothing changes
+            done += 1
+            if done >= HUGE_MAX_REGIONS:
+                return
+
+
 def address(view: memoryview) -> int:
     """The address of a writable, contiguous buffer's first byte."""
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
@@ -167,6 +198,8 @@ def start(views: Iterable[memoryview]) -> Optional[Prefault]:
         return None
     if sum(n for _, n in regions) < MIN_BYTES or _get_madvise() is None:
         return None
+    if HUGE_MIN > 0:
+        _advise_huge(regions)
     job = Prefault(_pieces(regions))
     with _lock:
         if _pool is None:

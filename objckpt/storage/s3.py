@@ -18,6 +18,7 @@ that matter for speed and safety:
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from typing import Any, Optional, Sequence
@@ -29,7 +30,7 @@ from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFa
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 from .limiter import AimdLimiter
 from . import s3_direct
-from .s3_direct import DirectReader, Sink, Unsupported
+from .s3_direct import DirectClient, Sink, Unsupported
 from .retry import Failure, RetryPolicy, classify, error_code, http_status
 
 log = get_logger("objckpt.storage")
@@ -75,10 +76,7 @@ class _S3Writer(BlobWriter):
         # must learn its id to clean it up.
         if self._create is None:
             async def create() -> str:
-                client = await self._s.client()
-                extra = {"ChecksumAlgorithm": "CRC32C"} if self._s.checksums else {}
-                r = await self._s.call(client.create_multipart_upload, Bucket=self._s.bucket, Key=self._key, **extra)
-                return str(r["UploadId"])
+                return await self._s.create_upload(self._key)
 
             self._create = asyncio.ensure_future(create())
         self._upload_id = await asyncio.shield(self._create)
@@ -120,15 +118,11 @@ class _S3Writer(BlobWriter):
         if self._upload_id is None:  # zero-part object
             await self._s.put(self._key, b"")
             return
-        client = await self._s.client()
-        parts = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in sorted(self._etags)]
+        parts: list[dict[str, Any]] = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in sorted(self._etags)]
         if self._s.checksums:
             for p in parts:
                 p["ChecksumCRC32C"] = crc_header(self._crcs[p["PartNumber"] - 1])
-        r = await self._s.call(
-            client.complete_multipart_upload, Bucket=self._s.bucket, Key=self._key,
-            UploadId=self._upload_id, MultipartUpload={"Parts": parts},
-        )
+        r = await self._s.complete_upload(self._key, self._upload_id, parts)
         if self._s.checksums:
             self._check_reported(r, composite_header([self._crcs[i] for i in sorted(self._etags)]), "the object")
 
@@ -162,8 +156,8 @@ class S3Store(ObjectStore):
         self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
         # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
         self.checksums = str(options.pop("checksums", True)).lower() not in ("false", "0", "no")
-        # direct_reads=False: every read through botocore (see s3_direct)
-        self._direct_wanted = str(options.pop("direct_reads", os.environ.get("OBJCKPT_S3_DIRECT_READS", True))
+        # direct_http=False: every request through botocore (see s3_direct)
+        self._direct_wanted = str(options.pop("direct_http", os.environ.get("OBJCKPT_S3_DIRECT_HTTP", True))
                                   ).lower() not in ("false", "0", "no")
         unknown = sorted(set(options) - set(_CLIENT_KEYS) - {"addressing_style", "profile"})
         if unknown:  # said at once: a restore may never build the botocore client
@@ -179,7 +173,7 @@ class S3Store(ObjectStore):
         self._lock: Optional[asyncio.Lock] = None
         self._bucket_seen = False  # a HeadBucket succeeded: 404s are about keys
         self._answered = False  # the endpoint has sent an HTTP answer (see _send)
-        self._direct_reader: Optional[DirectReader] = None
+        self._direct_client: Optional[DirectClient] = None
         self._direct_decided = False
         self._direct_lock: Optional[asyncio.Lock] = None
         _runtime.on_reset(self._forget)
@@ -220,8 +214,8 @@ class S3Store(ObjectStore):
         self._bucket_seen = True
 
     def _forget(self) -> None:
-        if self._direct_reader is not None:
-            self._direct_reader.forget()
+        if self._direct_client is not None:
+            self._direct_client.forget()
         self._direct_lock = None
         self._client = self._body_client = self._lock = None
         self._client_cms = []
@@ -298,21 +292,21 @@ class S3Store(ObjectStore):
             raise
 
     # -- the direct read path (s3_direct): GET/HEAD without botocore -------------
-    async def _direct(self) -> Optional[DirectReader]:
+    async def _direct(self) -> Optional[DirectClient]:
         """The direct reader, decided once per store (and after fork): ``None`` when
         switched off, when the endpoint needs what only botocore does, or after
         the endpoint refused it once."""
         if self._direct_decided:
-            return self._direct_reader
+            return self._direct_client
         if self._direct_lock is None:
             self._direct_lock = asyncio.Lock()
         async with self._direct_lock:
             if not self._direct_decided:
-                self._direct_reader = await self._make_direct() if self._direct_wanted else None
+                self._direct_client = await self._make_direct() if self._direct_wanted else None
                 self._direct_decided = True
-        return self._direct_reader
+        return self._direct_client
 
-    async def _make_direct(self) -> Optional[DirectReader]:
+    async def _make_direct(self) -> Optional[DirectClient]:
         from .sigv4 import resolve_credentials
 
         target = s3_direct.resolve_target(self.bucket, self._options)
@@ -322,28 +316,29 @@ class S3Store(ObjectStore):
             # botocore's provider chain may do network calls (roles, IMDS): off the loop
             creds = await _runtime.in_thread(resolve_credentials, self._options)
         except Exception as e:  # e.g. a profile that does not exist: botocore's path says it best
-            log.debug("direct S3 reads off for %s: credentials: %s", self.describe(), e)
+            log.debug("direct S3 requests off for %s: credentials: %s", self.describe(), e)
             return None
         if creds is None:
             return None
-        return DirectReader(self.bucket, target, creds, connect_timeout=self.policy.connect_timeout,
+        return DirectClient(self.bucket, target, creds, connect_timeout=self.policy.connect_timeout,
                             read_timeout=self.policy.read_timeout)
 
     def _direct_refused(self, e: Unsupported) -> None:
         """The endpoint wants something the direct path does not do: botocore from now on."""
-        reader, self._direct_reader = self._direct_reader, None
+        reader, self._direct_client = self._direct_client, None
         if reader is not None:
-            log.info("direct S3 reads off for %s (%s); reading through botocore", self.describe(), e)
+            log.info("direct S3 requests off for %s (%s); botocore from now on", self.describe(), e)
             reader.close()
 
-    async def _direct_call(self, fn: Any, *args: Any, where: str) -> Any:
-        """``fn(*args, first_byte)`` on a receiving thread, under the same retry
-        policy, limiter and first-answer bound as botocore calls (see _retrying)."""
+    async def _direct_call(self, fn: Any, *args: Any, where: str, has_body: bool = False) -> Any:
+        """``fn(*args, first_byte)`` on a pool thread, under the same retry policy,
+        limiter and first-answer bound as botocore calls (see _retrying); a body
+        is sent again whole on each attempt."""
         loop = asyncio.get_running_loop()
         attempt = 0
         while True:
-            first = self.policy.read_timeout if self._answered else min(self.policy.first_answer_timeout,
-                                                                          self.policy.read_timeout)
+            first = self.policy.read_timeout if self._answered or has_body else min(
+                self.policy.first_answer_timeout, self.policy.read_timeout)
             sent_at = time.monotonic()
             try:
                 if self.limiter is None:
@@ -362,7 +357,7 @@ class S3Store(ObjectStore):
                     self._answered = True
                 if _is_no_bucket(e):
                     raise self._no_bucket() from None
-                if _is_missing(e) or error_code(e) == "InvalidRange" or http_status(e) == 416:
+                if _is_missing(e) or _is_precondition(e) or error_code(e) == "InvalidRange" or http_status(e) == 416:
                     raise
                 if isinstance(e, TimeoutError) and not self._answered:
                     e = asyncio.TimeoutError(f"no answer from {self.endpoint()} within {first:g} s "
@@ -381,7 +376,21 @@ class S3Store(ObjectStore):
                 await self.policy.backoff(attempt)
 
     async def call_with_body(self, op: str, views: Sequence[memoryview], **kw: Any) -> Any:
-        """One API call that sends ``views``; a fresh body per attempt."""
+        """One PutObject / UploadPart that sends ``views``; a fresh body per attempt."""
+        direct = await self._direct()
+        if direct is not None:
+            headers: dict[str, str] = {}
+            if "ChecksumCRC32C" in kw:
+                headers["x-amz-checksum-crc32c"] = kw["ChecksumCRC32C"]
+            if "IfNoneMatch" in kw:
+                headers["if-none-match"] = kw["IfNoneMatch"]
+            query = {"partNumber": str(kw["PartNumber"]), "uploadId": kw["UploadId"]} if op == "upload_part" else None
+            where = f"{op} s3://{self.bucket}/{kw['Key']}"
+            try:
+                return await self._direct_call(functools.partial(direct.put, query=query), kw["Key"], views, headers,
+                                               where=where, has_body=True)
+            except Unsupported as e:
+                self._direct_refused(e)
         client = await self.body_client()
         fn = getattr(client, op)
         from . import http_body  # aiohttp: imported only by a process that writes
@@ -554,7 +563,35 @@ class S3Store(ObjectStore):
             )
         return got
 
-    async def _read_direct(self, reader: DirectReader, key: str, offset: int, views: list[memoryview], *,
+    async def create_upload(self, key: str) -> str:
+        """CreateMultipartUpload; the upload id."""
+        direct = await self._direct()
+        if direct is not None:
+            headers = {"x-amz-checksum-algorithm": "CRC32C"} if self.checksums else {}
+            try:
+                return str(await self._direct_call(direct.create_upload, key, headers,
+                                                   where=f"CreateMultipartUpload s3://{self.bucket}/{key}"))
+            except Unsupported as e:
+                self._direct_refused(e)
+        client = await self.client()
+        extra = {"ChecksumAlgorithm": "CRC32C"} if self.checksums else {}
+        r = await self.call(client.create_multipart_upload, Bucket=self.bucket, Key=key, **extra)
+        return str(r["UploadId"])
+
+    async def complete_upload(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> Any:
+        """CompleteMultipartUpload of ``parts`` (PartNumber, ETag[, ChecksumCRC32C])."""
+        direct = await self._direct()
+        if direct is not None:
+            try:
+                return await self._direct_call(direct.complete_upload, key, upload_id, parts,
+                                               where=f"CompleteMultipartUpload s3://{self.bucket}/{key}")
+            except Unsupported as e:
+                self._direct_refused(e)
+        client = await self.client()
+        return await self.call(client.complete_multipart_upload, Bucket=self.bucket, Key=key, UploadId=upload_id,
+                               MultipartUpload={"Parts": parts})
+
+    async def _read_direct(self, reader: DirectClient, key: str, offset: int, views: list[memoryview], *,
                            allow_short: bool) -> int:
         sink = Sink(views)
         where = f"GET s3://{self.bucket}/{key} at {offset}"
@@ -668,8 +705,8 @@ class S3Store(ObjectStore):
                 raise
 
     async def close(self) -> None:
-        if self._direct_reader is not None:
-            self._direct_reader.close()
+        if self._direct_client is not None:
+            self._direct_client.close()
         cms, self._client_cms = self._client_cms, []
         self._client = self._body_client = None
         for cm in cms:

@@ -1,4 +1,4 @@
-"""S3 reads straight from the socket into destination memory.
+"""S3 requests on plain sockets: reads land in destination memory, writes leave from it.
 
 A restore is dominated by receiving bytes.  Through aiobotocore each byte was
 copied three times (socket buffer, aiohttp's parser, our copy into the tensor)
@@ -9,8 +9,12 @@ parsed from a few hundred bytes, the body lands with ``recv_into`` directly in
 the caller's buffers (one copy, kernel to tensor, with the GIL released), and
 as many responses are received in parallel as threads run.
 
-Only reads go this way; writes, listings and deletes stay on the botocore
-client.  The path is used when it can reproduce what botocore would send:
+Writes go the same way: PutObject, UploadPart and the multipart calls send the
+caller's buffers with ``sendall`` (no copy, no aiohttp writer), so a first save
+in a new process does not wait for aiobotocore either.  Listings, deletes and
+aborts (rare, off the hot path) stay on the botocore client.
+
+The path is used when it can reproduce what botocore would send:
 plain HTTP(S) to the configured endpoint, SigV4 with the same credentials and
 region.  Anything it does not handle (a proxy, FIPS or dual-stack endpoints, a
 redirect, a region or signature complaint) is reported as
@@ -26,11 +30,12 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
+from xml.sax.saxutils import escape
 from urllib.parse import urlsplit
 
 from .. import _runtime
-from .sigv4 import CredentialSource, Signer, quote_path
+from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 
 _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 _UNHANDLED_ENV = ("AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT", "AWS_S3_USE_ARN_REGION")
@@ -165,7 +170,7 @@ class _Conn:
 class _Head:
     status: int
     headers: dict[str, str]
-    body: Optional[Sink] = None  # a whole object's bytes (see DirectReader.get)
+    body: Optional[Sink] = None  # a whole object's bytes (see DirectClient.get)
 
     @property
     def reusable(self) -> bool:
@@ -173,8 +178,8 @@ class _Head:
         return self.headers.get("connection", "").lower() != "close"
 
 
-class DirectReader:
-    """GET/HEAD for one bucket, blocking; call from :func:`pool` threads."""
+class DirectClient:
+    """GET/HEAD and object writes for one bucket, blocking; call from :func:`pool` threads."""
 
     def __init__(self, bucket: str, target: Target, creds: CredentialSource, *, connect_timeout: float,
                  read_timeout: float) -> None:
@@ -221,13 +226,19 @@ class DirectReader:
         self._idle = []
 
     # -- one exchange -----------------------------------------------------
-    def _request(self, conn: _Conn, method: str, path: str, extra: dict[str, str], first_byte: float) -> _Head:
-        hdrs = self.signer.headers(method, path, "", self.target.host_header, self.creds.get())
-        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.target.host_header}", "Accept-Encoding: identity",
+    def _request(self, conn: _Conn, method: str, path: str, extra: dict[str, str], first_byte: float,
+                 query: str = "", body: Sequence[memoryview] = ()) -> _Head:
+        hdrs = self.signer.headers(method, path, query, self.target.host_header, self.creds.get())
+        target = f"{path}?{query}" if query else path
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {self.target.host_header}", "Accept-Encoding: identity",
                  "User-Agent: objckpt"]
+        if method in ("PUT", "POST"):
+            lines.append(f"Content-Length: {sum(len(v) for v in body)}")
         lines += [f"{k}: {v}" for k, v in {**hdrs, **extra}.items()]
         conn.sock.settimeout(first_byte)
         conn.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        for v in body:  # straight from the caller's memory (tensors, staging buffers)
+            conn.sock.sendall(v)
         buf = conn.extra
         while True:
             end = buf.find(b"\r\n\r\n")
@@ -350,7 +361,8 @@ class DirectReader:
         return S3HttpError(head.status, code, message, what)
 
     def _exchange(self, method: str, path: str, extra: dict[str, str], first_byte: float,
-                  sink: "Optional[Sink | Callable[[_Head], Sink]]", what: str) -> _Head:
+                  sink: "Optional[Sink | Callable[[_Head], Sink]]", what: str, query: str = "",
+                  body: Sequence[memoryview] = ()) -> _Head:
         """One request and its answer, on a kept-alive connection when one is idle.
 
         ``sink``: where the body goes, or a function that makes it from the
@@ -361,7 +373,7 @@ class DirectReader:
             conn = self._connect() if fresh else self._take()
             reused = conn.used
             try:
-                head = self._request(conn, method, path, extra, first_byte)
+                head = self._request(conn, method, path, extra, first_byte, query, body)
             except (ConnectionError, OSError) as e:
                 conn.close()
                 if reused and not fresh and not isinstance(e, TimeoutError):
@@ -430,6 +442,50 @@ class DirectReader:
                 return None
             raise
         return int(h.headers.get("content-length", "0")), h.headers.get("etag")
+
+    # -- writes -------------------------------------------------------------
+    def _small_body(self, head: _Head) -> Sink:
+        return Sink([memoryview(bytearray(int(head.headers.get("content-length") or 0)))])
+
+    def put(self, key: str, views: Sequence[memoryview], headers: dict[str, str], first_byte: float,
+            query: Optional[dict[str, str]] = None) -> dict[str, str]:
+        """PutObject (or UploadPart, with ``query``) of ``views``, sent as they are.
+
+        Returns what botocore would: ``ETag`` and the checksum the server stored."""
+        what = f"PUT s3://{self.bucket}/{key}" + (f" part {query['partNumber']}" if query else "")
+        h = self._exchange("PUT", self._path(key), headers, first_byte, self._small_body, what,
+                           canonical_query(query or {}), [v if v.format == "B" else v.cast("B") for v in views])
+        out = {"ETag": h.headers.get("etag", "")}
+        if "x-amz-checksum-crc32c" in h.headers:
+            out["ChecksumCRC32C"] = h.headers["x-amz-checksum-crc32c"]
+        return out
+
+    def _post(self, key: str, query: dict[str, str], headers: dict[str, str], body: bytes, first_byte: float,
+              what: str) -> str:
+        h = self._exchange("POST", self._path(key), headers, first_byte, self._small_body, what,
+                           canonical_query(query), [memoryview(body)] if body else [])
+        text = bytes(h.body.views[0][:h.body.got]).decode("utf-8", "replace") if h.body and h.body.views else ""
+        if "<Error>" in text:  # CompleteMultipartUpload can fail inside a 200
+            raise S3HttpError(500, _xml_field(text, "Code"), _xml_field(text, "Message"), what)
+        return text
+
+    def create_upload(self, key: str, headers: dict[str, str], first_byte: float) -> str:
+        text = self._post(key, {"uploads": ""}, headers, b"", first_byte,
+                          f"CreateMultipartUpload s3://{self.bucket}/{key}")
+        upload_id = _xml_field(text, "UploadId")
+        if not upload_id:
+            raise Unsupported(f"CreateMultipartUpload s3://{self.bucket}/{key}: no UploadId in the answer")
+        return upload_id
+
+    def complete_upload(self, key: str, upload_id: str, parts: Sequence[dict[str, Any]], first_byte: float) -> dict[str, str]:
+        xml = "".join("<Part>" + "".join(f"<{k}>{escape(str(v))}</{k}>" for k, v in p.items()) + "</Part>"
+                      for p in parts)
+        body = ('<CompleteMultipartUpload xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                f"{xml}</CompleteMultipartUpload>").encode()
+        text = self._post(key, {"uploadId": upload_id}, {"content-type": "application/xml"}, body, first_byte,
+                          f"CompleteMultipartUpload s3://{self.bucket}/{key}")
+        crc = _xml_field(text, "ChecksumCRC32C")
+        return {"ChecksumCRC32C": crc} if crc else {}
 
     def bucket_exists(self, first_byte: float) -> bool:
         """HeadBucket: tells a missing bucket from a missing key after a bodiless 404."""

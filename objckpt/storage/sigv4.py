@@ -75,6 +75,11 @@ def quote_path(path: str) -> str:
     return quote(path, safe="/~")
 
 
+def canonical_query(params: Mapping[str, str]) -> str:
+    """The query string as SigV4 signs it (and as it is sent): sorted, encoded."""
+    return "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(params.items()))
+
+
 def _hmac(key: bytes, msg: str) -> bytes:
     return hmac.new(key, msg.encode(), hashlib.sha256).digest()
 
