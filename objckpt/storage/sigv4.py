@@ -53,19 +53,22 @@ def resolve_credentials(options: Mapping[str, Any], env: Mapping[str, str] = os.
     ``None`` when there are none (the caller then keeps botocore's path, whose
     error says so)."""
     ak, sk = options.get("aws_access_key_id"), options.get("aws_secret_access_key")
-    if ak and sk:
-        return CredentialSource(Credentials(str(ak), str(sk), options.get("aws_session_token") or None))
     profile = options.get("profile")
+    if ak and sk and profile is None:
+        return CredentialSource(Credentials(str(ak), str(sk), options.get("aws_session_token") or None))
     if profile is None and not env.get("AWS_PROFILE") and not env.get("AWS_DEFAULT_PROFILE"):
-        ak, sk = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-        if ak and sk:
+        eak, esk = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+        if eak and esk:
             token = env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN") or None
-            return CredentialSource(Credentials(ak, sk, token))
+            return CredentialSource(Credentials(eak, esk, token))
     import botocore.session  # the full provider chain (files, SSO, roles, IMDS)
 
     session = botocore.session.get_session()
     if profile is not None:
         session.set_config_variable("profile", profile)
+        session.get_scoped_config()  # a profile that does not exist raises here, as botocore's client would
+    if ak and sk:
+        return CredentialSource(Credentials(str(ak), str(sk), options.get("aws_session_token") or None))
     creds = session.get_credentials()
     return None if creds is None else CredentialSource(botocore_creds=creds)
 
