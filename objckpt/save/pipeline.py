@@ -37,6 +37,7 @@ from ..options import KeyLayout, SaveOptions
 from ..planning.pack import PackLimits, SavePlan
 from ..results import IOStats, SaveResult
 from ..storage import ObjectStore, split_uri
+from ..storage.shape import save_sizes, shape_for
 from .commit import CommitState, CommitStatus, commit, delete_quietly
 from .describe import LocalState, Mirror, describe_local
 from .fingerprint import differing
@@ -221,7 +222,9 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
                          f"(spread root levels by rank: {[h.spread_up for h in hellos][:16]})")
     _check_replicated(local, hellos, comm, uri)
     layout = _choose_layout(local, hellos, comm)
-    limits = PackLimits(opts.blob_size, opts.part_size, st.min_part_size, st.max_part_size)
+    shape = _runtime.run(shape_for(st))
+    blob_size, part_size = save_sizes(opts.blob_size, opts.part_size, shape)
+    limits = PackLimits(blob_size, part_size, st.min_part_size, st.max_part_size)
     writes = layout.plan(comm.rank, local.boxes, limits)
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, Piece] = {}

@@ -30,6 +30,7 @@ from . import http_body
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 from .limiter import AimdLimiter
 from .retry import Failure, RetryPolicy, classify, error_code, http_status
+from .shape import parse_kind
 
 log = get_logger("objckpt.storage")
 _SECRET_OPTIONS = ("aws_secret_access_key", "aws_session_token")
@@ -149,8 +150,10 @@ class _S3Writer(BlobWriter):
 
 class S3Store(ObjectStore):
     """``s3://bucket/...``; options: endpoint_url, region_name, credentials,
-    concurrency, addressing_style, profile, and the budgets of :class:`RetryPolicy`
-    (connect_timeout, read_timeout, throttle_attempts, error_attempts, ...)."""
+    concurrency, addressing_style, profile, the budgets of :class:`RetryPolicy`
+    (connect_timeout, read_timeout, throttle_attempts, error_attempts, ...), and
+    endpoint_kind (``auto``, ``s3``, ``moto``: the upload and read shape, see
+    :mod:`objckpt.storage.shape`)."""
 
     def __init__(self, bucket: str, **options: Any) -> None:
         self.bucket = bucket
@@ -161,6 +164,7 @@ class S3Store(ObjectStore):
         self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
         # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
         self.checksums = str(options.pop("checksums", True)).lower() not in ("false", "0", "no")
+        self.endpoint_kind = parse_kind(options.pop("endpoint_kind", None))
         self._options = options
         for k in _SECRET_OPTIONS:  # never logged, whatever error text carries them
             register_secret(options.get(k))
@@ -507,10 +511,15 @@ class S3Store(ObjectStore):
         for cm in cms:
             await cm.__aexit__(None, None, None)
 
+    @property
+    def endpoint_url(self) -> Optional[str]:
+        """The custom endpoint (option, else environment); None: AWS."""
+        return (self._options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL") or None)
+
     def endpoint(self) -> str:
         """The endpoint requests go to (option, else environment, else AWS)."""
-        return str(self._options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
-                   or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint")
+        return str(self.endpoint_url or "the AWS S3 endpoint")
 
     def describe(self) -> str:
         return f"s3://{self.bucket} at {self.endpoint()}"
