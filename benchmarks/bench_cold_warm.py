@@ -117,15 +117,18 @@ def summarize(runs: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
     return out
 
 
-def table(summaries: dict[str, dict[str, Any]], state_bytes: int) -> str:
+def table(summaries: dict[str, dict[str, Any]], state_bytes: int, ref_method: str = "tensorstore_ocdbt") -> str:
+    """The markdown table; the "/ REF" columns are ``ref_method``'s seconds over the row's (> 1: faster)."""
     def cell(d: dict[str, Any]) -> str:
         if d["wall_s"] is None:
             return "–"
         spread = "" if d["n"] < 2 else f" ({d['wall_min']:.2f}–{d['wall_max']:.2f})"
         return f"{d['wall_s']:.2f}{spread}"
 
-    ref = summaries.get("tensorstore_ocdbt")
-    head = ["method", "load cold s", "load warm s", "save cold s", "save warm s", "load cold / TS", "load warm / TS",
+    ref = summaries.get(ref_method)
+    tag = _SHORT.get(ref_method, ref_method)
+    head = ["method", "load cold s", "load warm s", "save cold s", "save warm s", f"load cold / {tag}",
+            f"load warm / {tag}", f"save cold / {tag}", f"save warm / {tag}",
             "CPU-s/GB load cold / warm", "CPU-s/GB save warm", "peak RSS load − state MiB (cold)", "setup s"]
     rows = []
     for m, s in summaries.items():
@@ -137,11 +140,15 @@ def table(summaries: dict[str, dict[str, Any]], state_bytes: int) -> str:
 
         rss = ld["cold"]["peak_rss_bytes"]
         rows.append([m, cell(ld["cold"]), cell(ld["warm"]), cell(sv["cold"]), cell(sv["warm"]), vs("load", "cold"),
-                     vs("load", "warm"),
+                     vs("load", "warm"), vs("save", "cold"), vs("save", "warm"),
                      f"{h.fmt(ld['cold']['cpu_s_per_gb'], '{:.2f}')} / {h.fmt(ld['warm']['cpu_s_per_gb'], '{:.2f}')}",
                      h.fmt(sv["warm"]["cpu_s_per_gb"], "{:.2f}"),
                      "–" if rss is None else f"{(rss - state_bytes) / h.MiB:.0f}", h.fmt(ld["setup_s"], "{:.2f}")])
     return h.md_table(head, rows)
+
+
+#: short names of the reference method in column headers
+_SHORT = {"tensorstore_ocdbt": "TS", "dcp_s3fs": "DCP"}
 
 
 def _export_baseline(ref: str) -> str:
@@ -168,7 +175,7 @@ def drive(args: argparse.Namespace) -> int:
     if args.baseline:
         methods_note = _export_baseline(args.baseline)
         h.log(f"objckpt_s3_base runs objckpt at {methods_note}")
-    with h.Server("fast", args.bucket) as server:
+    with h.Server(args.target, args.bucket) as server:
         client = h.boto3_client(server.url)
         for rnd in range(args.rounds):
             order = methods if rnd % 2 == 0 else methods[::-1]  # interleaved, alternating order
@@ -189,13 +196,13 @@ def drive(args: argparse.Namespace) -> int:
     if os.environ.get("OBJCKPT_BASELINE"):
         shutil.rmtree(os.environ.pop("OBJCKPT_BASELINE"), ignore_errors=True)
     summaries = {m: summarize([r for r in runs if r["method"] == m], state_bytes) for m in methods}
-    md = table(summaries, state_bytes)
+    md = table(summaries, state_bytes, args.ref)
     cfg = dict(vars(args), methods=methods, baseline=os.environ.get("OBJCKPT_BASELINE_REF"), state_bytes=state_bytes, tensors=len(specs))
     path = h.write_results(h.result_path(name), {
         "name": name, "config": cfg,
         "environment": h.environment("boto3", "aiobotocore", "s3fs", "tensorstore", "s3torchconnector"),
         "summary": summaries, "runs": runs, "table_markdown": md})
-    print(f"\n{len(specs)} tensors, {state_bytes / h.GiB:.3f} GiB, fast server, {args.rounds} round(s) x "
+    print(f"\n{len(specs)} tensors, {state_bytes / h.GiB:.3f} GiB, {args.target} server, {args.rounds} round(s) x "
           f"{args.reps} reps; cold = rep 0, warm = median of reps 1..; (min–max):\n\n{md}\n\nresults: {path}")
     return 0
 
@@ -207,6 +214,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="ops per process: rep 0 cold, the rest warm")
     ap.add_argument("--rounds", type=int, default=1, help="new processes per method and op")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ref", default="tensorstore_ocdbt",
+                    help="the method the ratio columns compare with (its seconds over each row's)")
+    ap.add_argument("--target", choices=sorted(h.TARGETS), default="fast",
+                    help="S3 server: fast (in-memory, default), moto (stock), moto-ranged (ranged GETs patched)")
     ap.add_argument("--bucket", default="bench")
     ap.add_argument("--name", default=None, help="benchmarks/results/<name>.json")
     ap.add_argument("--timeout", type=float, default=900.0)

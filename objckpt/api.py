@@ -60,7 +60,9 @@ def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
     (default False: an existing checkpoint raises :class:`CheckpointExistsError`;
     with True the old one stays loadable until the new manifest replaces it),
     ``metadata`` (free-form JSON stored in the manifest), ``allow_pickle``,
-    ``process_group``, ``blob_size`` (1 GiB), ``part_size`` (16 MiB),
+    ``process_group``, ``blob_size`` and ``part_size`` (by default per endpoint
+    kind, :mod:`objckpt.storage.shape`: 1 GiB in 16 MiB parts; on moto 16 MiB
+    blobs of one PUT each; a value given here wins),
     ``staging_bytes`` (512 MiB for the parts that need staging), ``crc_block``
     (bytes per block crc; by default chosen from the chunk sizes, at most 1 MiB), ``store`` (an ObjectStore replacing the backend the URI would
     open; the URI's path is then the prefix).

@@ -83,8 +83,10 @@ class SaveOptions:
     overwrite: bool = False
     metadata: Optional[dict[str, Any]] = None
     allow_pickle: bool = False
-    blob_size: int = 1 << 30
-    part_size: int = 16 * MiB
+    #: None: chosen per endpoint kind (objckpt.storage.shape): 1 GiB / 16 MiB parts on AWS S3 and
+    #: every other store, 16 MiB blobs of one PUT each on moto; a value given here always wins
+    blob_size: Optional[int] = None
+    part_size: Optional[int] = None
     #: host memory for staging; None: this rank's whole share (async) / 512 MiB (sync)
     staging_bytes: Optional[int] = None
     #: bytes per block crc (0: whole-chunk crcs only); None: chosen per save from the chunk sizes,
@@ -106,7 +108,7 @@ class SaveOptions:
         inside its first exchange, so a bad option on one rank fails every rank
         together instead of leaving the others waiting."""
         for name in ("blob_size", "part_size"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.crc_block is not None and self.crc_block < 0:
             raise ValueError(f"crc_block must be 0 (whole-chunk crc only) or positive, got {self.crc_block}")
@@ -149,8 +151,8 @@ class SaveArgs(TypedDict, total=False):
     metadata: Optional[dict[str, Any]]
     allow_pickle: bool
     process_group: Any
-    blob_size: int
-    part_size: int
+    blob_size: Optional[int]
+    part_size: Optional[int]
     staging_bytes: Optional[int]
     crc_block: Optional[int]
     no_dist: bool

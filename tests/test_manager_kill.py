@@ -34,7 +34,9 @@ def test_sigkill_during_upload_leaves_previous_step_latest_and_gc_cleans(moto_s3
     root = f"s3://{bucket}/run"
     s3 = boto3.client("s3", **opts)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, root, json.dumps(opts)], stdout=subprocess.PIPE,
+    # multipart, as on AWS: on moto objckpt would otherwise write single-PUT blobs (objckpt.storage.shape)
+    child_opts = {**opts, "endpoint_kind": "s3"}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, root, json.dumps(child_opts)], stdout=subprocess.PIPE,
                              text=True, env=env)
     try:
         assert child.stdout is not None

@@ -21,6 +21,7 @@ from ..format.manifest import Chunk
 from ..planning.ranges import Request, Span, plan_requests
 from ..results import IOStats
 from ..storage.base import ObjectStore
+from ..storage.shape import shape_for
 from . import prefault
 
 
@@ -107,15 +108,24 @@ async def read_ranges(
     stats: IOStats,
     *,
     on_chunk_done: Optional[Callable[[RangeRead], None]] = None,
-    merge_gap: int = 256 << 10,
-    max_request: int = 16 << 20,
-    split_above: int = 16 << 20,
-    split_into: int = 8 << 20,
+    merge_gap: Optional[int] = None,
+    max_request: Optional[int] = None,
+    split_above: Optional[int] = None,
+    split_into: Optional[int] = None,
     prefault_dest: bool = True,
 ) -> None:
+    """Fetch every read and check its crcs.  Request sizes not given come from the
+    store's endpoint kind (:mod:`objckpt.storage.shape`): on S3, large spans are
+    split into concurrent 8 MiB GETs; on moto, which copies the whole object for
+    every ranged GET, each blob is read by one GET."""
+    shape = (await shape_for(store)).read
     spans = [Span(r.blob_key, r.offset, len(r.dest), i) for i, r in enumerate(reads)]
     requests = plan_requests(
-        spans, merge_gap=merge_gap, max_request=max_request, split_above=split_above, split_into=split_into
+        spans,
+        merge_gap=shape.merge_gap if merge_gap is None else merge_gap,
+        max_request=shape.max_request if max_request is None else max_request,
+        split_above=shape.split_above if split_above is None else split_above,
+        split_into=shape.split_into if split_into is None else split_into,
     )
     pending = {i: 0 for i in range(len(reads))}
     for req in requests:

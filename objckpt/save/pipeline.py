@@ -36,9 +36,11 @@ from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, Sa
 from ..memory import Budget, HostPool
 from ..options import KeyLayout, SaveOptions
 from ..planning import crc_blocks
+from ..units import MiB
 from ..planning.pack import PackLimits, SavePlan
 from ..results import IOStats, SaveResult
 from ..storage import ObjectStore, split_uri
+from ..storage.shape import save_sizes, shape_for
 from .commit import CommitState, CommitStatus, commit, delete_quietly
 from .describe import LocalState, Mirror, describe_local
 from .fingerprint import differing
@@ -228,7 +230,9 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
                          f"(spread root levels by rank: {[h.spread_up for h in hellos][:16]})")
     _check_replicated(local, hellos, comm, uri)
     layout = _choose_layout(local, hellos, comm)
-    limits = PackLimits(opts.blob_size, opts.part_size, st.min_part_size, st.max_part_size)
+    shape = _runtime.run(shape_for(st))
+    blob_size, part_size = save_sizes(opts.blob_size, opts.part_size, shape)
+    limits = PackLimits(blob_size, part_size, st.min_part_size, st.max_part_size)
     writes = layout.plan(comm.rank, local.boxes, limits)
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, Piece] = {}
@@ -251,7 +255,7 @@ def _crc_block_wanted(local: LocalState, opts: SaveOptions) -> int:
     if opts.crc_block is not None:
         return opts.crc_block
     lengths = [n for meta in local.metas.values() for _, shape in meta.boxes
-               for n in crc_blocks.chunk_lengths(math.prod(shape) * meta.itemsize, opts.part_size)]
+               for n in crc_blocks.chunk_lengths(math.prod(shape) * meta.itemsize, opts.part_size or 16 * MiB)]
     return crc_blocks.choose(lengths)
 
 

@@ -32,6 +32,7 @@ from .limiter import AimdLimiter
 from . import s3_direct
 from .s3_direct import DirectClient, Sink, Unsupported
 from .retry import Failure, RetryPolicy, classify, error_code, http_status
+from .shape import parse_kind
 
 log = get_logger("objckpt.storage")
 _SECRET_OPTIONS = ("aws_secret_access_key", "aws_session_token")
@@ -144,8 +145,10 @@ class _S3Writer(BlobWriter):
 
 class S3Store(ObjectStore):
     """``s3://bucket/...``; options: endpoint_url, region_name, credentials,
-    concurrency, addressing_style, profile, and the budgets of :class:`RetryPolicy`
-    (connect_timeout, read_timeout, throttle_attempts, error_attempts, ...)."""
+    concurrency, addressing_style, profile, the budgets of :class:`RetryPolicy`
+    (connect_timeout, read_timeout, throttle_attempts, error_attempts, ...), and
+    endpoint_kind (``auto``, ``s3``, ``moto``: the upload and read shape, see
+    :mod:`objckpt.storage.shape`)."""
 
     def __init__(self, bucket: str, **options: Any) -> None:
         self.bucket = bucket
@@ -156,6 +159,7 @@ class S3Store(ObjectStore):
         self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
         # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
         self.checksums = str(options.pop("checksums", True)).lower() not in ("false", "0", "no")
+        self.endpoint_kind = parse_kind(options.pop("endpoint_kind", None))
         # direct_http=False: every request through botocore (see s3_direct)
         self._direct_wanted = str(options.pop("direct_http", os.environ.get("OBJCKPT_S3_DIRECT_HTTP", True))
                                   ).lower() not in ("false", "0", "no")
@@ -563,6 +567,18 @@ class S3Store(ObjectStore):
             )
         return got
 
+    async def direct_server_header(self, timeout: float) -> tuple[bool, Optional[str]]:
+        """(answered, Server header) of one HeadBucket on the direct path; (False,
+        None) when the direct path is off or nothing answered (see shape.py)."""
+        direct = await self._direct()
+        if direct is None:
+            return False, None
+        try:
+            loop = asyncio.get_running_loop()
+            return True, await loop.run_in_executor(s3_direct.pool(), direct.server_header, timeout)
+        except Exception:
+            return False, None
+
     async def create_upload(self, key: str) -> str:
         """CreateMultipartUpload; the upload id."""
         direct = await self._direct()
@@ -712,10 +728,15 @@ class S3Store(ObjectStore):
         for cm in cms:
             await cm.__aexit__(None, None, None)
 
+    @property
+    def endpoint_url(self) -> Optional[str]:
+        """The custom endpoint (option, else environment); None: AWS."""
+        return (self._options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL") or None)
+
     def endpoint(self) -> str:
         """The endpoint requests go to (option, else environment, else AWS)."""
-        return str(self._options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
-                   or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint")
+        return str(self.endpoint_url or "the AWS S3 endpoint")
 
     def describe(self) -> str:
         return f"s3://{self.bucket} at {self.endpoint()}"

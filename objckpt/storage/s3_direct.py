@@ -54,8 +54,9 @@ class S3HttpError(Exception):
     """An S3 error answer, shaped like botocore's ClientError (``response``) so the
     store's error mapping and retry classification treat both alike."""
 
-    def __init__(self, status: int, code: str, message: str, what: str) -> None:
+    def __init__(self, status: int, code: str, message: str, what: str, server: Optional[str] = None) -> None:
         super().__init__(f"{what}: HTTP {status} {code or ''} {message or ''}".strip())
+        self.server = server  # the answer's Server header
         self.response = {"Error": {"Code": code or str(status), "Message": message},
                          "ResponseMetadata": {"HTTPStatusCode": status}}
 
@@ -358,7 +359,7 @@ class DirectClient:
         message = _xml_field(text, "Message")
         if head.status in (301, 302, 307, 308) or code in _FALLBACK_CODES:
             return Unsupported(f"{what}: HTTP {head.status} {code} {message}".strip())
-        return S3HttpError(head.status, code, message, what)
+        return S3HttpError(head.status, code, message, what, head.headers.get("server"))
 
     def _exchange(self, method: str, path: str, extra: dict[str, str], first_byte: float,
                   sink: "Optional[Sink | Callable[[_Head], Sink]]", what: str, query: str = "",
@@ -486,6 +487,15 @@ class DirectClient:
                           f"CompleteMultipartUpload s3://{self.bucket}/{key}")
         crc = _xml_field(text, "ChecksumCRC32C")
         return {"ChecksumCRC32C": crc} if crc else {}
+
+    def server_header(self, first_byte: float) -> Optional[str]:
+        """The ``Server`` header of a HeadBucket answer, refused or not (see shape.py)."""
+        try:
+            h = self._exchange("HEAD", quote_path(self.target.prefix or "/"), {}, first_byte, None,
+                               f"HEAD s3://{self.bucket}")
+        except S3HttpError as e:
+            return e.server
+        return h.headers.get("server")
 
     def bucket_exists(self, first_byte: float) -> bool:
         """HeadBucket: tells a missing bucket from a missing key after a bodiless 404."""
