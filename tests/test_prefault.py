@@ -107,7 +107,10 @@ def _huge_kib(addr: int, length: int) -> int:
 def test_fresh_large_destination_is_backed_by_huge_pages(small_threshold: None) -> None:
     """A fresh 64 MiB destination advised MADV_HUGEPAGE is mapped 2 MiB at a time
     (where THP is on "madvise" or "always"), and keeps the bytes written after."""
-    t = torch.empty(64 << 20, dtype=torch.uint8)
+    import mmap
+
+    mm = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # fresh pages for sure (torch.empty may reuse freed, mapped heap)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
     view = host_bytes(t)
     addr = prefault.address(view)
     job = prefault.start([view])
@@ -118,3 +121,4 @@ def test_fresh_large_destination_is_backed_by_huge_pages(small_threshold: None) 
         assert _huge_kib(addr, len(view)) >= 32 << 10  # at least half of it
     t.fill_(3)
     assert int(t.sum()) == 3 * (64 << 20)
+    del t, view

@@ -29,6 +29,8 @@ from ..logs import get_logger, register_secret
 from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 from .limiter import AimdLimiter
+from .s3_writer import S3Writer
+from .s3_routes import DirectRoutes, _is_missing, _is_no_bucket, _is_precondition
 from . import s3_direct
 from .s3_direct import DirectClient, Sink, Unsupported
 from .retry import Failure, RetryPolicy, classify, error_code, http_status
@@ -41,109 +43,7 @@ _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_
 _RETRYABLE_STREAM = (ConnectionError, asyncio.TimeoutError, OSError)
 
 
-def _is_missing(e: BaseException) -> bool:
-    return error_code(e) in ("NoSuchKey", "404", "NotFound") or http_status(e) == 404
-
-
-def _is_no_bucket(e: BaseException) -> bool:
-    return error_code(e) == "NoSuchBucket"
-
-
-def _is_precondition(e: BaseException) -> bool:
-    return error_code(e) in ("PreconditionFailed", "ConditionalRequestConflict") or http_status(e) in (409, 412)
-
-
-class _S3Writer(BlobWriter):
-    """One object: a single PUT when it is one part, else a multipart upload
-    created on the first part, parts uploaded concurrently, completed in order.
-
-    With ``checksums`` (the default) every part carries its crc32c
-    (``x-amz-checksum-crc32c``): the server recomputes it and refuses a part
-    whose bytes changed in flight, and the checksums it reports back (per part,
-    and the composite of the object) are compared with ours."""
-
-    def __init__(self, store: "S3Store", key: str, size: int, num_parts: int) -> None:
-        self._s = store
-        self._key = key
-        self._single = num_parts <= 1
-        self._upload_id: Optional[str] = None
-        self._create: Optional["asyncio.Future[str]"] = None
-        self._etags: dict[int, str] = {}
-        self._crcs: dict[int, int] = {}
-
-    async def _ensure_upload(self) -> str:
-        # The create runs as its own task, shielded: if the caller is cancelled
-        # mid-request the upload may still be created server-side, and abort()
-        # must learn its id to clean it up.
-        if self._create is None:
-            async def create() -> str:
-                return await self._s.create_upload(self._key)
-
-            self._create = asyncio.ensure_future(create())
-        self._upload_id = await asyncio.shield(self._create)
-        return self._upload_id
-
-    async def write_part(self, index: int, offset: int, data: memoryview) -> None:
-        await self.write_part_views(index, offset, [data])
-
-    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview],
-                               crc32c: Optional[int] = None) -> None:
-        extra: dict[str, Any] = {}
-        if self._s.checksums:
-            if crc32c is None:
-                crc32c = await _runtime.in_thread(crc_of_views, views)
-            self._crcs[index] = crc32c
-            extra["ChecksumCRC32C"] = crc_header(crc32c)
-        if self._single:
-            r = await self._s.call_with_body("put_object", views, Bucket=self._s.bucket, Key=self._key, **extra)
-        else:
-            upload_id = await self._ensure_upload()
-            r = await self._s.call_with_body(
-                "upload_part", views, Bucket=self._s.bucket, Key=self._key, UploadId=upload_id,
-                PartNumber=index + 1, **extra,
-            )
-            self._etags[index] = r["ETag"]
-        self._check_reported(r, extra.get("ChecksumCRC32C"), f"part {index + 1}")
-
-    def _check_reported(self, r: Any, ours: Optional[str], what: str) -> None:
-        """The server reports the checksum of what it stored: it must be ours."""
-        theirs = r.get("ChecksumCRC32C") if isinstance(r, dict) else None
-        if ours is not None and theirs and theirs != ours:
-            raise CorruptCheckpointError(
-                f"{what} of s3://{self._s.bucket}/{self._key}: the server stored crc32c {theirs}, "
-                f"objckpt sent {ours} (bytes changed in flight)")
-
-    async def complete(self) -> None:
-        if self._single:
-            return
-        if self._upload_id is None:  # zero-part object
-            await self._s.put(self._key, b"")
-            return
-        parts: list[dict[str, Any]] = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in sorted(self._etags)]
-        if self._s.checksums:
-            for p in parts:
-                p["ChecksumCRC32C"] = crc_header(self._crcs[p["PartNumber"] - 1])
-        r = await self._s.complete_upload(self._key, self._upload_id, parts)
-        if self._s.checksums:
-            self._check_reported(r, composite_header([self._crcs[i] for i in sorted(self._etags)]), "the object")
-
-    async def abort(self) -> None:
-        if self._create is not None:
-            try:
-                upload_id = await self._create
-                await self._s.abort_upload(UploadInfo(self._key, upload_id))
-            except Exception:
-                pass  # gc will find it
-        # a single PUT cancelled in flight may still land: delete it (absent is fine)
-        try:
-            await self._s.delete([self._key])
-        except Exception:
-            pass
-
-
-
-
-class S3Store(ObjectStore):
+class S3Store(DirectRoutes, ObjectStore):
     """``s3://bucket/...``; options: endpoint_url, region_name, credentials,
     concurrency, addressing_style, profile, the budgets of :class:`RetryPolicy`
     (connect_timeout, read_timeout, throttle_attempts, error_attempts, ...), and
@@ -294,90 +194,6 @@ class S3Store(ObjectStore):
             if isinstance(e, ProfileNotFound):  # bad input: say so plainly (a ValueError, as other bad options)
                 raise ValueError(f"storage option profile: {e} (see ~/.aws/config, AWS_CONFIG_FILE)") from None
             raise
-
-    # -- the direct read path (s3_direct): GET/HEAD without botocore -------------
-    async def _direct(self) -> Optional[DirectClient]:
-        """The direct reader, decided once per store (and after fork): ``None`` when
-        switched off, when the endpoint needs what only botocore does, or after
-        the endpoint refused it once."""
-        if self._direct_decided:
-            return self._direct_client
-        if self._direct_lock is None:
-            self._direct_lock = asyncio.Lock()
-        async with self._direct_lock:
-            if not self._direct_decided:
-                self._direct_client = await self._make_direct() if self._direct_wanted else None
-                self._direct_decided = True
-        return self._direct_client
-
-    async def _make_direct(self) -> Optional[DirectClient]:
-        from .sigv4 import resolve_credentials
-
-        target = s3_direct.resolve_target(self.bucket, self._options)
-        if target is None:
-            return None
-        try:
-            # botocore's provider chain may do network calls (roles, IMDS): off the loop
-            creds = await _runtime.in_thread(resolve_credentials, self._options)
-        except Exception as e:  # e.g. a profile that does not exist: botocore's path says it best
-            log.debug("direct S3 requests off for %s: credentials: %s", self.describe(), e)
-            return None
-        if creds is None:
-            return None
-        return DirectClient(self.bucket, target, creds, connect_timeout=self.policy.connect_timeout,
-                            read_timeout=self.policy.read_timeout)
-
-    def _direct_refused(self, e: Unsupported) -> None:
-        """The endpoint wants something the direct path does not do: botocore from now on."""
-        reader, self._direct_client = self._direct_client, None
-        if reader is not None:
-            log.info("direct S3 requests off for %s (%s); botocore from now on", self.describe(), e)
-            reader.close()
-
-    async def _direct_call(self, fn: Any, *args: Any, where: str, has_body: bool = False) -> Any:
-        """``fn(*args, first_byte)`` on a pool thread, under the same retry policy,
-        limiter and first-answer bound as botocore calls (see _retrying); a body
-        is sent again whole on each attempt."""
-        loop = asyncio.get_running_loop()
-        attempt = 0
-        while True:
-            first = self.policy.read_timeout if self._answered or has_body else min(
-                self.policy.first_answer_timeout, self.policy.read_timeout)
-            sent_at = time.monotonic()
-            try:
-                if self.limiter is None:
-                    r = await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
-                else:
-                    async with self.limiter:
-                        sent_at = time.monotonic()
-                        r = await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
-                    self.limiter.succeeded()
-                self._answered = True
-                return r
-            except Unsupported:
-                raise
-            except Exception as e:
-                if http_status(e):
-                    self._answered = True
-                if _is_no_bucket(e):
-                    raise self._no_bucket() from None
-                if _is_missing(e) or _is_precondition(e) or error_code(e) == "InvalidRange" or http_status(e) == 416:
-                    raise
-                if isinstance(e, TimeoutError) and not self._answered:
-                    e = asyncio.TimeoutError(f"no answer from {self.endpoint()} within {first:g} s "
-                                             "(storage option first_answer_timeout)")
-                kind = classify(e)
-                if kind is Failure.THROTTLE and self.limiter is not None:
-                    self.limiter.throttled(sent_at)
-                attempt += 1
-                status = f"HTTP {http_status(e)}, " if http_status(e) else ""
-                if attempt >= self.policy.attempts(kind):
-                    tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
-                    raise StorageError(f"S3 {where} at {self.endpoint()} failed ({status}{kind.value}, {tries}): "
-                                       f"{type(e).__name__}: {e}") from e
-                log.warning("S3 %s (%s%s), attempt %d of %d; retrying: %s: %s", where, status, kind.value, attempt,
-                            self.policy.attempts(kind), type(e).__name__, e)
-                await self.policy.backoff(attempt)
 
     async def call_with_body(self, op: str, views: Sequence[memoryview], **kw: Any) -> Any:
         """One PutObject / UploadPart that sends ``views``; a fresh body per attempt."""
@@ -567,18 +383,6 @@ class S3Store(ObjectStore):
             )
         return got
 
-    async def direct_server_header(self, timeout: float) -> tuple[bool, Optional[str]]:
-        """(answered, Server header) of one HeadBucket on the direct path; (False,
-        None) when the direct path is off or nothing answered (see shape.py)."""
-        direct = await self._direct()
-        if direct is None:
-            return False, None
-        try:
-            loop = asyncio.get_running_loop()
-            return True, await loop.run_in_executor(s3_direct.pool(), direct.server_header, timeout)
-        except Exception:
-            return False, None
-
     async def create_upload(self, key: str) -> str:
         """CreateMultipartUpload; the upload id."""
         direct = await self._direct()
@@ -606,33 +410,6 @@ class S3Store(ObjectStore):
         client = await self.client()
         return await self.call(client.complete_multipart_upload, Bucket=self.bucket, Key=key, UploadId=upload_id,
                                MultipartUpload={"Parts": parts})
-
-    async def _read_direct(self, reader: DirectClient, key: str, offset: int, views: list[memoryview], *,
-                           allow_short: bool) -> int:
-        sink = Sink(views)
-        where = f"GET s3://{self.bucket}/{key} at {offset}"
-        try:
-            while sink.got < sink.total:
-                before = sink.got
-                await self._direct_call(reader.read_range, key, offset, sink, where=where)
-                if sink.got == before:
-                    break  # the object ends before the range does
-        except asyncio.CancelledError:
-            sink.cancelled = True  # the receiving thread stops at its next buffer
-            raise
-        except BucketNotFoundError:
-            raise
-        except Exception as e:
-            if _is_missing(e):
-                await self._check_bucket()
-                raise not_found(f"s3://{self.bucket}/{key}") from None
-            if not (error_code(e) == "InvalidRange" or http_status(e) == 416):
-                raise
-        if sink.got != sink.total and not allow_short:
-            raise CorruptCheckpointError(
-                f"object s3://{self.bucket}/{key} is truncated: wanted bytes {offset}..{offset + sink.total}, "
-                f"got {sink.got}")
-        return sink.got
 
     async def put(self, key: str, data: memoryview | bytes, *, if_absent: bool = False) -> None:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
@@ -696,7 +473,7 @@ class S3Store(ObjectStore):
                 raise StorageError(f"deleting from s3://{self.bucket}: {errs[:3]}")
 
     def open_writer(self, key: str, size: int, num_parts: int = 1) -> BlobWriter:
-        return _S3Writer(self, key, size, num_parts)
+        return S3Writer(self, key, size, num_parts)
 
     async def list_uploads(self, prefix: str) -> list[UploadInfo]:
         client = await self.client()

@@ -1,0 +1,101 @@
+"""One S3 object written from parts (see :class:`S3Writer`)."""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from .. import _runtime
+from ..checksum import composite_header, crc_header, crc_of_views
+from ..errors import CorruptCheckpointError
+from .base import BlobWriter, UploadInfo
+
+if TYPE_CHECKING:
+    from .s3 import S3Store
+
+
+class S3Writer(BlobWriter):
+    """One object: a single PUT when it is one part, else a multipart upload
+    created on the first part, parts uploaded concurrently, completed in order.
+
+    With ``checksums`` (the default) every part carries its crc32c
+    (``x-amz-checksum-crc32c``): the server recomputes it and refuses a part
+    whose bytes changed in flight, and the checksums it reports back (per part,
+    and the composite of the object) are compared with ours."""
+
+    def __init__(self, store: "S3Store", key: str, size: int, num_parts: int) -> None:
+        self._s = store
+        self._key = key
+        self._single = num_parts <= 1
+        self._upload_id: Optional[str] = None
+        self._create: Optional["asyncio.Future[str]"] = None
+        self._etags: dict[int, str] = {}
+        self._crcs: dict[int, int] = {}
+
+    async def _ensure_upload(self) -> str:
+        # The create runs as its own task, shielded: if the caller is cancelled
+        # mid-request the upload may still be created server-side, and abort()
+        # must learn its id to clean it up.
+        if self._create is None:
+            async def create() -> str:
+                return await self._s.create_upload(self._key)
+
+            self._create = asyncio.ensure_future(create())
+        self._upload_id = await asyncio.shield(self._create)
+        return self._upload_id
+
+    async def write_part(self, index: int, offset: int, data: memoryview) -> None:
+        await self.write_part_views(index, offset, [data])
+
+    async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview],
+                               crc32c: Optional[int] = None) -> None:
+        extra: dict[str, Any] = {}
+        if self._s.checksums:
+            if crc32c is None:
+                crc32c = await _runtime.in_thread(crc_of_views, views)
+            self._crcs[index] = crc32c
+            extra["ChecksumCRC32C"] = crc_header(crc32c)
+        if self._single:
+            r = await self._s.call_with_body("put_object", views, Bucket=self._s.bucket, Key=self._key, **extra)
+        else:
+            upload_id = await self._ensure_upload()
+            r = await self._s.call_with_body(
+                "upload_part", views, Bucket=self._s.bucket, Key=self._key, UploadId=upload_id,
+                PartNumber=index + 1, **extra,
+            )
+            self._etags[index] = r["ETag"]
+        self._check_reported(r, extra.get("ChecksumCRC32C"), f"part {index + 1}")
+
+    def _check_reported(self, r: Any, ours: Optional[str], what: str) -> None:
+        """The server reports the checksum of what it stored: it must be ours."""
+        theirs = r.get("ChecksumCRC32C") if isinstance(r, dict) else None
+        if ours is not None and theirs and theirs != ours:
+            raise CorruptCheckpointError(
+                f"{what} of s3://{self._s.bucket}/{self._key}: the server stored crc32c {theirs}, "
+                f"objckpt sent {ours} (bytes changed in flight)")
+
+    async def complete(self) -> None:
+        if self._single:
+            return
+        if self._upload_id is None:  # zero-part object
+            await self._s.put(self._key, b"")
+            return
+        parts: list[dict[str, Any]] = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in sorted(self._etags)]
+        if self._s.checksums:
+            for p in parts:
+                p["ChecksumCRC32C"] = crc_header(self._crcs[p["PartNumber"] - 1])
+        r = await self._s.complete_upload(self._key, self._upload_id, parts)
+        if self._s.checksums:
+            self._check_reported(r, composite_header([self._crcs[i] for i in sorted(self._etags)]), "the object")
+
+    async def abort(self) -> None:
+        if self._create is not None:
+            try:
+                upload_id = await self._create
+                await self._s.abort_upload(UploadInfo(self._key, upload_id))
+            except Exception:
+                pass  # gc will find it
+        # a single PUT cancelled in flight may still land: delete it (absent is fine)
+        try:
+            await self._s.delete([self._key])
+        except Exception:
+            pass
