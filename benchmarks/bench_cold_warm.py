@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_cold_warm --scale 0.05                       # quick check (~1 min)
     python -m benchmarks.bench_cold_warm --scale 1 --rounds 2 --name cold-warm
+    python -m benchmarks.bench_cold_warm --target moto --ref dcp_s3fs --methods objckpt_s3,dcp_s3fs   # on moto
 
 Why a separate scenario: ``bench_save_load`` warms every client with one request and
 loads into a template it zeroed (its pages already touched), which is the situation of a
