@@ -64,3 +64,30 @@ def test_async_save_from_gpu_on_side_stream_with_pinned_reused_pool(tmp_path: An
         torch.cuda.synchronize()
     pool = host_pool()
     assert pool.pin and pool.peak <= budget + (4 << 20)  # pinned buffers, reused (not grown) by the second save
+
+
+def test_load_into_gpu_streams_through_a_pinned_ring(tmp_path: Any, monkeypatch: Any) -> None:
+    """Whole chunks go through a few reused pinned slots, copied on the side stream while
+    the next bytes arrive; the caller's stream (not the default one) sees the data."""
+    from objckpt.load import device_stream
+    from objckpt.memory import host_pool
+
+    uri = str(tmp_path / "ring")
+    sd = {"emb": torch.randn(4096, 1024), "b": torch.randn(1000).to(torch.bfloat16), "s": torch.tensor(3.0)}
+    objckpt.save(sd, uri)
+    monkeypatch.setattr(device_stream, "SLOT_BYTES", 1 << 20)  # 16 MiB embedding: 16 slots' worth
+    monkeypatch.setattr(device_stream, "RING_BYTES", 4 << 20)
+    a = torch.randn(2048, 2048, device="cuda")
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        target = {k: torch.zeros_like(v, device="cuda") for k, v in sd.items()}  # written on the caller's stream
+        busy = a @ a
+        objckpt.load(target, uri)
+        sums = {k: v.float().sum() for k, v in target.items()}  # queued on the caller's stream
+    torch.cuda.synchronize()
+    assert busy.shape == (2048, 2048)
+    for k in sd:
+        assert torch.equal(target[k].cpu(), sd[k]), k
+        assert torch.allclose(sums[k].cpu(), sd[k].float().sum()), k
+    pool = host_pool()
+    assert pool.pin and pool._lent == 0

@@ -4,12 +4,14 @@ A fill target is (stored key, global box, destination tensor of the box's
 shape).  :func:`fill_boxes` asks the layout's resolver which chunks overlap
 each box, has :func:`~objckpt.planning.read_plan.plan_reads` make a
 :class:`~objckpt.planning.read_plan.ReadPlan` of it, and runs the plan batch
-by batch: whole chunks straight into destination memory, the rest into
-temporaries (at most one batch of them, within the budget), then one strided
-copy per piece.
+by batch: whole chunks straight into destination memory (device memory
+through a ring of reused pinned buffers, copied while the next bytes are on
+the network: :mod:`.device_stream`), the rest into temporaries (at most one
+batch of them, within the budget), then one strided copy per piece.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,6 +26,7 @@ from ..planning.boxes import Box
 from ..planning.read_plan import ReadBatch, ReadPlan, ReadTarget, plan_reads
 from ..results import IOStats
 from ..storage import ObjectStore
+from .device_stream import DeviceRead, caller_streams, device_bytes, stream_reads
 from .ranged_get import RangeRead, chunk_checks, read_ranges
 
 #: temporaries a load holds at once, by default
@@ -39,9 +42,16 @@ class FillTarget:
     dest: torch.Tensor
 
 
+def through_ring(t: torch.Tensor) -> bool:
+    """Whether whole chunks reach ``t`` through the ring of reused host buffers
+    (:mod:`.device_stream`): contiguous device memory, which sockets cannot write."""
+    return t.device.type not in ("cpu", "meta") and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def receives_in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether stored bytes can land in ``t``'s memory as they are."""
-    return plain_host(t) and t.dtype == dtype and type(t) in (torch.Tensor, torch.nn.Parameter)
+    """Whether stored bytes can land in ``t``'s memory as they are: received straight
+    into host memory, or streamed through the ring into device memory."""
+    return (plain_host(t) or through_ring(t)) and t.dtype == dtype and type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 def plan_fill(m: Manifest, resolver: Resolver, targets: Sequence[FillTarget], budget: Budget = TEMP_BUDGET,
@@ -57,11 +67,21 @@ def plan_fill(m: Manifest, resolver: Resolver, targets: Sequence[FillTarget], bu
 def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], batch: ReadBatch,
                stats: IOStats, verify: bool) -> None:
     reads: list[RangeRead] = []
+    ring: list[DeviceRead] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, source view)
     views: dict[int, memoryview] = {}
+    flat: dict[int, torch.Tensor] = {}
     for d in batch.direct:
         t = targets[d.target]
         c = d.chunk
+        if through_ring(t.dest):  # device memory: through the ring
+            dbytes = flat.get(d.target)
+            if dbytes is None:
+                dbytes = flat[d.target] = device_bytes(t.dest)
+            ring.append(DeviceRead(t.key, m.blob_key(prefix, c.blob), c.offset,
+                                   dbytes[d.dest_offset : d.dest_offset + c.length], c.crc32c if verify else None,
+                                   f"chunk at {list(c.offsets)}"))
+            continue
         checks = chunk_checks(c, 0, c.length, m.crc_block) if verify else ()
         view = views.get(d.target)
         if view is None:
@@ -86,14 +106,25 @@ def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[Fill
             d_off = t.box[0]
             src = temp.view(dt).as_strided(i_shape, piece.strides, piece.elem_offset)
             copies.append((t.dest[tuple(slice(o - d, o - d + n) for o, d, n in zip(i_off, d_off, i_shape))], src))
-    if reads:
+    if reads or ring:
         with stats.timings.timed("fetch"):
-            _runtime.run(read_ranges(st, reads, stats))
+            _runtime.run(_fetch(st, reads, ring, stats, caller_streams(ring)))
     with torch.no_grad(), stats.timings.timed("fill"):
         for dst, src in copies:
             dst.copy_(src, non_blocking=dst.is_cuda)
         if any(d.is_cuda for d, _ in copies):
             torch.cuda.synchronize()
+
+
+async def _fetch(st: ObjectStore, reads: Sequence[RangeRead], ring: Sequence[DeviceRead], stats: IOStats,
+                 streams: dict) -> None:
+    """Host reads and device reads at the same time (each bounded by the store's concurrency)."""
+    tasks = []
+    if reads:
+        tasks.append(asyncio.ensure_future(read_ranges(st, reads, stats)))
+    if ring:
+        tasks.append(asyncio.ensure_future(stream_reads(st, ring, stats, streams=streams)))
+    await _runtime.gather_fail_fast(tasks)
 
 
 def run_plan(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], plan: ReadPlan,

@@ -144,7 +144,7 @@ class ReadTarget:
     key: str  # stored key (aliases resolved)
     box: Box
     itemsize: int
-    #: the destination receives stored bytes as they are (contiguous host memory, same dtype)
+    #: the destination receives stored bytes as they are (contiguous memory, same dtype)
     in_place: bool
 
 
