@@ -3,6 +3,7 @@
     python -m benchmarks.bench_cold_warm --scale 0.05                       # quick check (~1 min)
     python -m benchmarks.bench_cold_warm --scale 1 --rounds 2 --name cold-warm
     python -m benchmarks.bench_cold_warm --target moto --ref dcp_s3fs --methods objckpt_s3,dcp_s3fs   # on moto
+    python -m benchmarks.bench_cold_warm --device cuda --rounds 2 --name cold-warm-gpu   # loads onto a GPU
 
 Why a separate scenario: ``bench_save_load`` warms every client with one request and
 loads into a template it zeroed (its pages already touched), which is the situation of a
@@ -44,14 +45,16 @@ from .methods import METHODS, Target
 DEFAULT = ["objckpt_s3", "tensorstore_ocdbt", "dcp_s3fs", "torchsave_s3tc"]
 
 
-def _timed(fn: Any) -> dict[str, Any]:
-    """Run ``fn()``; wall, CPU and peak RSS of the call."""
+def _timed(fn: Any, cuda: bool = False) -> dict[str, Any]:
+    """Run ``fn()``; wall, CPU and peak RSS of the call (with ``cuda``: until the device is done)."""
     gc.collect()
     with h.PeakRss() as rss:
         cpu0, t0 = time.process_time(), time.perf_counter()
         err = None
         try:
             fn()
+            if cuda:
+                torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - reported
             err = f"{type(e).__name__}: {e}"
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -79,17 +82,33 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
         return out
     crcs = {k: _crc(t) for k, t in iter_gpt_state(total, args.seed)}
     where = Target(args.endpoint_url, args.bucket, f"{args.prefix}/r0")
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        out["h2d_gbps"] = h2d_gbps(args.device)
     for rep in range(args.reps):
         gc.collect()
         # fresh, untouched destinations each rep (what a restarting job has after to_empty)
-        dest = {s.key: torch.empty(s.shape, dtype=torch.float32) for s in specs}
-        r = _timed(lambda: method.load(dest, where))
+        dest = {s.key: torch.empty(s.shape, dtype=torch.float32, device=args.device) for s in specs}
+        r = _timed(lambda: method.load(dest, where), cuda)
         if not r["error"]:
-            bad = [k for k, c in crcs.items() if _crc(dest[k]) != c]
+            bad = [k for k, c in crcs.items() if _crc(dest[k].cpu()) != c]
             r["verify"] = f"{len(bad)} tensors differ, e.g. {bad[:3]}" if bad else "ok"
         out["reps"].append(r)
         del dest
     return out
+
+
+def h2d_gbps(device: str, nbytes: int = 1 << 30) -> float:
+    """Pinned host-to-device copy rate (GB/s): the PCIe side of a GPU load's ceiling."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def _ok(r: dict[str, Any]) -> bool:
@@ -104,7 +123,8 @@ def summarize(runs: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
         procs = [r for r in runs if r["op"] == op and r.get("status") == "ok"]
         cold = [p["reps"][0] for p in procs if p["reps"] and _ok(p["reps"][0])]
         warm = [r for p in procs for r in p["reps"][1:] if _ok(r)]
-        d: dict[str, Any] = {"processes": len(procs), "setup_s": h.median(p["setup_s"] for p in procs)}
+        d: dict[str, Any] = {"processes": len(procs), "setup_s": h.median(p["setup_s"] for p in procs),
+                             "h2d_gbps": h.median(p["h2d_gbps"] for p in procs if "h2d_gbps" in p)}
         for name, rs in (("cold", cold), ("warm", warm)):
             walls = [r["wall_s"] for r in rs]
             d[name] = {"n": len(rs), "wall_s": h.median(walls), "wall_min": min(walls, default=None),
@@ -185,7 +205,7 @@ def drive(args: argparse.Namespace) -> int:
                 for op in ("save", "load"):
                     cmd = ["-m", "benchmarks.bench_cold_warm", "--one", op, "--methods", m, "--endpoint-url",
                            server.url, "--bucket", args.bucket, "--prefix", prefix, "--scale", str(args.scale),
-                           "--reps", str(args.reps), "--seed", str(args.seed)]
+                           "--reps", str(args.reps), "--seed", str(args.seed), "--device", args.device]
                     r = dict(h.run_json(cmd, args.timeout), method=m, op=op, round=rnd)
                     r.setdefault("status", "crashed" if not r.get("ok", True) else "ok")
                     runs.append(r)
@@ -203,6 +223,9 @@ def drive(args: argparse.Namespace) -> int:
         "name": name, "config": cfg,
         "environment": h.environment("boto3", "aiobotocore", "s3fs", "tensorstore", "s3torchconnector"),
         "summary": summaries, "runs": runs, "table_markdown": md})
+    h2d = [s["load"]["h2d_gbps"] for s in summaries.values() if s["load"].get("h2d_gbps")]
+    if h2d:
+        print(f"\nloads onto {args.device}; pinned host-to-device copy {max(h2d):.1f} GB/s")
     print(f"\n{len(specs)} tensors, {state_bytes / h.GiB:.3f} GiB, {args.target} server, {args.rounds} round(s) x "
           f"{args.reps} reps; cold = rep 0, warm = median of reps 1..; (min–max):\n\n{md}\n\nresults: {path}")
     return 0
@@ -219,6 +242,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the method the ratio columns compare with (its seconds over each row's)")
     ap.add_argument("--target", choices=sorted(h.TARGETS), default="fast",
                     help="S3 server: fast (in-memory, default), moto (stock), moto-ranged (ranged GETs patched)")
+    ap.add_argument("--device", default="cpu",
+                    help="where load destinations live: cpu, or cuda (each method loads onto the GPU; the "
+                         "pinned host-to-device rate is measured beside it)")
     ap.add_argument("--bucket", default="bench")
     ap.add_argument("--name", default=None, help="benchmarks/results/<name>.json")
     ap.add_argument("--timeout", type=float, default=900.0)
