@@ -42,11 +42,13 @@ from ..layout.base import WRITER
 from ..layout.gathered import check_coverage
 from ..load.fill import FillTarget
 from ..memory import Budget, host_pool
+from ..planning import crc_blocks
 from ..planning.pack import TensorSpec, plan_save
 from ..results import IOStats
 from ..save.commit import CommitState, commit, delete_quietly
 from ..save.upload import write_plan
 from ..storage import ObjectStore, split_uri
+from ..storage.shape import save_sizes, shape_for
 from ..units import MiB
 from .dcp_tree import META_KEY, DcpView, TensorRef, dcp_view, plain_value, tree_from_flat, value_bytes
 from .reading import OpenCheckpoint, open_uri
@@ -76,6 +78,13 @@ class _RankPlan:
 
     attempt: str
     rank: int
+    crc_block: int
+
+
+def _item_bytes(it: dplan.WriteItem) -> int:
+    """Bytes of a tensor write item's box."""
+    td = it.tensor_data
+    return math.prod(td.chunk.sizes) * itemsize(td.properties.dtype) if td is not None else 0
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,9 @@ class StorageWriter(dstore.StorageWriter):
     ``overwrite`` (default False): an existing checkpoint is an error
     (:class:`CheckpointExistsError`, raised before anything is uploaded); with True it is
     replaced atomically.  ``metadata``: free-form JSON stored in the manifest.
-    ``blob_size``, ``part_size``, ``crc_block``, ``staging_bytes`` as for :func:`objckpt.save`.
+    ``blob_size``, ``part_size``, ``crc_block``, ``staging_bytes`` as for :func:`objckpt.save`:
+    sizes left as None follow the endpoint (single-PUT blobs on moto, multipart
+    elsewhere), the crc block is chosen by the coordinator from every rank's items.
 
     A save that fails on any rank commits nothing (DCP calls ``finish`` only when
     every rank's ``write_data`` succeeded); the failing rank deletes its blobs, and
@@ -124,8 +135,8 @@ class StorageWriter(dstore.StorageWriter):
 
     def __init__(self, uri: Optional[str | os.PathLike] = None, *,
                  storage_options: Optional[dict[str, Any]] = None, overwrite: bool = False,
-                 metadata: Optional[dict[str, Any]] = None, blob_size: int = 1 << 30, part_size: int = 16 * MiB,
-                 crc_block: int = 1 * MiB, staging_bytes: int = 512 * MiB,
+                 metadata: Optional[dict[str, Any]] = None, blob_size: Optional[int] = None,
+                 part_size: Optional[int] = None, crc_block: Optional[int] = None, staging_bytes: int = 512 * MiB,
                  store: Optional[ObjectStore] = None) -> None:
         super().__init__()
         self.uri: Optional[str] = os.fspath(uri) if uri is not None else None
@@ -135,6 +146,7 @@ class StorageWriter(dstore.StorageWriter):
         self.blob_size, self.part_size, self.crc_block = blob_size, part_size, crc_block
         self.staging_bytes = staging_bytes
         self._store = store
+        self._chosen_block = crc_block if crc_block is not None else crc_blocks.MAX_BLOCK
         self.is_coordinator = False
         self.rank = 0
         self.stats = IOStats()
@@ -178,7 +190,11 @@ class StorageWriter(dstore.StorageWriter):
             raise CheckpointExistsError(
                 f"a checkpoint already exists at {uri!r}; pass overwrite=True to objckpt.dcp.StorageWriter")
         attempt = keys.new_attempt_id()
-        return [dataclasses.replace(p, storage_data=_RankPlan(attempt, r)) for r, p in enumerate(plans)]
+        self._chosen_block = self.crc_block if self.crc_block is not None else crc_blocks.for_boxes(
+            (_item_bytes(it) for p in plans for it in p.items if it.type != dplan.WriteItemType.BYTE_IO),
+            self.part_size)
+        return [dataclasses.replace(p, storage_data=_RankPlan(attempt, r, self._chosen_block))
+                for r, p in enumerate(plans)]
 
     def write_data(self, plan: dplan.SavePlan, planner: dplan.SavePlanner) -> Future[list[dstore.WriteResult]]:
         """Upload this rank's tensor items into its blobs; non-tensor items go to the coordinator."""
@@ -251,12 +267,13 @@ class StorageWriter(dstore.StorageWriter):
             dtype_name(t.dtype, it.index.fqn)  # refuse dtypes the format has no name for, naming the key
             tensors[str(i)] = t
             specs.append(TensorSpec(str(i), tuple(t.shape), itemsize(t.dtype)))
-        plan = plan_save(specs, blob_bytes=self.blob_size, part_bytes=max(self.part_size, st.min_part_size),
-                         chunk_bytes=self.part_size, max_part_bytes=st.max_part_size)
+        blob_size, part_size = save_sizes(self.blob_size, self.part_size, _runtime.run(shape_for(st)))
+        plan = plan_save(specs, blob_bytes=blob_size, part_bytes=max(part_size, st.min_part_size),
+                         chunk_bytes=part_size, max_part_bytes=st.max_part_size)
         names = [keys.blob_name(info.attempt, info.rank, b.index) for b in plan.blobs]
         blob_keys = [keys.join(prefix, n) for n in names]
         crcs = _runtime.run(write_plan(st, blob_keys, plan, tensors, host_pool(), Budget(self.staging_bytes),
-                                       self.stats, zero_copy=True, crc_block=self.crc_block))
+                                       self.stats, zero_copy=True, crc_block=info.crc_block))
         per_item: dict[int, list[_ChunkOut]] = {i: [] for i in range(len(items))}
         for c in plan.chunks:
             i = int(c.key)
@@ -318,7 +335,7 @@ class StorageWriter(dstore.StorageWriter):
         meta[META_KEY] = {"torch_save": torch_save}
         m = Manifest(tensors=entries, blobs=blobs, tree=tree_from_flat(flat, md.planner_data), metadata=meta,
                      attempt=attempt or keys.new_attempt_id(), world_size=max(1, len(results)), writer=WRITER,
-                     crc_block=self.crc_block)
+                     crc_block=self._chosen_block)
         return m, [keys.join(prefix, b.name) for b in blobs]
 
 

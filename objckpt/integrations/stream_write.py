@@ -15,6 +15,7 @@ manifest is committed last, conditionally, as every save does.
 from __future__ import annotations
 
 import collections
+import math
 import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -27,12 +28,13 @@ from ..format import keys
 from ..format.dtypes import dtype_name, itemsize
 from ..format.manifest import Blob, Chunk, Manifest, TensorEntry
 from ..layout.base import WRITER
+from ..planning import crc_blocks
 from ..planning.pack import PartPlan, TensorSpec, plan_save
 from ..results import IOStats
 from ..save.commit import CommitState, commit
 from ..save.upload import ChunkCrc, part_crc, part_crcs
 from ..storage import BlobWriter, ObjectStore
-from ..units import MiB
+from ..storage.shape import save_sizes, shape_for
 from .reading import open_uri
 
 
@@ -51,9 +53,11 @@ class WriteOptions:
 
     overwrite: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
-    blob_size: int = 1 << 30
-    part_size: int = 16 * MiB
-    crc_block: int = 1 * MiB
+    #: None: by the endpoint's shape (single-PUT blobs on moto, multipart elsewhere), as ``save``
+    blob_size: Optional[int] = None
+    part_size: Optional[int] = None
+    #: None: chosen from the tensors' sizes, as ``save`` does
+    crc_block: Optional[int] = None
     window: int = 2
 
 
@@ -126,8 +130,11 @@ def write_checkpoint(uri: str, sources: Sequence[SourceTensor], load: Callable[[
     infos = {s.key: s for s in sources}
     specs = [TensorSpec(s.key, s.shape, itemsize(s.dtype)) for s in sources]
     dtypes = {s.key: dtype_name(s.dtype, s.key) for s in sources}
-    plan = plan_save(specs, blob_bytes=opts.blob_size, part_bytes=max(opts.part_size, st.min_part_size),
-                     chunk_bytes=opts.part_size, max_part_bytes=st.max_part_size)
+    blob_size, part_size = save_sizes(opts.blob_size, opts.part_size, _runtime.run(shape_for(st)))
+    plan = plan_save(specs, blob_bytes=blob_size, part_bytes=max(part_size, st.min_part_size),
+                     chunk_bytes=part_size, max_part_bytes=st.max_part_size)
+    crc_block = opts.crc_block if opts.crc_block is not None else crc_blocks.for_boxes(
+        (math.prod(s.shape) * itemsize(s.dtype) for s in sources), opts.part_size)
     attempt = keys.new_attempt_id()
     names = [keys.blob_name(attempt, 0, b.index) for b in plan.blobs]
     blob_keys = [keys.join(prefix, n) for n in names]
@@ -149,7 +156,7 @@ def write_checkpoint(uri: str, sources: Sequence[SourceTensor], load: Callable[[
                     free.append(done)
                 whole = free.pop()
                 buf = _stage(part, cur, whole)
-                found = part_crcs(part, buf, opts.crc_block)
+                found = part_crcs(part, buf, crc_block)
                 crcs.update(zip(part.chunks, found))
                 view = memoryview(buf.numpy()) if buf.numel() else memoryview(b"")  # type: ignore[arg-type]
                 pending.append((_runtime.submit(w.write_part_views(part.index, part.offset, [view],
@@ -178,7 +185,7 @@ def write_checkpoint(uri: str, sources: Sequence[SourceTensor], load: Callable[[
                                            k.blocks))
     blobs = [Blob(n, b.size, 0) for n, b in zip(names, plan.blobs)]
     m = Manifest(tensors=entries, blobs=blobs, tree=tree, metadata=dict(opts.metadata), attempt=attempt,
-                 writer=WRITER, crc_block=opts.crc_block)
+                 writer=WRITER, crc_block=crc_block)
     errors: list[BaseException] = []
     status = commit(st, prefix, m, opts.overwrite, uri, blob_keys, stats, errors)
     if status.state == CommitState.EXISTS:

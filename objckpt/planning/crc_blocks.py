@@ -15,9 +15,11 @@ would cost more index than it saves.  The manifest records one block size
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 MAX_BLOCK = 1 << 20
+#: the chunk length the estimate assumes when a save leaves the part size to the endpoint
+DEFAULT_PART = 16 << 20
 MIN_BLOCK = 1 << 10
 #: estimated widening waste allowed, as a fraction of the bytes stored
 WASTE = 1 / 64
@@ -44,3 +46,10 @@ def choose(lengths: Iterable[int], *, max_block: int = MAX_BLOCK, min_block: int
     while block > min_block and sum(min(block, n) for n in big) > waste * total:
         block >>= 1
     return max(block, min(min_block, max_block))
+
+
+def for_boxes(box_bytes: Iterable[int], part_size: Optional[int]) -> int:
+    """The block :func:`choose` picks for boxes of ``box_bytes`` bytes stored as chunks of
+    at most ``part_size`` (16 MiB when the size is left to the endpoint's shape)."""
+    step = part_size or DEFAULT_PART
+    return choose(n for b in box_bytes for n in chunk_lengths(b, step))

@@ -36,7 +36,6 @@ from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, Sa
 from ..memory import Budget, HostPool
 from ..options import KeyLayout, SaveOptions
 from ..planning import crc_blocks
-from ..units import MiB
 from ..planning.pack import PackLimits, SavePlan
 from ..results import IOStats, SaveResult
 from ..storage import ObjectStore, split_uri
@@ -254,9 +253,8 @@ def _crc_block_wanted(local: LocalState, opts: SaveOptions) -> int:
     the chunks this rank's boxes are stored as (the ranks then agree on the smallest)."""
     if opts.crc_block is not None:
         return opts.crc_block
-    lengths = [n for meta in local.metas.values() for _, shape in meta.boxes
-               for n in crc_blocks.chunk_lengths(math.prod(shape) * meta.itemsize, opts.part_size or 16 * MiB)]
-    return crc_blocks.choose(lengths)
+    return crc_blocks.for_boxes((math.prod(shape) * meta.itemsize for meta in local.metas.values()
+                                 for _, shape in meta.boxes), opts.part_size)
 
 
 @dataclass(frozen=True)
