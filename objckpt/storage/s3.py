@@ -20,27 +20,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import time
 from typing import Any, Optional, Sequence
 
 from .. import _runtime
-from ..checksum import composite_header, crc32c, crc_header, crc_of_views
+from ..checksum import crc32c, crc_header
 from ..logs import get_logger, register_secret
-from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
-from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
+from ..errors import BucketNotFoundError, PreconditionFailed, StorageError
+from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 from .limiter import AimdLimiter
 from .s3_writer import S3Writer
-from .s3_routes import DirectRoutes, _is_missing, _is_no_bucket, _is_precondition
-from . import s3_direct
+from .s3_routes import DirectRoutes
 from .s3_direct import DirectClient, Sink, Unsupported
-from .retry import Failure, RetryPolicy, classify, error_code, http_status
+from .retry import (RetryPolicy, classify, error_code, is_missing, is_no_bucket, is_precondition, no_answer,
+                    retrying)
 from .shape import parse_kind
 
 log = get_logger("objckpt.storage")
 _SECRET_OPTIONS = ("aws_secret_access_key", "aws_session_token")
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-_RETRYABLE_STREAM = (ConnectionError, asyncio.TimeoutError, OSError)
 
 
 class S3Store(DirectRoutes, ObjectStore):
@@ -112,7 +110,7 @@ class S3Store(DirectRoutes, ObjectStore):
         try:
             await client.head_bucket(Bucket=self.bucket)
         except Exception as e:
-            if _is_missing(e) or _is_no_bucket(e):
+            if is_missing(e) or is_no_bucket(e):
                 raise self._no_bucket() from None
             return  # 403 etc.: let the original outcome stand
         self._bucket_seen = True
@@ -233,47 +231,15 @@ class S3Store(DirectRoutes, ObjectStore):
         except asyncio.TimeoutError as e:
             if type(e) not in (asyncio.TimeoutError, TimeoutError):
                 raise  # a client timeout (botocore's own), not wait_for's
-            raise asyncio.TimeoutError(
-                f"no answer from {self.endpoint()} within {self.policy.first_answer_timeout:g} s "
-                "(storage option first_answer_timeout)"
-            ) from None
+            raise no_answer(self.endpoint(), self.policy.first_answer_timeout) from None
 
     async def _retrying(self, fn: Any, kw: dict[str, Any], extra: Any, has_body: bool = False) -> Any:
-        attempt = 0
-        sent_at = time.monotonic()
-        while True:
-            try:
-                if self.limiter is None:
-                    r = await self._send(fn, {**kw, **extra()}, has_body)
-                else:
-                    async with self.limiter:
-                        sent_at = time.monotonic()
-                        r = await self._send(fn, {**kw, **extra()}, has_body)
-                    self.limiter.succeeded()
-                self._answered = True
-                return r
-            except Exception as e:
-                if http_status(e):
-                    self._answered = True  # an HTTP answer, even an error: the endpoint is alive
-                if _is_no_bucket(e):
-                    raise self._no_bucket() from None
-                if _is_missing(e) or _is_precondition(e):
-                    raise
-                kind = classify(e)
-                if kind is Failure.THROTTLE and self.limiter is not None:
-                    self.limiter.throttled(sent_at)
-                attempt += 1
-                where = f"s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
-                status = f"HTTP {http_status(e)}, " if http_status(e) else ""
-                if attempt >= self.policy.attempts(kind):
-                    tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
-                    raise StorageError(
-                        f"S3 {getattr(fn, '__name__', fn)} on {where} at {self.endpoint()} failed "
-                        f"({status}{kind.value}, {tries}): {e}"
-                    ) from e
-                log.warning("S3 %s on %s (%s%s), attempt %d of %d; retrying: %s", getattr(fn, "__name__", fn),
-                            where, status, kind.value, attempt, self.policy.attempts(kind), e)
-                await self.policy.backoff(attempt)
+        """``fn(**kw, **extra())`` under the store's retry policy (:func:`.retry.retrying`).
+        botocore's client bounds the first byte itself (``read_timeout``; ``_send``
+        adds the first-answer bound), so the bound ``retrying`` offers goes unused."""
+        what = f"{getattr(fn, '__name__', fn)} on s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
+        return await retrying(self, what, lambda _first_byte: self._send(fn, {**kw, **extra()}, has_body),
+                              has_body=has_body, passes=_caller_maps, name_type=False)
 
     async def get(self, key: str) -> bytes:
         """A whole object.  A body that breaks mid-stream (cut, reset, stalled past
@@ -286,9 +252,7 @@ class S3Store(DirectRoutes, ObjectStore):
             except Unsupported as e:
                 self._direct_refused(e)
             except Exception as e:
-                if _is_missing(e):
-                    await self._check_bucket()
-                    raise not_found(f"s3://{self.bucket}/{key}") from None
+                await self._raise_if_missing(key, e)
                 raise
         client = await self.client()
         attempt = 0
@@ -296,9 +260,7 @@ class S3Store(DirectRoutes, ObjectStore):
             try:
                 r = await self.call(client.get_object, Bucket=self.bucket, Key=key)
             except Exception as e:
-                if _is_missing(e):
-                    await self._check_bucket()
-                    raise not_found(f"s3://{self.bucket}/{key}") from None
+                await self._raise_if_missing(key, e)
                 raise
             try:
                 async with r["Body"] as body:
@@ -328,60 +290,40 @@ class S3Store(DirectRoutes, ObjectStore):
     async def _read_into(self, key: str, offset: int, outs: list[memoryview], *, allow_short: bool) -> int:
         """One ranged GET streamed piecewise into ``outs`` (consecutive buffers):
         each received chunk is copied once, straight to where it belongs."""
-        views = [o if o.format == "B" else o.cast("B") for o in outs if len(o)]
-        total = sum(len(v) for v in views)
-        if total == 0:
+        sink = Sink(outs)
+        if sink.total == 0:
             return 0
         reader = await self._direct()
         if reader is not None:
             try:
-                return await self._read_direct(reader, key, offset, views, allow_short=allow_short)
+                return await self._read_direct(reader, key, offset, sink, allow_short=allow_short)
             except Unsupported as e:
                 self._direct_refused(e)
+            sink = Sink(outs)  # botocore reads the whole range again
         client = await self.client()
-        got = 0  # bytes delivered so far, across views
-        vi, vpos = 0, 0  # current view and position in it
         attempt = 0
         while True:
             try:
-                rng = f"bytes={offset + got}-{offset + total - 1}"
+                rng = f"bytes={offset + sink.got}-{offset + sink.total - 1}"
                 r = await self.call(client.get_object, Bucket=self.bucket, Key=key, Range=rng)
                 async with r["Body"] as body:
                     stream = body._raw_stream.content if hasattr(body, "_raw_stream") else None
-                    while got < total:
+                    while sink.got < sink.total:
                         chunk = await (stream.readany() if stream is not None else body.read(1 << 20))
                         if not chunk:
                             break
-                        mv = memoryview(chunk)
-                        while len(mv) and vi < len(views):
-                            v = views[vi]
-                            n = min(len(mv), len(v) - vpos)
-                            v[vpos : vpos + n] = mv[:n]
-                            mv = mv[n:]
-                            vpos += n
-                            got += n
-                            if vpos == len(v):
-                                vi, vpos = vi + 1, 0
+                        sink.write(memoryview(chunk))
                 break
-            except BucketNotFoundError:
-                raise
             except Exception as e:
-                if _is_missing(e):
-                    await self._check_bucket()
-                    raise not_found(f"s3://{self.bucket}/{key}") from None
-                if error_code(e) == "InvalidRange" or http_status(e) == 416:
+                if await self._read_ends_short(key, e):
                     break  # object shorter than offset
                 attempt += 1
                 if isinstance(e, StorageError) or attempt >= self.policy.attempts(classify(e)):
-                    raise StorageError(f"reading s3://{self.bucket}/{key} at {offset + got}: {e}") from e
+                    raise StorageError(f"reading s3://{self.bucket}/{key} at {offset + sink.got}: {e}") from e
                 log.warning("ranged GET of s3://%s/%s broke at byte %d (attempt %d); retrying the rest: %s: %s",
-                            self.bucket, key, offset + got, attempt, type(e).__name__, e)
+                            self.bucket, key, offset + sink.got, attempt, type(e).__name__, e)
                 await self.policy.backoff(attempt)
-        if got != total and not allow_short:
-            raise CorruptCheckpointError(
-                f"object s3://{self.bucket}/{key} is truncated: wanted bytes {offset}..{offset + total}, got {got}"
-            )
-        return got
+        return self._delivered(key, offset, sink, allow_short)
 
     async def create_upload(self, key: str) -> str:
         """CreateMultipartUpload; the upload id."""
@@ -420,7 +362,7 @@ class S3Store(DirectRoutes, ObjectStore):
         try:
             await self.call_with_body("put_object", [memoryview(data)], **kw)
         except Exception as e:
-            if if_absent and _is_precondition(e):
+            if if_absent and is_precondition(e):
                 raise PreconditionFailed(f"object s3://{self.bucket}/{key} already exists") from None
             raise
 
@@ -440,7 +382,7 @@ class S3Store(DirectRoutes, ObjectStore):
         try:
             r = await self.call(client.head_object, Bucket=self.bucket, Key=key)
         except Exception as e:
-            if _is_missing(e):
+            if is_missing(e):
                 await self._check_bucket()
                 return None
             raise
@@ -494,7 +436,7 @@ class S3Store(DirectRoutes, ObjectStore):
         try:
             await self.call(client.abort_multipart_upload, Bucket=self.bucket, Key=upload.key, UploadId=upload.upload_id)
         except Exception as e:
-            if error_code(e) != "NoSuchUpload" and not _is_missing(e):
+            if error_code(e) != "NoSuchUpload" and not is_missing(e):
                 raise
 
     async def close(self) -> None:
@@ -517,3 +459,8 @@ class S3Store(DirectRoutes, ObjectStore):
 
     def describe(self) -> str:
         return f"s3://{self.bucket} at {self.endpoint()}"
+
+
+def _caller_maps(e: BaseException) -> bool:
+    """botocore errors that go up unretried: the callers map them (missing key, precondition)."""
+    return is_missing(e) or is_precondition(e)

@@ -56,6 +56,7 @@ class S3HttpError(Exception):
 
     def __init__(self, status: int, code: str, message: str, what: str, server: Optional[str] = None) -> None:
         super().__init__(f"{what}: HTTP {status} {code or ''} {message or ''}".strip())
+        self.status = status
         self.server = server  # the answer's Server header
         self.response = {"Error": {"Code": code or str(status), "Message": message},
                          "ResponseMetadata": {"HTTPStatusCode": status}}
@@ -434,15 +435,27 @@ class DirectClient:
             raise ShortBody(f"{what}: {body.got} of {body.total} bytes")
         return bytes(body.views[0]) if body.total else b""
 
-    def head(self, key: str, first_byte: float) -> Optional[tuple[int, Optional[str]]]:
-        """(size, ETag) of ``key``; ``None`` if absent."""
+    def _head(self, key: Optional[str], first_byte: float) -> _Head:
+        """HEAD of ``key`` (``None``: of the bucket, i.e. HeadBucket); a refusal raises."""
+        if key is None:
+            return self._exchange("HEAD", quote_path(self.target.prefix or "/"), {}, first_byte, None,
+                                  f"HEAD s3://{self.bucket}")
+        return self._exchange("HEAD", self._path(key), {}, first_byte, None, f"HEAD s3://{self.bucket}/{key}")
+
+    def _head_if_present(self, key: Optional[str], first_byte: float) -> Optional[_Head]:
+        """:meth:`_head`, ``None`` on 404: an answer to HEAD has no body, so its 404
+        says only "absent" (which of key and bucket, the store asks separately)."""
         try:
-            h = self._exchange("HEAD", self._path(key), {}, first_byte, None, f"HEAD s3://{self.bucket}/{key}")
+            return self._head(key, first_byte)
         except S3HttpError as e:
-            if e.response["ResponseMetadata"]["HTTPStatusCode"] == 404:
+            if e.status == 404:
                 return None
             raise
-        return int(h.headers.get("content-length", "0")), h.headers.get("etag")
+
+    def head(self, key: str, first_byte: float) -> Optional[tuple[int, Optional[str]]]:
+        """(size, ETag) of ``key``; ``None`` if absent."""
+        h = self._head_if_present(key, first_byte)
+        return None if h is None else (int(h.headers.get("content-length", "0")), h.headers.get("etag"))
 
     # -- writes -------------------------------------------------------------
     def _small_body(self, head: _Head) -> Sink:
@@ -491,22 +504,13 @@ class DirectClient:
     def server_header(self, first_byte: float) -> Optional[str]:
         """The ``Server`` header of a HeadBucket answer, refused or not (see shape.py)."""
         try:
-            h = self._exchange("HEAD", quote_path(self.target.prefix or "/"), {}, first_byte, None,
-                               f"HEAD s3://{self.bucket}")
+            return self._head(None, first_byte).headers.get("server")
         except S3HttpError as e:
             return e.server
-        return h.headers.get("server")
 
     def bucket_exists(self, first_byte: float) -> bool:
         """HeadBucket: tells a missing bucket from a missing key after a bodiless 404."""
-        try:
-            self._exchange("HEAD", quote_path(self.target.prefix or "/"), {}, first_byte, None,
-                           f"HEAD s3://{self.bucket}")
-        except S3HttpError as e:
-            if e.response["ResponseMetadata"]["HTTPStatusCode"] == 404:
-                return False
-            raise
-        return True
+        return self._head_if_present(None, first_byte) is not None
 
 
 def _xml_field(text: str, name: str) -> str:

@@ -1,37 +1,32 @@
 """How an :class:`~objckpt.storage.s3.S3Store` routes requests over the direct
 HTTP path (:mod:`.s3_direct`): deciding once per store whether the path can be
 used, running its blocking exchanges on pool threads under the store's retry
-policy, limiter and first-answer bound, and turning to botocore for good when
-an endpoint refuses it.  A mixin, so the store's own module keeps botocore's
-side and the object calls that choose between the two.
+policy, limiter and first-answer bound (:func:`.retry.retrying`, shared with
+botocore's side), and turning to botocore for good when an endpoint refuses it.
+Also what a failed or short read means, which both sides share.  A mixin, so
+the store's own module keeps botocore's side and the object calls that choose
+between the two.
 """
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, Optional
 
 from .. import _runtime
-from ..errors import BucketNotFoundError, CorruptCheckpointError, StorageError
+from ..errors import BucketNotFoundError, CorruptCheckpointError
 from ..logs import get_logger
 from . import s3_direct
 from .base import not_found
-from .retry import Failure, classify, error_code, http_status
+from .retry import is_missing, is_past_end, is_precondition, no_answer, retrying
 from .s3_direct import DirectClient, Sink, Unsupported
 
 log = get_logger("objckpt.storage")
 
 
-def _is_missing(e: BaseException) -> bool:
-    return error_code(e) in ("NoSuchKey", "404", "NotFound") or http_status(e) == 404
-
-
-def _is_no_bucket(e: BaseException) -> bool:
-    return error_code(e) == "NoSuchBucket"
-
-
-def _is_precondition(e: BaseException) -> bool:
-    return error_code(e) in ("PreconditionFailed", "ConditionalRequestConflict") or http_status(e) in (409, 412)
+def _direct_passes(e: BaseException) -> bool:
+    """Errors of the direct path that go up unretried: Unsupported (the caller turns
+    to botocore), and what callers map (missing key, precondition, range past the end)."""
+    return isinstance(e, Unsupported) or is_missing(e) or is_precondition(e) or is_past_end(e)
 
 
 class DirectRoutes:
@@ -101,48 +96,19 @@ class DirectRoutes:
 
     async def _direct_call(self, fn: Any, *args: Any, where: str, has_body: bool = False) -> Any:
         """``fn(*args, first_byte)`` on a pool thread, under the same retry policy,
-        limiter and first-answer bound as botocore calls (see _retrying); a body
-        is sent again whole on each attempt."""
+        limiter and first-answer bound as botocore calls (:func:`.retry.retrying`);
+        a body is sent again whole on each attempt."""
         loop = asyncio.get_running_loop()
-        attempt = 0
-        while True:
-            first = self.policy.read_timeout if self._answered or has_body else min(
-                self.policy.first_answer_timeout, self.policy.read_timeout)
-            sent_at = time.monotonic()
+
+        async def send(first: float) -> Any:
             try:
-                if self.limiter is None:
-                    r = await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
-                else:
-                    async with self.limiter:
-                        sent_at = time.monotonic()
-                        r = await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
-                    self.limiter.succeeded()
-                self._answered = True
-                return r
-            except Unsupported:
-                raise
-            except Exception as e:
-                if http_status(e):
-                    self._answered = True
-                if _is_no_bucket(e):
-                    raise self._no_bucket() from None
-                if _is_missing(e) or _is_precondition(e) or error_code(e) == "InvalidRange" or http_status(e) == 416:
+                return await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
+            except TimeoutError:
+                if self._answered:  # the endpoint is alive: an ordinary timeout
                     raise
-                if isinstance(e, TimeoutError) and not self._answered:
-                    e = asyncio.TimeoutError(f"no answer from {self.endpoint()} within {first:g} s "
-                                             "(storage option first_answer_timeout)")
-                kind = classify(e)
-                if kind is Failure.THROTTLE and self.limiter is not None:
-                    self.limiter.throttled(sent_at)
-                attempt += 1
-                status = f"HTTP {http_status(e)}, " if http_status(e) else ""
-                if attempt >= self.policy.attempts(kind):
-                    tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
-                    raise StorageError(f"S3 {where} at {self.endpoint()} failed ({status}{kind.value}, {tries}): "
-                                       f"{type(e).__name__}: {e}") from e
-                log.warning("S3 %s (%s%s), attempt %d of %d; retrying: %s: %s", where, status, kind.value, attempt,
-                            self.policy.attempts(kind), type(e).__name__, e)
-                await self.policy.backoff(attempt)
+                raise no_answer(self.endpoint(), first) from None
+
+        return await retrying(self, where, send, has_body=has_body, passes=_direct_passes, name_type=True)
 
     async def direct_server_header(self, timeout: float) -> tuple[bool, Optional[str]]:
         """(answered, Server header) of one HeadBucket on the direct path; (False,
@@ -156,9 +122,8 @@ class DirectRoutes:
         except Exception:
             return False, None
 
-    async def _read_direct(self, reader: DirectClient, key: str, offset: int, views: list[memoryview], *,
+    async def _read_direct(self, reader: DirectClient, key: str, offset: int, sink: Sink, *,
                            allow_short: bool) -> int:
-        sink = Sink(views)
         where = f"GET s3://{self.bucket}/{key} at {offset}"
         try:
             while sink.got < sink.total:
@@ -169,14 +134,30 @@ class DirectRoutes:
         except asyncio.CancelledError:
             sink.cancelled = True  # the receiving thread stops at its next buffer
             raise
-        except BucketNotFoundError:
-            raise
         except Exception as e:
-            if _is_missing(e):
-                await self._check_bucket()
-                raise not_found(f"s3://{self.bucket}/{key}") from None
-            if not (error_code(e) == "InvalidRange" or http_status(e) == 416):
+            if not await self._read_ends_short(key, e):
                 raise
+        return self._delivered(key, offset, sink, allow_short)
+
+    # -- what a read's outcome means, on either path --------------------------
+    async def _raise_if_missing(self, key: str, e: BaseException) -> None:
+        """A 404 for ``key`` as :class:`NotFoundError` naming the object, or as
+        :class:`BucketNotFoundError` when it is the bucket that is missing; else nothing."""
+        if is_missing(e):
+            await self._check_bucket()
+            raise not_found(f"s3://{self.bucket}/{key}") from None
+
+    async def _read_ends_short(self, key: str, e: Exception) -> bool:
+        """Whether a ranged GET of ``key`` that raised ``e`` has merely ended: True when
+        the range starts past the object's end (the length check decides); a missing
+        key or bucket is raised as such; False: a failure the caller retries or raises."""
+        if isinstance(e, BucketNotFoundError):
+            raise e
+        await self._raise_if_missing(key, e)
+        return is_past_end(e)
+
+    def _delivered(self, key: str, offset: int, sink: Sink, allow_short: bool) -> int:
+        """The bytes a ranged GET delivered; fewer than asked is corruption unless ``allow_short``."""
         if sink.got != sink.total and not allow_short:
             raise CorruptCheckpointError(
                 f"object s3://{self.bucket}/{key} is truncated: wanted bytes {offset}..{offset + sink.total}, "
