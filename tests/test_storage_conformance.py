@@ -53,6 +53,9 @@ class Conformance:
         assert bytes(out) == data[1234:6234]
         with pytest.raises(CorruptCheckpointError, match="truncated"):
             run(store.get_range_into("r", 99_000, memoryview(bytearray(2000))))
+        assert run(store.get_range("r", 100_010, 5)) == b""  # starts past the end: nothing, on every path
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            run(store.get_range_into("r", 100_010, memoryview(bytearray(5))))
 
     def test_conditional_put(self, store: ObjectStore) -> None:
         run(store.put("m.json", b"first", if_absent=True))
@@ -120,6 +123,17 @@ class TestS3Moto(Conformance):
     def store(self, moto_s3: tuple[str, dict[str, Any]]) -> Iterator[ObjectStore]:
         bucket, opts = moto_s3
         s = S3Store(bucket, **opts)
+        yield s
+        run(s.close())
+
+
+class TestS3MotoBotocore(Conformance):
+    """The same contract with the direct HTTP path off (botocore does every request)."""
+
+    @pytest.fixture
+    def store(self, moto_s3: tuple[str, dict[str, Any]]) -> Iterator[ObjectStore]:
+        bucket, opts = moto_s3
+        s = S3Store(bucket, **opts, direct_http=False)
         yield s
         run(s.close())
 

@@ -129,6 +129,12 @@ def is_past_end(e: BaseException) -> bool:
     return error_code(e) == "InvalidRange" or http_status(e) == 416
 
 
+def callers_map(e: BaseException) -> bool:
+    """Errors that go up unretried on either S3 path: the callers map them (missing key,
+    precondition, a range that starts past the object's end)."""
+    return is_missing(e) or is_precondition(e) or is_past_end(e)
+
+
 def no_answer(endpoint: str, seconds: float) -> asyncio.TimeoutError:
     """The timeout of a request sent before the endpoint ever answered: it names the
     option, since a silent endpoint is what that bound is there to report."""

@@ -31,8 +31,8 @@ from .limiter import AimdLimiter
 from .s3_writer import S3Writer
 from .s3_routes import DirectRoutes
 from .s3_direct import DirectClient, Sink, Unsupported
-from .retry import (RetryPolicy, classify, error_code, is_missing, is_no_bucket, is_precondition, no_answer,
-                    retrying)
+from .retry import (RetryPolicy, callers_map, classify, error_code, is_missing, is_no_bucket, is_precondition,
+                    no_answer, retrying)
 from .shape import parse_kind
 
 log = get_logger("objckpt.storage")
@@ -239,7 +239,7 @@ class S3Store(DirectRoutes, ObjectStore):
         adds the first-answer bound), so the bound ``retrying`` offers goes unused."""
         what = f"{getattr(fn, '__name__', fn)} on s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
         return await retrying(self, what, lambda _first_byte: self._send(fn, {**kw, **extra()}, has_body),
-                              has_body=has_body, passes=_caller_maps, name_type=False)
+                              has_body=has_body, passes=callers_map, name_type=False)
 
     async def get(self, key: str) -> bytes:
         """A whole object.  A body that breaks mid-stream (cut, reset, stalled past
@@ -460,7 +460,3 @@ class S3Store(DirectRoutes, ObjectStore):
     def describe(self) -> str:
         return f"s3://{self.bucket} at {self.endpoint()}"
 
-
-def _caller_maps(e: BaseException) -> bool:
-    """botocore errors that go up unretried: the callers map them (missing key, precondition)."""
-    return is_missing(e) or is_precondition(e)

@@ -17,7 +17,7 @@ from ..errors import BucketNotFoundError, CorruptCheckpointError
 from ..logs import get_logger
 from . import s3_direct
 from .base import not_found
-from .retry import is_missing, is_past_end, is_precondition, no_answer, retrying
+from .retry import callers_map, is_missing, is_past_end, no_answer, retrying
 from .s3_direct import DirectClient, Sink, Unsupported
 
 log = get_logger("objckpt.storage")
@@ -26,7 +26,7 @@ log = get_logger("objckpt.storage")
 def _direct_passes(e: BaseException) -> bool:
     """Errors of the direct path that go up unretried: Unsupported (the caller turns
     to botocore), and what callers map (missing key, precondition, range past the end)."""
-    return isinstance(e, Unsupported) or is_missing(e) or is_precondition(e) or is_past_end(e)
+    return isinstance(e, Unsupported) or callers_map(e)
 
 
 class DirectRoutes:
