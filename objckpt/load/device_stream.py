@@ -32,9 +32,10 @@ from ..memory import Budget, host_pool, side_stream
 from ..results import IOStats
 from ..storage.base import ObjectStore
 
-#: bytes per segment: one ranged GET each, the size S3 serves best per connection
-SLOT_BYTES = 16 << 20
-#: host memory the ring holds at most (the slots in flight)
+#: bytes per segment: one ranged GET each, the piece size host loads split large spans into
+SLOT_BYTES = 8 << 20
+#: host memory the ring holds at most: 32 slots, the S3 store's default concurrency
+#: (fewer slots would cap the GETs in flight below what a host load keeps)
 RING_BYTES = 256 << 20
 
 
@@ -97,7 +98,7 @@ class _Copier:
             ev.record(stream)
             done.append(ev)
         wait = 0.0002
-        while not all(ev.query() for ev in done):  # 16 MiB take about a millisecond: poll, hold no thread
+        while not all(ev.query() for ev in done):  # 8 MiB take under a millisecond: poll, hold no thread
             await asyncio.sleep(wait)
             wait = min(wait * 2, 0.005)
 
