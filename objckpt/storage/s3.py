@@ -24,7 +24,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from .. import _runtime
-from ..checksum import composite_header, crc32c, crc_header, crc_of_views
+from ..checksum import CellCrcs, composite_header, crc32c, crc_header, crc_of_views
 from ..logs import get_logger, register_secret
 from ..errors import BucketNotFoundError, CorruptCheckpointError, PreconditionFailed, StorageError
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
@@ -325,7 +325,13 @@ class S3Store(DirectRoutes, ObjectStore):
     async def get_range_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         await self._read_into(key, offset, list(outs), allow_short=False)
 
-    async def _read_into(self, key: str, offset: int, outs: list[memoryview], *, allow_short: bool) -> int:
+    async def get_range_tallied(self, key: str, offset: int, outs: Sequence[memoryview], tally: CellCrcs) -> None:
+        """:meth:`get_range_scatter`, hashing the bytes into ``tally`` as they land (direct
+        path only: ``tally`` stays incomplete when botocore read them, and the caller hashes)."""
+        await self._read_into(key, offset, list(outs), allow_short=False, tally=tally)
+
+    async def _read_into(self, key: str, offset: int, outs: list[memoryview], *, allow_short: bool,
+                         tally: Optional[CellCrcs] = None) -> int:
         """One ranged GET streamed piecewise into ``outs`` (consecutive buffers):
         each received chunk is copied once, straight to where it belongs."""
         views = [o if o.format == "B" else o.cast("B") for o in outs if len(o)]
@@ -335,7 +341,7 @@ class S3Store(DirectRoutes, ObjectStore):
         reader = await self._direct()
         if reader is not None:
             try:
-                return await self._read_direct(reader, key, offset, views, allow_short=allow_short)
+                return await self._read_direct(reader, key, offset, views, allow_short=allow_short, tally=tally)
             except Unsupported as e:
                 self._direct_refused(e)
         client = await self.client()

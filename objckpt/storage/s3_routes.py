@@ -12,6 +12,7 @@ import time
 from typing import Any, Optional
 
 from .. import _runtime
+from ..checksum import CellCrcs
 from ..errors import BucketNotFoundError, CorruptCheckpointError, StorageError
 from ..logs import get_logger
 from . import s3_direct
@@ -157,8 +158,8 @@ class DirectRoutes:
             return False, None
 
     async def _read_direct(self, reader: DirectClient, key: str, offset: int, views: list[memoryview], *,
-                           allow_short: bool) -> int:
-        sink = Sink(views)
+                           allow_short: bool, tally: Optional[CellCrcs] = None) -> int:
+        sink = Sink(views, tally=tally)
         where = f"GET s3://{self.bucket}/{key} at {offset}"
         try:
             while sink.got < sink.total:
