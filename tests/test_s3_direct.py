@@ -334,3 +334,69 @@ def test_a_silent_sender_still_times_out_mid_body(reader_for: Any) -> None:
         reader.read_range("k", 0, sink, 2.0)
     assert sink.got == 10_000 and time.monotonic() - t0 < 2.5
     assert bytes(sink.views[0][:10_000]) == data[:10_000]
+
+
+@pytest.fixture
+def fast_client() -> Iterator[tuple[DirectClient, S3Server]]:
+    with S3Server() as srv:
+        import boto3
+
+        boto3.client("s3", **s3_options(srv.endpoint_url)).create_bucket(Bucket="b")
+        target = resolve_target("b", s3_options(srv.endpoint_url), env={})
+        assert target is not None
+        client = DirectClient("b", target, CredentialSource(Credentials("testing", "testing")), connect_timeout=2,
+                              read_timeout=5)
+        yield client, srv
+        client.close()
+
+
+def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large bodies leave by splice (the kernel sends from the caller's pages); once
+    the 2xx answer is in, the server has read them all: the buffer may be reused."""
+    from objckpt.storage import wire
+
+    client, _ = fast_client
+    spliced: list[int] = []
+    real = wire.os.splice
+
+    def spy(*a: Any, **k: Any) -> int:
+        n = real(*a, **k)
+        spliced.append(n)
+        return n
+
+    monkeypatch.setattr(wire.os, "splice", spy)
+    data = os.urandom(4 << 20)
+    buf = bytearray(data)
+    client.put("k", [memoryview(bytes(100)), memoryview(buf)], {}, 5.0)
+    buf[:] = bytes(len(buf))  # reused right away, as a staging buffer is
+    assert client.get("k", 5.0) == bytes(100) + data
+    assert sum(spliced) == len(data)
+    assert all(not c.lent for c in client._idle)
+
+
+def test_a_failed_spliced_put_closes_its_connection(fast_client: Any) -> None:
+    """An error answer does not say the body left the socket: the connection is closed
+    (abortively), never reused, and the next request goes on a fresh one."""
+    from objckpt.storage.s3_direct import S3HttpError
+
+    client, srv = fast_client
+    client.put("warm", [memoryview(bytearray(10))], {}, 5.0)
+    assert len(client._idle) == 1
+    srv.fail("PutObject", count=1, status=500)
+    with pytest.raises(S3HttpError):
+        client.put("k", [memoryview(bytearray(os.urandom(1 << 20)))], {}, 5.0)
+    assert client._idle == []
+    data = os.urandom(1 << 20)
+    client.put("k", [memoryview(bytearray(data))], {}, 5.0)
+    assert client.get("k", 5.0) == data
+
+
+def test_without_splice_bodies_are_copied(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from objckpt.storage import wire
+
+    client, _ = fast_client
+    monkeypatch.setattr(wire, "_get_vmsplice", lambda: False)
+    monkeypatch.setattr(wire, "PIPE_SIZES", ())
+    data = os.urandom(3 << 20)
+    client.put("k", [memoryview(bytearray(data))], {}, 5.0)
+    assert client.get("k", 5.0) == data

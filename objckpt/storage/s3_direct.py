@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 from .. import _runtime
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
-from .wire import Conn, ShortBody, Sink, receive
+from .wire import Conn, ShortBody, Sink, receive, send_views
 
 _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 _UNHANDLED_ENV = ("AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT", "AWS_S3_USE_ARN_REGION")
@@ -157,6 +157,9 @@ class DirectClient:
         return self._connect()
 
     def _give_back(self, conn: Conn) -> None:
+        if conn.lent:  # an answer other than 2xx to a spliced body: its bytes may still be queued
+            conn.close()
+            return
         conn.used = True
         with self._lock:
             self._idle.append(conn)
@@ -183,8 +186,7 @@ class DirectClient:
         lines += [f"{k}: {v}" for k, v in {**hdrs, **extra}.items()]
         conn.sock.settimeout(first_byte)
         conn.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        for v in body:  # straight from the caller's memory (tensors, staging buffers)
-            conn.sock.sendall(v)
+        send_views(conn, body)  # straight from the caller's memory (tensors, staging buffers)
         buf = conn.extra
         while True:
             end = buf.find(b"\r\n\r\n")
@@ -206,7 +208,10 @@ class DirectClient:
         for line in head[1:]:
             k, _, v = line.partition(":")
             headers[k.strip().lower()] = v.strip()
-        return _Head(int(parts[1]), headers)
+        status = int(parts[1])
+        if 200 <= status < 300:
+            conn.lent = False  # the server read the whole body: the socket holds none of it
+        return _Head(status, headers)
 
     def _recv_body(self, conn: Conn, head: _Head, sink: Optional[Sink], skip: int = 0) -> bool:
         """Receive the body into ``sink`` (``None``: keep it, up to a bound, for an

@@ -9,8 +9,14 @@ bytes on plain TCP rather than once per arriving segment.
 from __future__ import annotations
 
 import array
+import ctypes
+import errno
+import os
+import select
 import socket
 import ssl
+import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -24,6 +30,11 @@ from ..checksum import CellCrcs
 
 #: bytes a plain-TCP body receive waits for before it wakes (see :func:`receive`)
 RECV_LOWAT = 1 << 20
+#: buffers at least this large are spliced on plain TCP, not copied (see :func:`send_views`)
+SPLICE_MIN = 64 << 10
+#: pipe sizes tried for splicing, largest first (1 MiB is the default limit for non-root)
+PIPE_SIZES = (1 << 20, 256 << 10)
+_F_SETPIPE_SZ = 1031
 
 
 class ShortBody(ConnectionError):
@@ -81,12 +92,26 @@ class Conn:
         self.extra = bytearray()
         self.used = False
         self.lowat = RECV_LOWAT if _plain_tcp(sock) else 1
+        self.pipe: Optional[tuple[int, int]] = None  # for spliced sends (see send_views), made on first use
+        # True while spliced body bytes may still sit in the socket: the kernel then holds
+        # the caller's pages, not a copy, until the peer acknowledges them (a 2xx answer)
+        self.lent = False
 
     def close(self) -> None:
+        """Close; abortively while bytes are lent (see :func:`send_views`)."""
         try:
+            if self.lent:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.sock.close()
         except OSError:
             pass
+        if self.pipe is not None:
+            for fd in self.pipe:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.pipe = None
 
 
 def _plain_tcp(sock: Any) -> bool:
@@ -153,3 +178,101 @@ def _queued(sock: socket.socket) -> bool:
     except OSError:
         return False
     return n[0] > 0
+
+
+# -- sending: splice instead of copy --------------------------------------------------------
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_vmsplice: Any = None  # libc's, once found; False where there is none
+SPLICE = hasattr(os, "splice") and sys.platform.startswith("linux")
+
+
+def _get_vmsplice() -> Any:
+    global _vmsplice
+    if _vmsplice is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).vmsplice
+            fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_size_t, ctypes.c_uint]
+            fn.restype = ctypes.c_ssize_t
+            _vmsplice = fn
+        except (OSError, AttributeError):
+            _vmsplice = False
+    return _vmsplice
+
+
+def _pipe(conn: Conn) -> Optional[tuple[int, int]]:
+    """The connection's pipe for splicing, at least 256 KiB; None where none can be had."""
+    if conn.pipe is None:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        for size in PIPE_SIZES:
+            try:
+                fcntl.fcntl(w, _F_SETPIPE_SZ, size)
+                conn.pipe = (r, w)
+                break
+            except OSError:  # over the user's pipe limits: copy instead
+                continue
+        else:
+            os.close(r)
+            os.close(w)
+            return None
+    return conn.pipe
+
+
+def send_views(conn: Conn, views: "list[memoryview] | tuple[memoryview, ...]") -> None:
+    """Send ``views`` in order.  On plain TCP (Linux) each large writable buffer is
+    spliced: ``vmsplice`` lends its pages to a pipe and ``splice`` moves them into the
+    socket, so the kernel sends from the caller's memory instead of copying it first
+    (the copy was ~40% of a save's client CPU on a local server).  The caller's bytes
+    must not change until the answer comes (tensors of a blocking save, staging
+    buffers held until their upload returns): a 2xx answer means the peer read them
+    all; until then ``conn.lent`` is set and :meth:`Conn.close` discards what the
+    socket still holds (an abortive close) rather than let it go out later."""
+    for v in views:
+        if SPLICE and len(v) >= SPLICE_MIN and not v.readonly and _plain_tcp(conn.sock) and _splice(conn, v):
+            continue
+        conn.sock.sendall(v)
+
+
+def _splice(conn: Conn, v: memoryview) -> bool:
+    """Splice all of ``v`` into the socket; False (nothing sent) where splicing is not
+    available, after which it is not tried again."""
+    global SPLICE
+    vmsplice = _get_vmsplice()
+    pipe = _pipe(conn) if vmsplice else None
+    if pipe is None:
+        return False
+    r, w = pipe
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(v))
+    fd = conn.sock.fileno()
+    timeout = conn.sock.gettimeout()
+    wait = select.poll()
+    wait.register(fd, select.POLLOUT)
+    off, total = 0, len(v)
+    while off < total:
+        n = vmsplice(w, ctypes.byref(_Iovec(addr + off, total - off)), 1, 0)
+        if n < 0:
+            err = ctypes.get_errno()
+            if off == 0 and err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                SPLICE = False  # e.g. a sandbox without vmsplice: copy from now on
+                return False
+            raise OSError(err, f"vmsplice: {os.strerror(err)}")
+        left = n
+        while left:
+            try:
+                sent = os.splice(r, fd, left)
+            except BlockingIOError:  # the socket is full (it is non-blocking under a timeout)
+                if not wait.poll(None if timeout is None else timeout * 1000):
+                    raise TimeoutError("timed out sending the request body") from None
+                continue
+            except OSError as e:
+                if off == 0 and left == n and e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    conn.close()  # the pipe holds pages nobody will read: drop it with the connection
+                    SPLICE = False
+                    raise ConnectionAbortedError("splice into the socket refused; sending by copy from now on") from e
+                raise
+            conn.lent = True
+            left -= sent
+        off += n
+    return True
