@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt.checksum import CellCrcs, crc32c
+from objckpt.checksum import CellCrcs, block_crcs, combine_blocks, crc32c, crc32c_combine
 from objckpt.load import arrival, ranged_get
 from objckpt.planning.ranges import Request, RequestPiece, Span
 from objckpt.testing.s3memstore import _Data
@@ -40,6 +40,21 @@ def test_cells_are_the_crcs_of_the_bytes_between_cuts() -> None:
         assert got is not None and [s for s, _, _ in got] == [0] + sorted(set(cuts))
         assert all(crc32c(data[s : s + n]) == c for s, n, c in got)
         assert sum(n for _, n, _ in got) == len(data)
+
+
+@pytest.mark.parametrize("block", [1, 3, 1024, 1000, 4096])
+def test_block_crcs_combine_to_the_whole_crc(block: int) -> None:
+    """Whole blocks combine through cached tables (powers of two too in crc32c_combine),
+    the rest through the bit loop: both must give the crc of the bytes."""
+    data = os.urandom(20 * 4096 + 17)
+    for n in (block + 1, 3 * block, 7 * block + 5, len(data)):
+        view = memoryview(data)[:n]
+        total, blocks = block_crcs(view, block)
+        assert total == crc32c(view) == combine_blocks(blocks, n, block)
+        assert blocks == [crc32c(view[i : i + block]) for i in range(0, n, block)]
+    for cut in (1, 4096, 8192, 65536, 12345):
+        a, b = data[:-cut], data[-cut:]
+        assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(data)
 
 
 def test_cells_of_a_stream_fed_in_part_are_none_and_overfeeding_fails() -> None:
