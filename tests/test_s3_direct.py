@@ -400,3 +400,21 @@ def test_without_splice_bodies_are_copied(fast_client: Any, monkeypatch: pytest.
     data = os.urandom(3 << 20)
     client.put("k", [memoryview(bytearray(data))], {}, 5.0)
     assert client.get("k", 5.0) == data
+
+
+def test_a_spliced_body_nobody_reads_times_out() -> None:
+    """The server takes the connection but never reads: the send times out within the
+    timeout given (as sendall's would), and the connection is dropped."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    target = Target("http", "127.0.0.1", port, f"127.0.0.1:{port}", "/b", "us-east-1")
+    client = DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2, read_timeout=5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            client.put("k", [memoryview(bytearray(256 << 20))], {}, 0.5)
+        assert time.monotonic() - t0 < 3 and client._idle == []
+    finally:
+        srv.close()

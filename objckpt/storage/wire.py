@@ -17,6 +17,7 @@ import socket
 import ssl
 import struct
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -35,6 +36,7 @@ SPLICE_MIN = 64 << 10
 #: pipe sizes tried for splicing, largest first (1 MiB is the default limit for non-root)
 PIPE_SIZES = (1 << 20, 256 << 10)
 _F_SETPIPE_SZ = 1031
+_LINUX = sys.platform.startswith("linux")
 
 
 class ShortBody(ConnectionError):
@@ -115,9 +117,10 @@ class Conn:
 
 
 def _plain_tcp(sock: Any) -> bool:
-    """Whether the low-water mark may be raised: plain TCP on a Unix.  Under TLS the
-    record layer reads what it needs and a mark above a record's size could stall it."""
-    return (fcntl is not None and hasattr(socket, "SO_RCVLOWAT") and isinstance(sock, socket.socket)
+    """Whether the low-water mark may be raised and pages spliced: plain TCP on Linux
+    (the behaviour relied on is Linux's).  Under TLS the record layer reads what it
+    needs (a mark above a record's size could stall it) and sends what it encrypted."""
+    return (_LINUX and fcntl is not None and hasattr(socket, "SO_RCVLOWAT") and isinstance(sock, socket.socket)
             and not isinstance(sock, ssl.SSLSocket))
 
 
@@ -186,7 +189,7 @@ class _Iovec(ctypes.Structure):
 
 
 _vmsplice: Any = None  # libc's, once found; False where there is none
-SPLICE = hasattr(os, "splice") and sys.platform.startswith("linux")
+SPLICE = hasattr(os, "splice") and _LINUX
 
 
 def _get_vmsplice() -> Any:
@@ -230,7 +233,8 @@ def send_views(conn: Conn, views: "list[memoryview] | tuple[memoryview, ...]") -
     all; until then ``conn.lent`` is set and :meth:`Conn.close` discards what the
     socket still holds (an abortive close) rather than let it go out later."""
     for v in views:
-        if SPLICE and len(v) >= SPLICE_MIN and not v.readonly and _plain_tcp(conn.sock) and _splice(conn, v):
+        if (SPLICE and len(v) >= SPLICE_MIN and not v.readonly and v.contiguous and _plain_tcp(conn.sock)
+                and _splice(conn, v)):
             continue
         conn.sock.sendall(v)
 
@@ -247,6 +251,7 @@ def _splice(conn: Conn, v: memoryview) -> bool:
     addr = ctypes.addressof(ctypes.c_char.from_buffer(v))
     fd = conn.sock.fileno()
     timeout = conn.sock.gettimeout()
+    deadline = None if timeout is None else time.monotonic() + timeout  # for all of v, as sendall's
     wait = select.poll()
     wait.register(fd, select.POLLOUT)
     off, total = 0, len(v)
@@ -263,7 +268,8 @@ def _splice(conn: Conn, v: memoryview) -> bool:
             try:
                 sent = os.splice(r, fd, left)
             except BlockingIOError:  # the socket is full (it is non-blocking under a timeout)
-                if not wait.poll(None if timeout is None else timeout * 1000):
+                ms = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
+                if not wait.poll(ms):
                     raise TimeoutError("timed out sending the request body") from None
                 continue
             except OSError as e:
