@@ -6,12 +6,17 @@ from the block crcs instead of hashing the bytes twice: ``crc(A+B)`` follows
 from ``crc(A)``, ``crc(B)`` and ``len(B)`` by multiplying with the GF(2)
 operator that appends ``len(B)`` zero bytes (as zlib's ``crc32_combine``); the
 operator for each power of two is computed once and cached.
+
+:class:`CellCrcs` hashes a byte stream while it is being written (a ranged
+GET landing in its destinations): each received piece is hashed right after
+the kernel copied it, while it is still in the CPU cache, at about twice the
+speed of a later pass over the same bytes in memory (22 vs 11 GB/s measured).
 """
 from __future__ import annotations
 
 import base64
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 import crc32c as _crc32c
 
@@ -48,32 +53,49 @@ def _pow2_operator(i: int) -> tuple[int, ...]:
     return tuple(_square(_pow2_operator(i - 1)))
 
 
+def _shift(crc: int, n: int) -> int:
+    """``crc`` advanced over ``n`` zero bytes, one power of two at a time (one 32x32
+    GF(2) matrix-vector product per set bit of ``n``, the matrices cached)."""
+    i = 0
+    while n:
+        if n & 1:
+            crc = _times(_pow2_operator(i), crc)
+        n >>= 1
+        i += 1
+    return crc
+
+
+@lru_cache(maxsize=64)
+def _shift_tables(n: int) -> tuple[tuple[int, ...], ...]:
+    """The operator of :func:`_shift` for ``n`` as four 256-entry tables, one per byte of
+    the crc state: applying it is four lookups instead of a bit loop in Python.  Built
+    from the operator's 32 columns (about 0.2 ms when ``n`` is a power of two); worth it
+    for a length used many times (every block of a save)."""
+    cols = [_shift(1 << j, n) for j in range(32)]
+    tables = []
+    for k in range(4):
+        t = [0] * 256
+        for b in range(1, 256):
+            low = b & -b
+            t[b] = t[b ^ low] ^ cols[8 * k + low.bit_length() - 1]
+        tables.append(tuple(t))
+    return tuple(tables)
+
+
+def _shift_by_tables(crc: int, t: tuple[tuple[int, ...], ...]) -> int:
+    return t[0][crc & 0xFF] ^ t[1][(crc >> 8) & 0xFF] ^ t[2][(crc >> 16) & 0xFF] ^ t[3][crc >> 24]
+
+
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     """crc32c of A+B from crc32c(A), crc32c(B) and len(B).
 
-    ``crc1`` is advanced over ``len2`` zero bytes one power of two at a time
-    (one 32x32 GF(2) matrix-vector product per set bit of ``len2``, the matrices
-    cached), so any length costs microseconds: part checksums are combined from
-    chunk crcs of many different lengths."""
-    i = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _times(_pow2_operator(i), crc1)
-        len2 >>= 1
-        i += 1
-    return crc1 ^ crc2
-
-
-def block_crcs(data: memoryview, block: int) -> tuple[int, list[int]]:
-    """(crc of all of ``data``, crc of each ``block``-byte block); no blocks if it fits in one."""
-    n = len(data)
-    if block <= 0 or n <= block:
-        return crc32c(data), []
-    blocks = [crc32c(data[i : i + block]) for i in range(0, n, block)]
-    total = blocks[0]
-    for i, c in enumerate(blocks[1:], 1):
-        total = crc32c_combine(total, c, min(block, n - i * block))
-    return total, blocks
+    ``crc1`` is advanced over ``len2`` zero bytes (:func:`_shift`), so any length costs
+    microseconds: part checksums are combined from chunk crcs of many different
+    lengths.  A power-of-two length (crc blocks, 8 MiB reads) goes through cached
+    tables (:func:`_shift_tables`), a quarter of a microsecond."""
+    if len2 > 0 and len2 & (len2 - 1) == 0:
+        return _shift_by_tables(crc1, _shift_tables(len2)) ^ crc2
+    return _shift(crc1, len2) ^ crc2
 
 
 def combine_blocks(blocks: Sequence[int], length: int, block: int) -> int:
@@ -81,9 +103,24 @@ def combine_blocks(blocks: Sequence[int], length: int, block: int) -> int:
     if not blocks:
         return 0
     total = blocks[0]
+    full = length // block  # blocks[1:full] are whole: one table lookup each (see _shift_tables)
+    t = _shift_tables(block) if full > 2 else None
     for i, c in enumerate(blocks[1:], 1):
-        total = crc32c_combine(total, c, min(block, length - i * block))
+        if t is not None and i < full:
+            total = _shift_by_tables(total, t) ^ c
+        else:
+            total = crc32c_combine(total, c, min(block, length - i * block))
     return total
+
+
+def block_crcs(data: memoryview, block: int) -> tuple[int, list[int]]:
+    """(crc of all of ``data``, crc of each ``block``-byte block); no blocks if it fits in one.
+    The whole crc is combined from the blocks' (:func:`combine_blocks`), not hashed again."""
+    n = len(data)
+    if block <= 0 or n <= block:
+        return crc32c(data), []
+    blocks = [crc32c(data[i : i + block]) for i in range(0, n, block)]
+    return combine_blocks(blocks, n, block), blocks
 
 
 def crc_of_views(views: Sequence[memoryview]) -> int:
@@ -104,3 +141,53 @@ def composite_header(part_crcs: Sequence[int]) -> str:
     checksums (raw bytes, in order), then ``-<number of parts>``."""
     raw = b"".join(c.to_bytes(4, "big") for c in part_crcs)
     return f"{crc_header(crc32c(raw))}-{len(part_crcs)}"
+
+
+class CellCrcs:
+    """crc32c of consecutive cells of a byte stream, computed as the stream is written.
+
+    The stream is ``total`` bytes cut at ``cuts`` (offsets inside it); :meth:`feed`
+    takes the bytes in order, *from where they were written* (so what is hashed is
+    what stays there).  A reader verifying chunks or crc blocks puts a cut at each
+    boundary it checks, then combines or compares the cells' crcs instead of
+    reading the bytes again (see :mod:`objckpt.load.ranged_get`)."""
+
+    __slots__ = ("ends", "crcs", "fed", "_crc", "_end")
+
+    def __init__(self, cuts: Iterable[int], total: int) -> None:
+        self.ends = sorted({c for c in cuts if 0 < c < total}) + [total] if total > 0 else []
+        self.crcs: list[int] = []  # of the cells completed so far
+        self.fed = 0
+        self._crc = 0
+        self._end = self.ends[0] if self.ends else 0
+
+    def feed(self, data: memoryview) -> None:
+        """The next ``len(data)`` bytes of the stream; more than ``total`` is a bug of the caller."""
+        while len(data):
+            take = self._end - self.fed
+            if take <= 0:
+                raise ValueError("CellCrcs fed past the end of its stream")
+            if take >= len(data):
+                self._crc = crc32c(data, self._crc)
+                self.fed += len(data)
+                if take > len(data):
+                    return
+                data = data[len(data):]
+            else:
+                self._crc = crc32c(data[:take], self._crc)
+                self.fed += take
+                data = data[take:]
+            self.crcs.append(self._crc)
+            self._crc = 0
+            k = len(self.crcs)
+            self._end = self.ends[k] if k < len(self.ends) else self.fed
+
+    def cells(self) -> Optional[list[tuple[int, int, int]]]:
+        """(start, length, crc) of every cell once the whole stream was fed exactly once, else None."""
+        if not self.ends or self.fed != self.ends[-1] or len(self.crcs) != len(self.ends):
+            return None
+        out, start = [], 0
+        for end, crc in zip(self.ends, self.crcs):
+            out.append((start, end - start, crc))
+            start = end
+        return out

@@ -1,9 +1,10 @@
-"""Pre-faulting load destinations: never changes a byte, never needed for correctness.
+"""Fresh load destinations: huge-page advice by default, pre-faulting when asked
+(``prefault.POPULATE``); neither changes a byte nor is needed for correctness.
 
 ``MADV_POPULATE_WRITE`` maps pages without writing them, so populating memory that
 already holds data (or receives it at the same time) must leave it as it is.  The
 loads here run with the size threshold lowered, so small tensors take the path a
-1 GiB restore takes.
+1 GiB restore takes, and with populating on unless a test says otherwise.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from objckpt.memory import host_bytes
 def small_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefault, "MIN_BYTES", 0)
     monkeypatch.setattr(prefault, "STEP", 64 << 10)  # many pieces, several threads at once
+    monkeypatch.setattr(prefault, "POPULATE", True)
 
 
 def test_populate_keeps_contents(small_threshold: None) -> None:
@@ -121,4 +123,25 @@ def test_fresh_large_destination_is_backed_by_huge_pages(small_threshold: None) 
         assert _huge_kib(addr, len(view)) >= 32 << 10  # at least half of it
     t.fill_(3)
     assert int(t.sum()) == 3 * (64 << 20)
+    del t, view
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_by_default_only_huge_pages_are_advised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default starts no thread and maps nothing; the advice makes the first writes
+    map the fresh destination 2 MiB at a time."""
+    import mmap
+
+    monkeypatch.setattr(prefault, "MIN_BYTES", 0)
+    assert prefault.POPULATE is False
+    mm = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    view = host_bytes(t)
+    addr = prefault.address(view)
+    assert prefault.start([view]) is None
+    assert _huge_kib(addr, len(view)) == 0  # nothing mapped yet
+    t.fill_(5)
+    if _thp_mode() in ("madvise", "always"):
+        assert _huge_kib(addr, len(view)) >= 32 << 10
+    assert int(t.sum()) == 5 * (64 << 20)
     del t, view

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -204,7 +205,9 @@ def test_endpoint_that_refuses_direct_requests_is_read_through_botocore(code: st
 class _RawServer:
     """An HTTP server on a raw socket that answers GETs from ``data`` and then does
     what ``mode`` says: ``close_idle`` closes each connection after one answer
-    without saying so; ``cut`` sends half of the first body and hangs up."""
+    without saying so; ``cut`` sends half of the first body and hangs up;
+    ``trickle`` sends each body in four pieces 0.3 s apart; ``stall`` sends a
+    quarter of the first body, then nothing for 3 s."""
 
     def __init__(self, data: bytes, mode: str) -> None:
         self.data, self.mode = data, mode
@@ -244,6 +247,14 @@ class _RawServer:
             if self.mode == "cut" and len(self.requests) == 1:
                 c.sendall(body[: len(body) // 2])
                 return
+            if self.mode in ("trickle", "stall"):
+                q = len(body) // 4
+                for i in range(4):
+                    c.sendall(body[i * q : (i + 1) * q if i < 3 else len(body)])
+                    time.sleep(0.3 if self.mode == "trickle" else 3.0)
+                    if self.mode == "stall":
+                        return
+                return
             c.sendall(body)
             # close_idle: the connection ends here, unannounced
 
@@ -255,12 +266,12 @@ class _RawServer:
 def reader_for() -> Iterator[Any]:
     servers: list[_RawServer] = []
 
-    def make(data: bytes, mode: str) -> tuple[DirectClient, _RawServer]:
+    def make(data: bytes, mode: str, read_timeout: float = 5) -> tuple[DirectClient, _RawServer]:
         srv = _RawServer(data, mode)
         servers.append(srv)
         target = Target("http", "127.0.0.1", srv.port, f"127.0.0.1:{srv.port}", "/b", "us-east-1")
         return DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2,
-                            read_timeout=5), srv
+                            read_timeout=read_timeout), srv
 
     yield make
     for s in servers:
@@ -302,3 +313,108 @@ def test_endpoint_that_refuses_a_direct_write_is_written_through_botocore(op: st
         objckpt.save(state, "s3://b/ck", storage_options=opts)
         assert open_store("s3://b", opts)[0]._direct_client is None  # type: ignore[attr-defined]
         assert torch.equal(objckpt.read("s3://b/ck", storage_options=opts)["x"], state["x"])
+
+
+def test_a_body_slower_than_the_low_water_mark_is_read_not_timed_out(reader_for: Any) -> None:
+    """The receive waits for RECV_LOWAT bytes before waking; a sender that sends less
+    per read timeout but never stops is read to the end, as without the mark."""
+    data = os.urandom(1 << 20)
+    reader, srv = reader_for(data, "trickle", read_timeout=0.5)
+    sink = Sink([memoryview(bytearray(40_000))])
+    reader.read_range("k", 7, sink, 2.0)
+    assert bytes(sink.views[0]) == data[7:40_007]
+
+
+def test_a_silent_sender_still_times_out_mid_body(reader_for: Any) -> None:
+    data = os.urandom(1 << 20)
+    reader, srv = reader_for(data, "stall", read_timeout=0.5)
+    sink = Sink([memoryview(bytearray(40_000))])
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        reader.read_range("k", 0, sink, 2.0)
+    assert sink.got == 10_000 and time.monotonic() - t0 < 2.5
+    assert bytes(sink.views[0][:10_000]) == data[:10_000]
+
+
+@pytest.fixture
+def fast_client() -> Iterator[tuple[DirectClient, S3Server]]:
+    with S3Server() as srv:
+        import boto3
+
+        boto3.client("s3", **s3_options(srv.endpoint_url)).create_bucket(Bucket="b")
+        target = resolve_target("b", s3_options(srv.endpoint_url), env={})
+        assert target is not None
+        client = DirectClient("b", target, CredentialSource(Credentials("testing", "testing")), connect_timeout=2,
+                              read_timeout=5)
+        yield client, srv
+        client.close()
+
+
+def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large bodies leave by splice (the kernel sends from the caller's pages); once
+    the 2xx answer is in, the server has read them all: the buffer may be reused."""
+    from objckpt.storage import wire
+
+    client, _ = fast_client
+    spliced: list[int] = []
+    real = wire.os.splice
+
+    def spy(*a: Any, **k: Any) -> int:
+        n = real(*a, **k)
+        spliced.append(n)
+        return n
+
+    monkeypatch.setattr(wire.os, "splice", spy)
+    data = os.urandom(4 << 20)
+    buf = bytearray(data)
+    client.put("k", [memoryview(bytes(100)), memoryview(buf)], {}, 5.0)
+    buf[:] = bytes(len(buf))  # reused right away, as a staging buffer is
+    assert client.get("k", 5.0) == bytes(100) + data
+    assert sum(spliced) == len(data)
+    assert all(not c.lent for c in client._idle)
+
+
+def test_a_failed_spliced_put_closes_its_connection(fast_client: Any) -> None:
+    """An error answer does not say the body left the socket: the connection is closed
+    (abortively), never reused, and the next request goes on a fresh one."""
+    from objckpt.storage.s3_direct import S3HttpError
+
+    client, srv = fast_client
+    client.put("warm", [memoryview(bytearray(10))], {}, 5.0)
+    assert len(client._idle) == 1
+    srv.fail("PutObject", count=1, status=500)
+    with pytest.raises(S3HttpError):
+        client.put("k", [memoryview(bytearray(os.urandom(1 << 20)))], {}, 5.0)
+    assert client._idle == []
+    data = os.urandom(1 << 20)
+    client.put("k", [memoryview(bytearray(data))], {}, 5.0)
+    assert client.get("k", 5.0) == data
+
+
+def test_without_splice_bodies_are_copied(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from objckpt.storage import wire
+
+    client, _ = fast_client
+    monkeypatch.setattr(wire, "_get_vmsplice", lambda: False)
+    monkeypatch.setattr(wire, "PIPE_SIZES", ())
+    data = os.urandom(3 << 20)
+    client.put("k", [memoryview(bytearray(data))], {}, 5.0)
+    assert client.get("k", 5.0) == data
+
+
+def test_a_spliced_body_nobody_reads_times_out() -> None:
+    """The server takes the connection but never reads: the send times out within the
+    timeout given (as sendall's would), and the connection is dropped."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    target = Target("http", "127.0.0.1", port, f"127.0.0.1:{port}", "/b", "us-east-1")
+    client = DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2, read_timeout=5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            client.put("k", [memoryview(bytearray(256 << 20))], {}, 0.5)
+        assert time.monotonic() - t0 < 3 and client._idle == []
+    finally:
+        srv.close()

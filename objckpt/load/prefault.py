@@ -1,25 +1,32 @@
-"""Pre-fault load destinations, so the receiving thread does not take the page faults.
+"""Fresh load destinations: fewer, larger page faults (and, optionally, pre-faulting).
 
 A restarting job loads into tensors it has just allocated (``torch.empty``,
 ``to_empty`` of a meta-built model): none of their pages exists yet.  The first
-write to each 4 KiB page faults and the kernel zeroes it, about 0.4 s per GiB on
-one core, and in a ranged-GET load that first write is the event-loop thread
-copying received bytes: every fault stalls every request in flight.
+write to each 4 KiB page faults and the kernel zeroes it, about 0.3-0.4 s per
+GiB on one core (much more on a VM whose host reclaimed the memory).
 
-:func:`start` asks the kernel to populate those pages from other threads, in the
-order the requests were issued, while the responses are still coming:
+Where transparent huge pages are on "madvise" (the common default), large
+fresh destinations are advised ``MADV_HUGEPAGE`` (:func:`start`): the kernel
+then maps them 2 MiB at a time, 512 times fewer faults.  The advice only
+changes how the memory is backed, never its contents.  By default that is all:
+each page is zeroed by the thread that receives its first bytes, right before
+it writes them.
+
+Pre-faulting from other threads (:data:`POPULATE`) is off: it took the zeroing
+off the receiving threads but saved no wall time and cost more CPU.  1.03 GiB
+loads into fresh tensors from a local server (2 cores; medians of 5-6 new
+processes x 4 loads, alternated in one run), CPU-s/GB warm / cold and wall:
+populating threads 0.66 / 1.17, 0.66 s; advice only 0.62 / 1.01-1.10, 0.63-0.66 s;
+neither 0.85 / 1.08, 0.80 s.  Populating only the destinations too small for
+huge pages did not pay either (0.60 vs 0.55).  With :data:`POPULATE` on,
+:func:`start` populates the pages from other threads, in the order the
+requests were issued, while the responses are still coming:
 ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) maps each page writable *without
 writing to it*, so it cannot race with the bytes the receiver stores (a thread
 that touched the pages by writing could overwrite data already received).
-Where the call is missing (other systems, older kernels) nothing is done.
+Where the call is missing (other systems, older kernels) nothing is populated.
 Pieces whose first and last pages are present already (a template loaded into
 before) are skipped after two ``mincore`` probes.
-
-Where transparent huge pages are on "madvise" (the common default), large
-fresh destinations are first advised ``MADV_HUGEPAGE``: the kernel then maps
-them 2 MiB at a time, 512 times fewer faults, and the populate costs 10-40%
-less CPU (the zeroing stays).  The advice only changes how the memory is
-backed, never its contents.
 """
 from __future__ import annotations
 
@@ -45,8 +52,10 @@ HUGE_MAX_REGIONS = 4096
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: bytes per madvise call: small enough that the populating threads stay just ahead of the data
 STEP = 8 << 20
-#: switch (benchmarks compare loads with and without)
+#: switch for all of it, huge-page advice included (benchmarks compare loads with and without)
 ENABLED = True
+#: also populate the pages from other threads (see the module docstring: off, it costs more CPU)
+POPULATE = False
 #: loads smaller than this are not worth the threads
 MIN_BYTES = 32 << 20
 
@@ -187,8 +196,9 @@ class Prefault:
 
 
 def start(views: Iterable[memoryview]) -> Optional[Prefault]:
-    """Populate the pages of ``views`` (in this order) from background threads; None when
-    there is nothing to do.  Await :meth:`Prefault.finish` before the buffers may be freed."""
+    """Advise huge pages for the large fresh ones of ``views``; with :data:`POPULATE`,
+    also populate their pages (in this order) from background threads.  None when no
+    thread was started.  Await :meth:`Prefault.finish` before the buffers may be freed."""
     global _pool
     if _supported is False or not ENABLED:
         return None
@@ -200,6 +210,8 @@ def start(views: Iterable[memoryview]) -> Optional[Prefault]:
         return None
     if HUGE_MIN > 0:
         _advise_huge(regions)
+    if not POPULATE:
+        return None
     job = Prefault(_pieces(regions))
     with _lock:
         if _pool is None:

@@ -4,9 +4,11 @@ Each wanted byte range is a span of a blob with a destination: a slice of host
 memory (the caller's own CPU tensor when it is contiguous and of the stored
 dtype, else a temporary).  Spans become requests (merged across small gaps,
 split when large); a request that serves exactly one span reads directly into
-the destination, others read into a scratch buffer and scatter.  Once all of a
-chunk's bytes are in, its crc32c is checked; a mismatch names tensor, blob and
-offset.
+the destination, others scatter into destinations and scratch for the gaps.
+Once all of a chunk's bytes are in, its crc32c is checked, from crcs the
+receiving threads computed as the bytes landed where the store can
+(:mod:`.arrival`), else by hashing the destination; a mismatch names tensor,
+blob and offset.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from ..results import IOStats
 from ..storage.base import ObjectStore
 from ..storage.shape import shape_for
 from . import prefault
+from .arrival import Tallies
 
 
 @dataclass(frozen=True)
@@ -132,11 +135,15 @@ async def read_ranges(
         for span, _, _, _ in req.pieces:
             pending[span.target] += 1  # type: ignore[index]
     sem = asyncio.Semaphore(store.concurrency)
+    tallied = getattr(store, "get_range_tallied", None)
+    tallies = Tallies(reads)
 
     async def finish(i: int) -> None:
         r = reads[i]
         if r.checks:
-            bad = await _runtime.in_thread(first_mismatch, r)
+            judged, bad = tallies.verdict(i)
+            if not judged:
+                bad = await _runtime.in_thread(first_mismatch, r)
             if bad is not None:
                 (at, n, want, what), got = bad
                 raise CorruptCheckpointError(
@@ -149,14 +156,22 @@ async def read_ranges(
     async def fetch(req: Request) -> None:
         async with sem:
             try:
-                if req.direct:
-                    span, _, in_span, n = req.pieces[0]
-                    dest = reads[span.target].dest[in_span : in_span + n]  # type: ignore[index]
-                    await store.get_range_into(str(req.obj), req.offset, dest)
-                elif _overlapping(req):
+                if _overlapping(req):
                     await _fetch_copied(store, req, reads)
                 else:
-                    await store.get_range_scatter(str(req.obj), req.offset, _scatter_views(req, reads))
+                    if req.direct:
+                        span, _, in_span, n = req.pieces[0]
+                        views = [reads[span.target].dest[in_span : in_span + n]]  # type: ignore[index]
+                    else:
+                        views = _scatter_views(req, reads)
+                    tally = tallies.for_request(req) if tallied is not None else None
+                    if tally is not None:
+                        await tallied(str(req.obj), req.offset, views, tally)
+                        tallies.record(req, tally)
+                    elif req.direct:
+                        await store.get_range_into(str(req.obj), req.offset, views[0])
+                    else:
+                        await store.get_range_scatter(str(req.obj), req.offset, views)
             except NotFoundError:
                 keys = sorted({reads[s.target].key for s, *_ in req.pieces})  # type: ignore[index]
                 raise BlobMissingError(

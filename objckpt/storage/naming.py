@@ -50,3 +50,16 @@ class NamingStore:
         except BaseException:
             self._note(key)
             raise
+
+    async def get_range_tallied(self, key: str, offset: int, outs: Sequence[memoryview], tally: Any) -> None:
+        """The inner store's ``get_range_tallied`` (a plain scatter where it has none:
+        ``tally`` then stays incomplete and the reader hashes the bytes itself)."""
+        tallied = getattr(self._inner, "get_range_tallied", None)
+        try:
+            if tallied is None:
+                await self._inner.get_range_scatter(key, offset, outs)
+            else:
+                await tallied(key, offset, outs, tally)
+        except BaseException:
+            self._note(key)
+            raise

@@ -23,7 +23,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from .. import _runtime
-from ..checksum import crc32c, crc_header
+from ..checksum import CellCrcs, crc32c, crc_header
 from ..logs import get_logger, register_secret
 from ..errors import BucketNotFoundError, PreconditionFailed, StorageError
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
@@ -287,10 +287,16 @@ class S3Store(DirectRoutes, ObjectStore):
     async def get_range_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         await self._read_into(key, offset, list(outs), allow_short=False)
 
-    async def _read_into(self, key: str, offset: int, outs: list[memoryview], *, allow_short: bool) -> int:
+    async def get_range_tallied(self, key: str, offset: int, outs: Sequence[memoryview], tally: CellCrcs) -> None:
+        """:meth:`get_range_scatter`, hashing the bytes into ``tally`` as they land (direct
+        path only: ``tally`` stays incomplete when botocore read them, and the caller hashes)."""
+        await self._read_into(key, offset, list(outs), allow_short=False, tally=tally)
+
+    async def _read_into(self, key: str, offset: int, outs: list[memoryview], *, allow_short: bool,
+                         tally: Optional[CellCrcs] = None) -> int:
         """One ranged GET streamed piecewise into ``outs`` (consecutive buffers):
         each received chunk is copied once, straight to where it belongs."""
-        sink = Sink(outs)
+        sink = Sink(outs, tally=tally)
         if sink.total == 0:
             return 0
         reader = await self._direct()

@@ -29,13 +29,14 @@ import re
 import socket
 import ssl
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 from xml.sax.saxutils import escape
 from urllib.parse import urlsplit
 
 from .. import _runtime
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
+from .wire import Conn, ShortBody, Sink, receive, send_views
 
 _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 _UNHANDLED_ENV = ("AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT", "AWS_S3_USE_ARN_REGION")
@@ -60,10 +61,6 @@ class S3HttpError(Exception):
         self.server = server  # the answer's Server header
         self.response = {"Error": {"Code": code or str(status), "Message": message},
                          "ResponseMetadata": {"HTTPStatusCode": status}}
-
-
-class ShortBody(ConnectionError):
-    """The connection ended before the announced body did (retried for the rest)."""
 
 
 @dataclass(frozen=True)
@@ -117,58 +114,6 @@ def resolve_target(bucket: str, options: Mapping[str, Any], env: Mapping[str, st
 
 
 @dataclass
-class Sink:
-    """Consecutive destination buffers and how far they are filled.
-
-    It outlives one attempt: after a broken response the retry asks for the
-    rest of the range from ``got`` on."""
-
-    views: list[memoryview]
-    got: int = 0
-    cancelled: bool = False  # set by the waiting side: stop writing into these buffers
-    _vi: int = 0
-    _vpos: int = 0
-    total: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in self.views if len(v)]
-        self.total = sum(len(v) for v in self.views)
-
-    def room(self) -> memoryview:
-        """Where the next bytes go (the rest of the current buffer)."""
-        return self.views[self._vi][self._vpos:]
-
-    def advance(self, n: int) -> None:
-        self.got += n
-        self._vpos += n
-        if self._vpos == len(self.views[self._vi]):
-            self._vi, self._vpos = self._vi + 1, 0
-
-    def write(self, data: memoryview) -> None:
-        while len(data) and self.got < self.total:
-            room = self.room()
-            n = min(len(room), len(data))
-            room[:n] = data[:n]
-            data = data[n:]
-            self.advance(n)
-
-
-class _Conn:
-    """One kept-alive connection and the bytes read past the last response head."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.extra = bytearray()
-        self.used = False
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
-@dataclass
 class _Head:
     status: int
     headers: dict[str, str]
@@ -191,28 +136,31 @@ class DirectClient:
         self.signer = Signer(target.region)
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
-        self._idle: list[_Conn] = []
+        self._idle: list[Conn] = []
         self._lock = threading.Lock()
         self._ssl: Optional[ssl.SSLContext] = None
         if target.scheme == "https":
             self._ssl = ssl.create_default_context(cafile=target.cafile)
 
     # -- connections ------------------------------------------------------
-    def _connect(self) -> _Conn:
+    def _connect(self) -> Conn:
         t = self.target
         sock = socket.create_connection((t.host, t.port), timeout=self.connect_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl is not None:
             sock = self._ssl.wrap_socket(sock, server_hostname=t.host)
-        return _Conn(sock)
+        return Conn(sock)
 
-    def _take(self) -> _Conn:
+    def _take(self) -> Conn:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
         return self._connect()
 
-    def _give_back(self, conn: _Conn) -> None:
+    def _give_back(self, conn: Conn) -> None:
+        if conn.lent:  # an answer other than 2xx to a spliced body: its bytes may still be queued
+            conn.close()
+            return
         conn.used = True
         with self._lock:
             self._idle.append(conn)
@@ -228,7 +176,7 @@ class DirectClient:
         self._idle = []
 
     # -- one exchange -----------------------------------------------------
-    def _request(self, conn: _Conn, method: str, path: str, extra: dict[str, str], first_byte: float,
+    def _request(self, conn: Conn, method: str, path: str, extra: dict[str, str], first_byte: float,
                  query: str = "", body: Sequence[memoryview] = ()) -> _Head:
         hdrs = self.signer.headers(method, path, query, self.target.host_header, self.creds.get())
         target = f"{path}?{query}" if query else path
@@ -239,8 +187,7 @@ class DirectClient:
         lines += [f"{k}: {v}" for k, v in {**hdrs, **extra}.items()]
         conn.sock.settimeout(first_byte)
         conn.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        for v in body:  # straight from the caller's memory (tensors, staging buffers)
-            conn.sock.sendall(v)
+        send_views(conn, body)  # straight from the caller's memory (tensors, staging buffers)
         buf = conn.extra
         while True:
             end = buf.find(b"\r\n\r\n")
@@ -262,9 +209,12 @@ class DirectClient:
         for line in head[1:]:
             k, _, v = line.partition(":")
             headers[k.strip().lower()] = v.strip()
-        return _Head(int(parts[1]), headers)
+        status = int(parts[1])
+        if 200 <= status < 300:
+            conn.lent = False  # the server read the whole body: the socket holds none of it
+        return _Head(status, headers)
 
-    def _recv_body(self, conn: _Conn, head: _Head, sink: Optional[Sink], skip: int = 0) -> bool:
+    def _recv_body(self, conn: Conn, head: _Head, sink: Optional[Sink], skip: int = 0) -> bool:
         """Receive the body into ``sink`` (``None``: keep it, up to a bound, for an
         error message); True when the connection can be reused."""
         te = head.headers.get("transfer-encoding", "").lower()
@@ -287,15 +237,8 @@ class DirectClient:
                 raise ShortBody("connection closed mid-body")
             left -= len(data)
             skip -= len(data)
-        while left > 0 and sink is not None and sink.got < sink.total:
-            if sink.cancelled:
-                raise ConnectionAbortedError("read cancelled")
-            room = sink.room()
-            n = conn.sock.recv_into(room, min(len(room), left))
-            if n == 0:
-                raise ShortBody("connection closed mid-body")
-            sink.advance(n)
-            left -= n
+        if sink is not None:
+            left = receive(conn, sink, left)
         if left > 0:  # more than the caller wants (or an error body): read and drop
             if left > (_ERROR_BODY if sink is None else 4 << 20):
                 return False  # not worth draining; close instead
@@ -306,7 +249,7 @@ class DirectClient:
                 left -= len(data)
         return head.reusable
 
-    def _recv_chunked(self, conn: _Conn, head: _Head, sink: Optional[Sink], skip: int) -> bool:
+    def _recv_chunked(self, conn: Conn, head: _Head, sink: Optional[Sink], skip: int) -> bool:
         buf = conn.extra
 
         def need(n: int) -> None:
@@ -339,7 +282,7 @@ class DirectClient:
         if sink is not None and len(data) > skip:
             sink.write(data[skip:])
 
-    def _error(self, conn: _Conn, head: _Head, what: str, has_body: bool) -> Exception:
+    def _error(self, conn: Conn, head: _Head, what: str, has_body: bool) -> Exception:
         """The exception for a non-2xx answer (its body read, the connection reused)."""
         body = bytearray()
         keep = not has_body and head.reusable
