@@ -264,8 +264,12 @@ _subgroups: dict[tuple[int, tuple[int, ...]], Any] = {}
 
 
 def background_comm(comm: Comm, process_group: Any) -> Comm:
-    """A gloo group over the same ranks, for collectives issued off the caller's thread.
-    Created once per group, collectively, from the caller's thread."""
+    """A gloo group of objckpt's own over the same ranks, for collectives issued off the
+    caller's thread.  Created once per group, collectively, from the caller's thread.
+    Never the caller's group itself, even when that is gloo: a background finish
+    collective on it interleaves with the caller's own collectives (a
+    ``distribute_tensor`` scatter while a save commits) in different orders on
+    different ranks, and both wait for ever."""
     if not isinstance(comm, TorchComm):
         return comm
     import torch.distributed as dist
@@ -274,11 +278,8 @@ def background_comm(comm: Comm, process_group: Any) -> Comm:
     with _lock:
         group = _gloo_groups.get(key)
     if group is None:
-        if dist.get_backend(process_group) == "gloo":
-            group = process_group if process_group is not None else dist.group.WORLD
-        else:
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            group = dist.new_group(ranks=ranks, backend="gloo")
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        group = dist.new_group(ranks=ranks, backend="gloo")
         with _lock:
             _gloo_groups[key] = group
     return TorchComm(group)
