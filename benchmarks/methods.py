@@ -360,6 +360,19 @@ class ObjckptNoPrefault(Objckpt):
         prefault.ENABLED = False
 
 
+class ObjckptPopulate(Objckpt):
+    """objckpt_s3 with fresh destinations populated from other threads (``prefault.POPULATE``, off
+    by default): the CPU and wall it costs or saves."""
+
+    name = "objckpt_s3_populate"
+
+    def setup(self, target: Target) -> None:
+        super().setup(target)
+        from objckpt.load import prefault
+
+        prefault.POPULATE = True
+
+
 class ObjckptBaseline(Objckpt):
     """objckpt_s3 with the objckpt of another commit: ``OBJCKPT_BASELINE`` names a directory
     holding its source (``bench_cold_warm --baseline REF`` exports one), put first on
@@ -397,7 +410,7 @@ class ObjckptLocal(Objckpt):
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (
     TorchSaveBoto3, DcpS3fs, TensorStoreOcdbt, Objckpt, DcpLocal, TorchSaveLocal, ObjckptLocal, DcpS3fsT4,
-    TorchSaveS3tc, ObjckptBaseline, ObjckptNoPrefault)}
+    TorchSaveS3tc, ObjckptBaseline, ObjckptNoPrefault, ObjckptPopulate)}
 #: run when ``--methods`` is not given (``dcp_s3fs_t4`` and ``torchsave_s3tc`` are opt-in)
 DEFAULT_METHODS = ["torchsave_boto3", "dcp_s3fs", "tensorstore_ocdbt", "objckpt_s3", "dcp_local", "torchsave_local",
                    "objckpt_local"]

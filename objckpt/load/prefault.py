@@ -12,13 +12,16 @@ changes how the memory is backed, never its contents.  By default that is all:
 each page is zeroed by the thread that receives its first bytes, right before
 it writes them.
 
-Pre-faulting from other threads (:data:`POPULATE`) is off: it took the zeroing
-off the receiving threads but saved no wall time and cost more CPU.  1.03 GiB
-loads into fresh tensors from a local server (2 cores; medians of 5-6 new
-processes x 4 loads, alternated in one run), CPU-s/GB warm / cold and wall:
-populating threads 0.66 / 1.17, 0.66 s; advice only 0.62 / 1.01-1.10, 0.63-0.66 s;
-neither 0.85 / 1.08, 0.80 s.  Populating only the destinations too small for
-huge pages did not pay either (0.60 vs 0.55).  With :data:`POPULATE` on,
+Pre-faulting from other threads (:data:`POPULATE`) is off: it takes the zeroing
+off the receiving threads, and on an idle second core that can shorten the
+first load of a process, but it costs more CPU.  1.03 GiB loads into fresh
+tensors from a local server (2 cores, one run each, new processes alternated),
+CPU-s/GB warm / cold and wall: populating threads 0.66 / 1.17, 0.66 s warm;
+advice only 0.62 / 1.01-1.10, 0.63-0.66 s; neither 0.85 / 1.08, 0.80 s.  In
+``bench_cold_warm`` (8 rounds, benchmarks/results/cpu-populate.json): advice
+only 0.38 / 1.06 CPU-s/GB, cold wall 1.51 s; with populating 0.42 / 1.24, 1.23 s.
+Populating only the destinations too small for huge pages did not pay either
+(0.60 vs 0.55).  With :data:`POPULATE` on,
 :func:`start` populates the pages from other threads, in the order the
 requests were issued, while the responses are still coming:
 ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) maps each page writable *without
