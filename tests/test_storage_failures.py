@@ -115,3 +115,47 @@ def test_body_that_always_breaks_is_named(server: S3Server, direct: bool) -> Non
             objckpt.read(f"s3://{bucket}/ck", storage_options={"endpoint_url": proxy.url, "error_attempts": 2,
                                                                 "max_backoff": 0.05, "direct_http": direct, **_KEYS})
         assert proxy.injected >= 2
+
+
+# --------------------------------------------------------------------------- the test tools themselves
+
+
+def test_fault_proxy_close_ends_upstream_connections() -> None:
+    """Closing the proxy sends FIN upstream even while its pump threads sit in recv: a
+    server must not wait forever on a half-sent request of a finished fault trial."""
+    import socket
+
+    upstream = socket.socket()
+    upstream.bind(("127.0.0.1", 0))
+    upstream.listen(4)
+    port = upstream.getsockname()[1]
+    proxy = FaultProxy(f"http://127.0.0.1:{port}", probability=0.0)
+    client = socket.create_connection(("127.0.0.1", int(proxy.url.rsplit(":", 1)[1])), timeout=5)
+    client.sendall(b"PUT /b/k HTTP/1.1\r\nContent-Length: 100\r\n\r\nhalf")  # 96 body bytes never come
+    upstream.settimeout(5)
+    conn, _ = upstream.accept()
+    conn.settimeout(5)
+    got = b""
+    while len(got) < 4 or not got.endswith(b"half"):
+        got += conn.recv(4096)
+    proxy.close()
+    assert conn.recv(4096) == b"", "the upstream connection stayed open after FaultProxy.close()"
+    for s in (conn, client, upstream):
+        s.close()
+
+
+def test_server_stop_does_not_wait_on_a_stalled_request() -> None:
+    """A client that sent half a body and went silent must not hold S3Server.stop()."""
+    import socket
+
+    srv = S3Server()
+    srv.start()
+    boto3.client("s3", endpoint_url=srv.endpoint_url, aws_access_key_id="t", aws_secret_access_key="t",
+                 region_name="us-east-1").create_bucket(Bucket="stall")
+    client = socket.create_connection((srv.host, srv.port), timeout=5)
+    client.sendall(b"PUT /stall/k HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nhalf")
+    time.sleep(0.2)  # the handler is now waiting for the other 96 bytes
+    t0 = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - t0 < 8
+    client.close()

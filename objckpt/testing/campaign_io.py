@@ -134,13 +134,16 @@ class FaultProxy:
             s.close()
 
     def close(self) -> None:
+        """Stop accepting and end every proxied connection with a FIN.
+
+        Why shutdown and not only close: a pump thread blocked in ``recv`` on a socket
+        keeps the kernel socket alive past ``close()``, so the server would keep waiting
+        on a half-sent request forever (and a server's graceful stop with it)."""
         self._stop.set()
         self.sock.close()
-        for s in self._open:
-            try:
-                s.close()
-            except OSError:
-                pass
+        with self._lock:
+            socks, self._open = self._open, []
+        self._close(*socks)
 
     def __enter__(self) -> "FaultProxy":
         return self

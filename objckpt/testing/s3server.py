@@ -60,7 +60,10 @@ def make_app(state: Optional[_S3App] = None) -> web.Application:
 
 async def _serve(state: _S3App, sock: socket.socket) -> web.AppRunner:
     # read_bufsize: fewer pause/resume cycles of the socket while large bodies stream in
-    runner = web.AppRunner(make_app(state), access_log=None, read_bufsize=1 << 20, handle_signals=False)
+    # shutdown_timeout: a stop waits this long for requests still in flight, then cancels them
+    # (aiohttp's 60 s default would outlast S3Server.stop's own wait)
+    runner = web.AppRunner(make_app(state), access_log=None, read_bufsize=1 << 20, handle_signals=False,
+                           shutdown_timeout=2.0)
     await runner.setup()
     await web.SockSite(runner, sock, backlog=1024).start()
     return runner
