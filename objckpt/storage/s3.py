@@ -29,8 +29,8 @@ from ..errors import BucketNotFoundError, PreconditionFailed, StorageError
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 from .limiter import AimdLimiter
 from .s3_writer import S3Writer
-from .s3_routes import DirectRoutes
-from .s3_direct import DirectClient, Sink, Unsupported
+from .s3_routes import NOT_DIRECT, DirectRoutes
+from .s3_direct import DirectClient, Sink
 from .retry import (RetryPolicy, callers_map, classify, error_code, is_missing, is_no_bucket, is_precondition,
                     no_answer, retrying)
 from .shape import parse_kind
@@ -93,19 +93,16 @@ class S3Store(DirectRoutes, ObjectStore):
         """
         if self._bucket_seen:
             return
-        reader = await self._direct()
-        if reader is not None:
-            try:
-                exists = await self._direct_call(reader.bucket_exists, where=f"HeadBucket s3://{self.bucket}")
-            except Unsupported as e:
-                self._direct_refused(e)
-            except Exception:
-                return  # 403 etc.: let the original outcome stand
-            else:
-                if not exists:
-                    raise self._no_bucket()
-                self._bucket_seen = True
-                return
+        try:
+            exists = await self._try_direct(
+                lambda d: self._direct_call(d.bucket_exists, where=f"HeadBucket s3://{self.bucket}"))
+        except Exception:
+            return  # 403 etc.: let the original outcome stand
+        if exists is not NOT_DIRECT:
+            if not exists:
+                raise self._no_bucket()
+            self._bucket_seen = True
+            return
         client = await self.client()
         try:
             await client.head_bucket(Bucket=self.bucket)
@@ -195,20 +192,17 @@ class S3Store(DirectRoutes, ObjectStore):
 
     async def call_with_body(self, op: str, views: Sequence[memoryview], **kw: Any) -> Any:
         """One PutObject / UploadPart that sends ``views``; a fresh body per attempt."""
-        direct = await self._direct()
-        if direct is not None:
-            headers: dict[str, str] = {}
-            if "ChecksumCRC32C" in kw:
-                headers["x-amz-checksum-crc32c"] = kw["ChecksumCRC32C"]
-            if "IfNoneMatch" in kw:
-                headers["if-none-match"] = kw["IfNoneMatch"]
-            query = {"partNumber": str(kw["PartNumber"]), "uploadId": kw["UploadId"]} if op == "upload_part" else None
-            where = f"{op} s3://{self.bucket}/{kw['Key']}"
-            try:
-                return await self._direct_call(functools.partial(direct.put, query=query), kw["Key"], views, headers,
-                                               where=where, has_body=True)
-            except Unsupported as e:
-                self._direct_refused(e)
+        headers: dict[str, str] = {}
+        if "ChecksumCRC32C" in kw:
+            headers["x-amz-checksum-crc32c"] = kw["ChecksumCRC32C"]
+        if "IfNoneMatch" in kw:
+            headers["if-none-match"] = kw["IfNoneMatch"]
+        query = {"partNumber": str(kw["PartNumber"]), "uploadId": kw["UploadId"]} if op == "upload_part" else None
+        where = f"{op} s3://{self.bucket}/{kw['Key']}"
+        r = await self._try_direct(lambda d: self._direct_call(functools.partial(d.put, query=query), kw["Key"], views,
+                                                               headers, where=where, has_body=True))
+        if r is not NOT_DIRECT:
+            return r
         client = await self.body_client()
         fn = getattr(client, op)
         from . import http_body  # aiohttp: imported only by a process that writes
@@ -245,15 +239,13 @@ class S3Store(DirectRoutes, ObjectStore):
         """A whole object.  A body that breaks mid-stream (cut, reset, stalled past
         ``read_timeout``) is fetched again within the policy's budget for that
         kind of failure, like a ranged GET; what is left is a StorageError naming the key."""
-        reader = await self._direct()
-        if reader is not None:
-            try:
-                return bytes(await self._direct_call(reader.get, key, where=f"GET s3://{self.bucket}/{key}"))
-            except Unsupported as e:
-                self._direct_refused(e)
-            except Exception as e:
-                await self._raise_if_missing(key, e)
-                raise
+        try:
+            whole = await self._try_direct(lambda d: self._direct_call(d.get, key, where=f"GET s3://{self.bucket}/{key}"))
+        except Exception as e:
+            await self._raise_if_missing(key, e)
+            raise
+        if whole is not NOT_DIRECT:
+            return bytes(whole)
         client = await self.client()
         attempt = 0
         while True:
@@ -299,13 +291,10 @@ class S3Store(DirectRoutes, ObjectStore):
         sink = Sink(outs, tally=tally)
         if sink.total == 0:
             return 0
-        reader = await self._direct()
-        if reader is not None:
-            try:
-                return await self._read_direct(reader, key, offset, sink, allow_short=allow_short)
-            except Unsupported as e:
-                self._direct_refused(e)
-            sink = Sink(outs)  # botocore reads the whole range again
+        n = await self._try_direct(lambda d: self._read_direct(d, key, offset, sink, allow_short=allow_short))
+        if n is not NOT_DIRECT:
+            return int(n)
+        sink = Sink(outs)  # botocore reads the whole range (again, if the direct path was refused midway)
         client = await self.client()
         attempt = 0
         while True:
@@ -333,14 +322,11 @@ class S3Store(DirectRoutes, ObjectStore):
 
     async def create_upload(self, key: str) -> str:
         """CreateMultipartUpload; the upload id."""
-        direct = await self._direct()
-        if direct is not None:
-            headers = {"x-amz-checksum-algorithm": "CRC32C"} if self.checksums else {}
-            try:
-                return str(await self._direct_call(direct.create_upload, key, headers,
-                                                   where=f"CreateMultipartUpload s3://{self.bucket}/{key}"))
-            except Unsupported as e:
-                self._direct_refused(e)
+        headers = {"x-amz-checksum-algorithm": "CRC32C"} if self.checksums else {}
+        upload_id = await self._try_direct(lambda d: self._direct_call(
+            d.create_upload, key, headers, where=f"CreateMultipartUpload s3://{self.bucket}/{key}"))
+        if upload_id is not NOT_DIRECT:
+            return str(upload_id)
         client = await self.client()
         extra = {"ChecksumAlgorithm": "CRC32C"} if self.checksums else {}
         r = await self.call(client.create_multipart_upload, Bucket=self.bucket, Key=key, **extra)
@@ -348,13 +334,10 @@ class S3Store(DirectRoutes, ObjectStore):
 
     async def complete_upload(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> Any:
         """CompleteMultipartUpload of ``parts`` (PartNumber, ETag[, ChecksumCRC32C])."""
-        direct = await self._direct()
-        if direct is not None:
-            try:
-                return await self._direct_call(direct.complete_upload, key, upload_id, parts,
-                                               where=f"CompleteMultipartUpload s3://{self.bucket}/{key}")
-            except Unsupported as e:
-                self._direct_refused(e)
+        r = await self._try_direct(lambda d: self._direct_call(
+            d.complete_upload, key, upload_id, parts, where=f"CompleteMultipartUpload s3://{self.bucket}/{key}"))
+        if r is not NOT_DIRECT:
+            return r
         client = await self.client()
         return await self.call(client.complete_multipart_upload, Bucket=self.bucket, Key=key, UploadId=upload_id,
                                MultipartUpload={"Parts": parts})
@@ -373,17 +356,12 @@ class S3Store(DirectRoutes, ObjectStore):
             raise
 
     async def head(self, key: str) -> Optional[ObjectInfo]:
-        reader = await self._direct()
-        if reader is not None:
-            try:
-                r = await self._direct_call(reader.head, key, where=f"HEAD s3://{self.bucket}/{key}")
-            except Unsupported as e:
-                self._direct_refused(e)
-            else:
-                if r is None:
-                    await self._check_bucket()
-                    return None
-                return ObjectInfo(key, r[0], r[1])
+        found = await self._try_direct(lambda d: self._direct_call(d.head, key, where=f"HEAD s3://{self.bucket}/{key}"))
+        if found is not NOT_DIRECT:
+            if found is None:
+                await self._check_bucket()
+                return None
+            return ObjectInfo(key, found[0], found[1])
         client = await self.client()
         try:
             r = await self.call(client.head_object, Bucket=self.bucket, Key=key)

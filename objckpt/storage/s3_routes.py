@@ -10,7 +10,7 @@ between the two.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from .. import _runtime
 from ..errors import BucketNotFoundError, CorruptCheckpointError
@@ -21,6 +21,10 @@ from .retry import callers_map, is_missing, is_past_end, no_answer, retrying
 from .s3_direct import DirectClient, Sink, Unsupported
 
 log = get_logger("objckpt.storage")
+
+
+NOT_DIRECT: Any = object()
+"""What :meth:`DirectRoutes._try_direct` returns when the request must go through botocore."""
 
 
 def _direct_passes(e: BaseException) -> bool:
@@ -86,6 +90,19 @@ class DirectRoutes:
             return None
         return DirectClient(self.bucket, target, creds, connect_timeout=self.policy.connect_timeout,
                             read_timeout=self.policy.read_timeout)
+
+    async def _try_direct(self, call: Callable[[DirectClient], Awaitable[Any]]) -> Any:
+        """``await call(direct)`` when the direct path is on; :data:`NOT_DIRECT` when it is
+        off or the endpoint refuses it (then botocore from now on), so that each object
+        call is "direct, else botocore" in one place.  Other errors go up."""
+        direct = await self._direct()
+        if direct is None:
+            return NOT_DIRECT
+        try:
+            return await call(direct)
+        except Unsupported as e:
+            self._direct_refused(e)
+            return NOT_DIRECT
 
     def _direct_refused(self, e: Unsupported) -> None:
         """The endpoint wants something the direct path does not do: botocore from now on."""
