@@ -16,7 +16,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -239,20 +238,14 @@ def run_json(cmd: Sequence[str], timeout: float, show_stderr: bool = False, **wh
             "error": f"exit {p.returncode}, no JSON line; stderr tail: {(p.stderr or '')[-1500:]}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_rank(rank: int, world: int, port: int, fn: Callable[..., Any], cfg: dict[str, Any], path: str,
+def _gloo_rank(rank: int, world: int, rdzv: str, fn: Callable[..., Any], cfg: dict[str, Any], path: str,
                extra: tuple) -> None:
     os.environ.update(CRED_ENV)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(cfg.get("torch_threads", 1))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=rdzv, rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.get("pg_timeout", 900)))
     try:
         out = fn(rank, world, cfg, *extra)
@@ -266,13 +259,15 @@ def _gloo_rank(rank: int, world: int, port: int, fn: Callable[..., Any], cfg: di
 def spawn_gloo(world: int, fn: Callable[..., Any], cfg: dict[str, Any], timeout: float,
                extra: tuple = ()) -> Any:
     """Run ``fn(rank, world, cfg, *extra)`` in ``world`` spawned processes of one gloo group
-    (``tcp://127.0.0.1:<free port>``); rank 0's return value. A failing rank kills the rest."""
+    (a file rendezvous: a free port picked here could be taken before rank 0 binds it);
+    rank 0's return value. A failing rank kills the rest."""
     import torch.multiprocessing as tmp
 
     fd, path = tempfile.mkstemp(prefix=f"bench-w{world}-", suffix=".json")
     os.close(fd)
+    rdzv = "file://" + path + ".rdzv"
     try:
-        ctx = tmp.spawn(_gloo_rank, args=(world, _free_port(), fn, cfg, path, extra), nprocs=world, join=False,
+        ctx = tmp.spawn(_gloo_rank, args=(world, rdzv, fn, cfg, path, extra), nprocs=world, join=False,
                         start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=2):
@@ -285,6 +280,8 @@ def spawn_gloo(world: int, fn: Callable[..., Any], cfg: dict[str, Any], timeout:
             return json.load(f)
     finally:
         os.remove(path)
+        if os.path.exists(path + ".rdzv"):
+            os.remove(path + ".rdzv")
 
 
 def local(t: Any) -> Any:

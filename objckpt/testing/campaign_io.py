@@ -239,14 +239,14 @@ def _zeroed(state: Any) -> Any:
 # --------------------------------------------------------------------------- corrupt
 
 
-def _v2_rank(rank: int, world: int, port: int, uri: str, seed: int) -> None:
+def _v2_rank(rank: int, world: int, rdzv: str, uri: str, seed: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import objckpt
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rdzv, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
         full = v2_state(seed)
@@ -270,16 +270,17 @@ def make_v2_checkpoint(path: str, seed: int = 5, world: int = 2, timeout: float 
     holding DTensors; returns the whole state it holds."""
     import torch.multiprocessing as tmp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = tmp.spawn(_v2_rank, args=(world, port, path, seed), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError("v2 save ranks hung")
+    # a file rendezvous: a free TCP port picked here can be taken (an outgoing connection's
+    # ephemeral port) before rank 0 binds it, which fails or hangs the group
+    with tempfile.TemporaryDirectory(prefix="objckpt-rdzv-") as rd:
+        rdzv = "file://" + os.path.join(rd, "store")
+        ctx = tmp.spawn(_v2_rank, args=(world, rdzv, path, seed), nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError("v2 save ranks hung")
     return v2_state(seed)
 
 
