@@ -28,6 +28,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,20 @@ def one_process(args: argparse.Namespace) -> dict[str, Any]:
         out["reps"].append(r)
         del dest
     return out
+
+
+def floor_process(args: argparse.Namespace) -> dict[str, Any]:
+    """The fresh-page floor, in a new process like a method's load: the CPU that merely
+    writing every byte of fresh destinations costs (the kernel's page faults and zeroing,
+    then one pass of stores), with no I/O.  No loader into fresh memory can pay less."""
+    specs = gpt_specs(scaled_bytes(args.scale))
+    reps = []
+    for _ in range(args.reps):
+        gc.collect()
+        dest = {s.key: torch.empty(s.shape, dtype=torch.float32) for s in specs}
+        reps.append(_timed(lambda d=dest: [t.fill_(1.0) for t in d.values()]))
+        del dest
+    return {"status": "ok", "reps": reps}
 
 
 def h2d_gbps(device: str, nbytes: int = 1 << 30) -> float:
@@ -176,7 +191,9 @@ def warm_server(client: Any, bucket: str, nbytes: int, piece: int = 16 << 20) ->
     """Store and delete ``nbytes`` once before any method runs (untimed). A new server
     process first has to fault in the memory it keeps objects in; without this the
     first method of round 0 pays that for the server (measured: objckpt's saves took
-    1.5-1.8 s first in round 0, 0.74-0.87 s last in round 1, in the same run)."""
+    1.5-1.8 s first in round 0, 0.74-0.87 s last in round 1, in the same run).  The
+    caller passes what a method holds at its peak (every rep's checkpoint): warmed
+    with one state only, round 0's first save was fast and its next two paid again."""
     blob = os.urandom(piece)
     keys = [f"server-warmup/{i}" for i in range(-(-nbytes // piece))]
     for k in keys:
@@ -206,14 +223,21 @@ def drive(args: argparse.Namespace) -> int:
     h.log(f"state {len(specs)} tensors, {state_bytes / h.GiB:.3f} GiB; methods {methods}; "
           f"{args.rounds} round(s) x {args.reps} reps")
     runs: list[dict[str, Any]] = []
+    floors: list[dict[str, Any]] = []
     if args.baseline:
         methods_note = _export_baseline(args.baseline)
         h.log(f"objckpt_s3_base runs objckpt at {methods_note}")
     with h.Server(args.target, args.bucket) as server:
         client = h.boto3_client(server.url)
         if args.server_warmup:
-            warm_server(client, args.bucket, state_bytes)
+            warm_server(client, args.bucket, state_bytes * args.reps)
         for rnd in range(args.rounds):
+            if args.device == "cpu":
+                floor = h.run_json(["-m", "benchmarks.bench_cold_warm", "--one", "floor", "--scale", str(args.scale),
+                                    "--reps", str(args.reps)], args.timeout)
+                floors.append(floor)
+                h.log(f"round {rnd} fresh-page floor CPU-s/GB: " + " ".join(
+                    f"{x['cpu_s'] / (state_bytes / 1e9):.2f}" for x in floor.get("reps", [])))
             order = methods if rnd % 2 == 0 else methods[::-1]  # interleaved, alternating order
             for m in order:
                 prefix = f"{rid}/{m}/round{rnd}"
@@ -233,11 +257,18 @@ def drive(args: argparse.Namespace) -> int:
         shutil.rmtree(os.environ.pop("OBJCKPT_BASELINE"), ignore_errors=True)
     summaries = {m: summarize([r for r in runs if r["method"] == m], state_bytes) for m in methods}
     md = table(summaries, state_bytes, args.ref)
+    floor_reps = [f.get("reps", []) for f in floors]
+    floor_cold = [r[0]["cpu_s"] / (state_bytes / 1e9) for r in floor_reps if r]
+    floor_warm = [x["cpu_s"] / (state_bytes / 1e9) for r in floor_reps for x in r[1:]]
+    if floor_cold:
+        md += (f"\n\nFresh-page floor (writing every byte of fresh destinations, no I/O, new process): "
+               f"{statistics.median(floor_cold):.2f} CPU-s/GB cold, "
+               f"{statistics.median(floor_warm) if floor_warm else float('nan'):.2f} warm.")
     cfg = dict(vars(args), methods=methods, baseline=os.environ.get("OBJCKPT_BASELINE_REF"), state_bytes=state_bytes, tensors=len(specs))
     path = h.write_results(h.result_path(name), {
         "name": name, "config": cfg,
         "environment": h.environment("boto3", "aiobotocore", "s3fs", "tensorstore", "s3torchconnector"),
-        "summary": summaries, "runs": runs, "table_markdown": md})
+        "summary": summaries, "runs": runs, "fresh_page_floor": floors, "table_markdown": md})
     h2d = [s["load"]["h2d_gbps"] for s in summaries.values() if s["load"].get("h2d_gbps")]
     if h2d:
         print(f"\nloads onto {args.device}; pinned host-to-device copy {max(h2d):.1f} GB/s")
@@ -267,10 +298,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--baseline", default=None, metavar="REF",
                     help="also run objckpt_s3_base: objckpt as of git REF (add it to --methods)")
-    ap.add_argument("--one", choices=("save", "load"), help="internal: run the reps of one op here")
+    ap.add_argument("--one", choices=("save", "load", "floor"), help="internal: run the reps of one op here")
     ap.add_argument("--endpoint-url", default=None)
     ap.add_argument("--prefix", default="manual")
     args = ap.parse_args(argv)
+    if args.one == "floor":
+        print(json.dumps(floor_process(args), default=repr), flush=True)
+        return 0
     if args.one:
         args.method = args.methods.split(",")[0]
         print(json.dumps(one_process(args), default=repr), flush=True)

@@ -373,6 +373,17 @@ class ObjckptPopulate(Objckpt):
         prefault.POPULATE = True
 
 
+class ObjckptSplice(Objckpt):
+    """objckpt_s3 with request bodies spliced on plain TCP (``OBJCKPT_SPLICE_BODIES=1``, off by
+    default): what splicing buys or costs."""
+
+    name = "objckpt_s3_splice"
+
+    def setup(self, target: Target) -> None:
+        os.environ["OBJCKPT_SPLICE_BODIES"] = "1"  # this process only (each op runs in its own)
+        super().setup(target)
+
+
 class ObjckptBaseline(Objckpt):
     """objckpt_s3 with the objckpt of another commit: ``OBJCKPT_BASELINE`` names a directory
     holding its source (``bench_cold_warm --baseline REF`` exports one), put first on
@@ -410,7 +421,7 @@ class ObjckptLocal(Objckpt):
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (
     TorchSaveBoto3, DcpS3fs, TensorStoreOcdbt, Objckpt, DcpLocal, TorchSaveLocal, ObjckptLocal, DcpS3fsT4,
-    TorchSaveS3tc, ObjckptBaseline, ObjckptNoPrefault, ObjckptPopulate)}
+    TorchSaveS3tc, ObjckptBaseline, ObjckptNoPrefault, ObjckptPopulate, ObjckptSplice)}
 #: run when ``--methods`` is not given (``dcp_s3fs_t4`` and ``torchsave_s3tc`` are opt-in)
 DEFAULT_METHODS = ["torchsave_boto3", "dcp_s3fs", "tensorstore_ocdbt", "objckpt_s3", "dcp_local", "torchsave_local",
                    "objckpt_local"]

@@ -350,12 +350,9 @@ def fast_client() -> Iterator[tuple[DirectClient, S3Server]]:
         client.close()
 
 
-def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Large bodies leave by splice (the kernel sends from the caller's pages); once
-    the 2xx answer is in, the server has read them all: the buffer may be reused."""
+def _spy_splice(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from objckpt.storage import wire
 
-    client, _ = fast_client
     spliced: list[int] = []
     real = wire.os.splice
 
@@ -365,6 +362,31 @@ def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypa
         return n
 
     monkeypatch.setattr(wire.os, "splice", spy)
+    return spliced
+
+
+def test_bodies_are_copied_unless_splicing_is_asked_for(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splicing is opt-in, and the variable is read at each send (a change between calls counts)."""
+    client, _ = fast_client
+    spliced = _spy_splice(monkeypatch)
+    monkeypatch.delenv("OBJCKPT_SPLICE_BODIES", raising=False)
+    data = os.urandom(1 << 20)
+    client.put("k", [memoryview(bytearray(data))], {}, 5.0)
+    assert spliced == [] and client.get("k", 5.0) == data
+    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
+    client.put("k2", [memoryview(bytearray(data))], {}, 5.0)
+    assert sum(spliced) == len(data) and client.get("k2", 5.0) == data
+    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "0")
+    client.put("k3", [memoryview(bytearray(data))], {}, 5.0)
+    assert sum(spliced) == len(data) and client.get("k3", 5.0) == data
+
+
+def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large bodies leave by splice (the kernel sends from the caller's pages); once
+    the 2xx answer is in, the server has read them all: the buffer may be reused."""
+    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
+    client, _ = fast_client
+    spliced = _spy_splice(monkeypatch)
     data = os.urandom(4 << 20)
     buf = bytearray(data)
     client.put("k", [memoryview(bytes(100)), memoryview(buf)], {}, 5.0)
@@ -374,11 +396,12 @@ def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypa
     assert all(not c.lent for c in client._idle)
 
 
-def test_a_failed_spliced_put_closes_its_connection(fast_client: Any) -> None:
+def test_a_failed_spliced_put_closes_its_connection(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error answer does not say the body left the socket: the connection is closed
     (abortively), never reused, and the next request goes on a fresh one."""
     from objckpt.storage.s3_direct import S3HttpError
 
+    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
     client, srv = fast_client
     client.put("warm", [memoryview(bytearray(10))], {}, 5.0)
     assert len(client._idle) == 1
@@ -394,6 +417,7 @@ def test_a_failed_spliced_put_closes_its_connection(fast_client: Any) -> None:
 def test_without_splice_bodies_are_copied(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from objckpt.storage import wire
 
+    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")  # asked for, but not to be had
     client, _ = fast_client
     monkeypatch.setattr(wire, "_get_vmsplice", lambda: False)
     monkeypatch.setattr(wire, "PIPE_SIZES", ())
@@ -402,9 +426,11 @@ def test_without_splice_bodies_are_copied(fast_client: Any, monkeypatch: pytest.
     assert client.get("k", 5.0) == data
 
 
-def test_a_spliced_body_nobody_reads_times_out() -> None:
+@pytest.mark.parametrize("splice", ["1", "0"])
+def test_a_body_nobody_reads_times_out(splice: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server takes the connection but never reads: the send times out within the
-    timeout given (as sendall's would), and the connection is dropped."""
+    timeout given (as sendall's would), and the connection is dropped; spliced or copied."""
+    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", splice)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)

@@ -189,7 +189,22 @@ class _Iovec(ctypes.Structure):
 
 
 _vmsplice: Any = None  # libc's, once found; False where there is none
+#: splicing is possible here (False for good once the kernel refused it)
 SPLICE = hasattr(os, "splice") and _LINUX
+#: the environment variable that turns spliced bodies on (read at every send)
+SPLICE_ENV = "OBJCKPT_SPLICE_BODIES"
+
+
+def splice_wanted() -> bool:
+    """Whether bodies are spliced: opt-in (``OBJCKPT_SPLICE_BODIES=1``), off by default.
+
+    Why off: splicing saves the client about a quarter of a save's CPU (0.40 -> 0.29
+    CPU-s/GB, 1.03 GiB, local server), but in the same runs it made saves no faster
+    warm, 12% slower cold, and 2-rank saves 15-25% slower (ranks and server sharing
+    the cores), and wall time is what a training job waits on
+    (``benchmarks/results/splice-cold-warm.json``, docs/benchmarks.md).  Read at
+    every send, so a change between calls takes effect."""
+    return SPLICE and os.environ.get(SPLICE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _get_vmsplice() -> Any:
@@ -224,17 +239,17 @@ def _pipe(conn: Conn) -> Optional[tuple[int, int]]:
 
 
 def send_views(conn: Conn, views: "list[memoryview] | tuple[memoryview, ...]") -> None:
-    """Send ``views`` in order.  On plain TCP (Linux) each large writable buffer is
-    spliced: ``vmsplice`` lends its pages to a pipe and ``splice`` moves them into the
+    """Send ``views`` in order.  With :func:`splice_wanted`, on plain TCP (Linux) each large
+    writable buffer is spliced: ``vmsplice`` lends its pages to a pipe and ``splice`` moves them into the
     socket, so the kernel sends from the caller's memory instead of copying it first
     (the copy was ~40% of a save's client CPU on a local server).  The caller's bytes
     must not change until the answer comes (tensors of a blocking save, staging
     buffers held until their upload returns): a 2xx answer means the peer read them
     all; until then ``conn.lent`` is set and :meth:`Conn.close` discards what the
     socket still holds (an abortive close) rather than let it go out later."""
+    splice = splice_wanted() and _plain_tcp(conn.sock)
     for v in views:
-        if (SPLICE and len(v) >= SPLICE_MIN and not v.readonly and v.contiguous and _plain_tcp(conn.sock)
-                and _splice(conn, v)):
+        if splice and len(v) >= SPLICE_MIN and not v.readonly and v.contiguous and _splice(conn, v):
             continue
         conn.sock.sendall(v)
 
