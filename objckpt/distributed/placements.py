@@ -253,13 +253,31 @@ def _parse(p: str) -> Optional[tuple[int, int]]:
     return int(d), int(sf or 1)
 
 
-def _unstride(shape: tuple[int, ...], mesh_t: Any, placements: tuple[str, ...],
+#: per DeviceMesh (held, so its id cannot be reused): its rank tensor, shape and row-major ranks
+_MESHES: dict[int, tuple[Any, Any, tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _mesh_ranks(mesh: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+    """(rank tensor, shape, row-major ranks) of ``mesh``, computed once per mesh.
+
+    Why: ``DeviceMesh.mesh`` rebuilds its tensor from the layout on every access in
+    recent torch (~0.2 ms); a save describes every DTensor, thousands in a large model."""
+    hit = _MESHES.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1], hit[2], hit[3]
+    mesh_t = mesh.mesh
+    entry = (mesh, mesh_t, tuple(int(d) for d in mesh_t.shape), tuple(int(r) for r in mesh_t.flatten().tolist()))
+    _MESHES[id(mesh)] = entry
+    return entry[1], entry[2], entry[3]
+
+
+def _unstride(shape: tuple[int, ...], mesh: Any, placements: tuple[str, ...],
               ident: Any) -> Optional[MeshDescription]:
     """Strided placements as plain Shard on a permuted mesh (same points, same
     boxes), or None when no order of the mesh dims reproduces them."""
-    mshape = tuple(int(d) for d in mesh_t.shape)
+    mesh_t, mshape, ranks = _mesh_ranks(mesh)
     if not any("/" in p for p in placements):
-        return MeshDescription(ident, mshape, tuple(int(r) for r in mesh_t.flatten().tolist()), placements)
+        return MeshDescription(ident, mshape, ranks, placements)
     perm = nested_order(shape, mshape, [_parse(p) for p in placements])
     if perm is None:
         return None
@@ -289,8 +307,8 @@ def mesh_description(x: Any, placements: tuple[str, ...]) -> Optional[MeshDescri
         pos = [rnames.index(n) for n in names]
         if pos == sorted(pos):
             by_dim = dict(zip(pos, placements))
-            return _unstride(shape, root.mesh, tuple(by_dim.get(i, "R") for i in range(len(rnames))), id(root))
-    return _unstride(shape, mesh.mesh, placements, id(mesh))
+            return _unstride(shape, root, tuple(by_dim.get(i, "R") for i in range(len(rnames))), id(root))
+    return _unstride(shape, mesh, placements, id(mesh))
 
 
 def _is_replicate(p: Any) -> bool:
@@ -314,7 +332,7 @@ def replica_group(value: Any, group_ranks: Ranks) -> Optional[Ranks]:
         index: list[Any] = []
         for d, p in enumerate(value.placements):
             index.append(slice(None) if _is_replicate(p) or mesh.size(d) == 1 else coord[d])
-        ranks = tuple(sorted(int(r) for r in mesh.mesh[tuple(index)].reshape(-1).tolist()))
+        ranks = tuple(sorted(int(r) for r in _mesh_ranks(mesh)[0][tuple(index)].reshape(-1).tolist()))
         return ranks if set(ranks) <= set(group_ranks) else None
     if isinstance(value, torch.Tensor):
         return group_ranks
