@@ -15,8 +15,8 @@ manifest is committed last, conditionally, as every save does.
 from __future__ import annotations
 
 import collections
-import math
 import concurrent.futures
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -134,7 +134,7 @@ def write_checkpoint(uri: str, sources: Sequence[SourceTensor], load: Callable[[
     plan = plan_save(specs, blob_bytes=blob_size, part_bytes=max(part_size, st.min_part_size),
                      chunk_bytes=part_size, max_part_bytes=st.max_part_size)
     crc_block = opts.crc_block if opts.crc_block is not None else crc_blocks.for_boxes(
-        (math.prod(s.shape) * itemsize(s.dtype) for s in sources), opts.part_size)
+        (math.prod(s.shape) * itemsize(s.dtype) for s in sources), part_size)
     attempt = keys.new_attempt_id()
     names = [keys.blob_name(attempt, 0, b.index) for b in plan.blobs]
     blob_keys = [keys.join(prefix, n) for n in names]

@@ -9,9 +9,11 @@ copy), so the pinned memory a load holds is the ring's, however large the
 state: the buffers come from the process-wide :class:`~objckpt.memory.HostPool`
 and serve the next load (or save) without being pinned again.
 
-Each segment's crc32c is taken from its host slot and the chunk's crc is
-combined from them in order (:func:`~objckpt.checksum.crc32c_combine`), so a
-chunk is verified without ever being whole in host memory.
+Each segment's crc32c is taken in its host slot, as the bytes land where the
+store can hash them there (``get_range_tallied``, the direct S3 path), else in
+one pass after the GET; the chunk's crc is combined from them in order
+(:func:`~objckpt.checksum.crc32c_combine`), so a chunk is verified without ever
+being whole in host memory.
 
 The copy engine is the only device-specific part: with a CPU destination (the
 mirror that is tested on every machine) the copy is a plain ``copy_`` on a
@@ -26,7 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import _runtime
-from ..checksum import crc32c, crc32c_combine
+from ..checksum import CellCrcs, crc32c, crc32c_combine
 from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
 from ..memory import Budget, host_pool, side_stream
 from ..results import IOStats
@@ -206,22 +208,34 @@ async def stream_reads(store: ObjectStore, reads: Sequence[DeviceRead], stats: I
         for i, *_ in s.pieces:
             left[i] += 1
     copier = _Copier(streams or {})
+    tallied = getattr(store, "get_range_tallied", None)
 
     async def one(s: Segment) -> None:
         buf = await free.get()
         try:
             view = memoryview(buf[: s.length].numpy())
+            checked = [(i, a, b, at) for i, a, b, at in s.pieces if reads[i].crc is not None]
+            # one cell per checked piece (pieces never overlap), hashed as its bytes land
+            tally = CellCrcs([x for *_, a, b, at in checked for x in (at, at + b - a)], s.length) \
+                if checked and tallied is not None else None
             try:
-                await store.get_range_into(s.blob_key, s.offset, view)
+                if tally is not None:
+                    await tallied(s.blob_key, s.offset, [view], tally)
+                else:
+                    await store.get_range_into(s.blob_key, s.offset, view)
             except NotFoundError:
                 raise BlobMissingError(f"blob {s.blob_key!r} is missing (needed by tensor(s) "
                                        f"{_names(reads, s)})") from None
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"{e} (needed by tensor(s) {_names(reads, s)})") from None
             stats.add(s.length)
-            checked = [(i, a, b, at) for i, a, b, at in s.pieces if reads[i].crc is not None]
             if checked:
-                got = await _runtime.in_thread(lambda: [crc32c(view[at : at + b - a]) for _, a, b, at in checked])
+                cells = tally.cells() if tally is not None else None  # None: the store did not hash them
+                if cells is not None:
+                    at_start = {start: crc for start, _, crc in cells}
+                    got = [at_start[at] for *_, at in checked]
+                else:
+                    got = await _runtime.in_thread(lambda: [crc32c(view[at : at + b - a]) for _, a, b, at in checked])
                 for (i, a, b, _), c in zip(checked, got):
                     crcs[i][a] = (c, b - a)
             await copier.copy([(reads[i].dest[a:b], buf[at : at + b - a]) for i, a, b, at in s.pieces])
