@@ -18,6 +18,7 @@ Three kinds of tensor leaves are understood:
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -253,22 +254,29 @@ def _parse(p: str) -> Optional[tuple[int, int]]:
     return int(d), int(sf or 1)
 
 
-#: per DeviceMesh (held, so its id cannot be reused): its rank tensor, shape and row-major ranks
-_MESHES: dict[int, tuple[Any, Any, tuple[int, ...], tuple[int, ...]]] = {}
+#: per DeviceMesh, dropped with it: its rank tensor, shape and row-major ranks
+_MESHES: "weakref.WeakKeyDictionary[Any, tuple[Any, tuple[int, ...], tuple[int, ...]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _mesh_ranks(mesh: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
     """(rank tensor, shape, row-major ranks) of ``mesh``, computed once per mesh.
 
     Why: ``DeviceMesh.mesh`` rebuilds its tensor from the layout on every access in
-    recent torch (~0.2 ms); a save describes every DTensor, thousands in a large model."""
-    hit = _MESHES.get(id(mesh))
-    if hit is not None and hit[0] is mesh:
-        return hit[1], hit[2], hit[3]
+    torch 2.13 (~30 us); a save describes every DTensor, thousands in a large model."""
+    try:
+        hit = _MESHES.get(mesh)
+    except TypeError:  # a mesh-like object that cannot be weakly referenced or hashed
+        hit = None
+    if hit is not None:
+        return hit
     mesh_t = mesh.mesh
-    entry = (mesh, mesh_t, tuple(int(d) for d in mesh_t.shape), tuple(int(r) for r in mesh_t.flatten().tolist()))
-    _MESHES[id(mesh)] = entry
-    return entry[1], entry[2], entry[3]
+    entry = (mesh_t, tuple(int(d) for d in mesh_t.shape), tuple(int(r) for r in mesh_t.flatten().tolist()))
+    try:
+        _MESHES[mesh] = entry
+    except TypeError:
+        pass
+    return entry
 
 
 def _unstride(shape: tuple[int, ...], mesh: Any, placements: tuple[str, ...],
