@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -50,6 +51,7 @@ def _timed(fn: Any, cuda: bool = False) -> dict[str, Any]:
     """Run ``fn()``; wall, CPU and peak RSS of the call (with ``cuda``: until the device is done)."""
     gc.collect()
     with h.PeakRss() as rss:
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         cpu0, t0 = time.process_time(), time.perf_counter()
         err = None
         try:
@@ -59,7 +61,9 @@ def _timed(fn: Any, cuda: bool = False) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - reported
             err = f"{type(e).__name__}: {e}"
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": rss.op_peak or rss.lifetime,
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {"wall_s": wall, "cpu_s": cpu, "user_s": ru1.ru_utime - ru0.ru_utime, "sys_s": ru1.ru_stime - ru0.ru_stime,
+            "minor_faults": ru1.ru_minflt - ru0.ru_minflt, "peak_rss_bytes": rss.op_peak or rss.lifetime,
             "rss_before_bytes": rss.before, "error": err}
 
 

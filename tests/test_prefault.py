@@ -1,5 +1,6 @@
-"""Fresh load destinations: huge-page advice by default, pre-faulting when asked
-(``prefault.POPULATE``); neither changes a byte nor is needed for correctness.
+"""Fresh load destinations: huge-page advice by default (not on a guest whose balloon
+reports free pages to its host, ``OBJCKPT_HUGE_PAGES`` overriding), pre-faulting when
+asked (``prefault.POPULATE``); neither changes a byte nor is needed for correctness.
 
 ``MADV_POPULATE_WRITE`` maps pages without writing them, so populating memory that
 already holds data (or receives it at the same time) must leave it as it is.  The
@@ -106,11 +107,12 @@ def _huge_kib(addr: int, length: int) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
-def test_fresh_large_destination_is_backed_by_huge_pages(small_threshold: None) -> None:
+def test_fresh_large_destination_is_backed_by_huge_pages(small_threshold: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh 64 MiB destination advised MADV_HUGEPAGE is mapped 2 MiB at a time
     (where THP is on "madvise" or "always"), and keeps the bytes written after."""
     import mmap
 
+    monkeypatch.setenv(prefault.HUGE_PAGES_ENV, "on")
     mm = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # fresh pages for sure (torch.empty may reuse freed, mapped heap)
     t = torch.frombuffer(mm, dtype=torch.uint8)
     view = host_bytes(t)
@@ -128,11 +130,14 @@ def test_fresh_large_destination_is_backed_by_huge_pages(small_threshold: None) 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
 def test_by_default_only_huge_pages_are_advised(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default starts no thread and maps nothing; the advice makes the first writes
-    map the fresh destination 2 MiB at a time."""
+    """The default starts no thread and maps nothing; the advice (here on a host that
+    takes no free pages back) makes the first writes map the fresh destination 2 MiB at
+    a time."""
     import mmap
 
     monkeypatch.setattr(prefault, "MIN_BYTES", 0)
+    monkeypatch.delenv(prefault.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setattr(prefault, "host_takes_free_pages", lambda sysfs="/sys": False)
     assert prefault.POPULATE is False
     mm = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     t = torch.frombuffer(mm, dtype=torch.uint8)
@@ -145,3 +150,81 @@ def test_by_default_only_huge_pages_are_advised(monkeypatch: pytest.MonkeyPatch)
         assert _huge_kib(addr, len(view)) >= 32 << 10
     assert int(t.sum()) == 5 * (64 << 20)
     del t, view
+
+
+def _fake_virtio(root, devices: dict[str, tuple[str, str]]) -> str:
+    """A sysfs tree with virtio devices ``name: (device id, features bits)``."""
+    for name, (device, features) in devices.items():
+        d = root / "bus" / "virtio" / "devices" / name
+        d.mkdir(parents=True)
+        (d / "device").write_text(device + "\n")
+        (d / "features").write_text(features + "\n")
+    return str(root)
+
+
+def test_balloon_with_free_page_reporting_is_found(tmp_path) -> None:
+    """Only a balloon (device 0x0005) with feature bit 5 (free page reporting) counts;
+    another device with that bit, or a balloon without it, does not."""
+    bits = "0110010100000000000000000000000010000000"
+    no_report = bits[:5] + "0" + bits[6:]
+    assert prefault.host_takes_free_pages(_fake_virtio(tmp_path / "a", {"virtio0": ("0x0005", bits)}))
+    assert not prefault.host_takes_free_pages(_fake_virtio(tmp_path / "b", {"virtio0": ("0x0005", no_report)}))
+    assert not prefault.host_takes_free_pages(_fake_virtio(tmp_path / "c", {"virtio0": ("0x0001", bits),
+                                                                            "virtio1": ("0x0002", bits)}))
+    assert prefault.host_takes_free_pages(_fake_virtio(tmp_path / "d", {"virtio0": ("0x0001", no_report),
+                                                                        "virtio3": ("0x0005", bits)}))
+    assert not prefault.host_takes_free_pages(str(tmp_path / "no-sysfs"))
+    broken = tmp_path / "e" / "bus" / "virtio" / "devices" / "virtio0"
+    broken.mkdir(parents=True)
+    (broken / "device").write_text("not hex")
+    assert not prefault.host_takes_free_pages(str(tmp_path / "e"))
+
+
+def test_huge_pages_setting_is_read_at_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    reports = [True]
+    monkeypatch.setattr(prefault, "host_takes_free_pages", lambda sysfs="/sys": reports[0])
+    monkeypatch.delenv(prefault.HUGE_PAGES_ENV, raising=False)
+    assert prefault.huge_pages_wanted() is False  # auto, on a reporting guest
+    reports[0] = False
+    assert prefault.huge_pages_wanted() is True  # auto elsewhere
+    for value, want in (("on", True), ("1", True), (" YES ", True), ("off", False), ("0", False), ("auto", True)):
+        monkeypatch.setenv(prefault.HUGE_PAGES_ENV, value)
+        assert prefault.huge_pages_wanted() is want, value
+    monkeypatch.setenv(prefault.HUGE_PAGES_ENV, "sometimes")
+    with pytest.raises(ValueError, match="OBJCKPT_HUGE_PAGES='sometimes'"):
+        prefault.huge_pages_wanted()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_huge_pages_off_leaves_small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the advice off a fresh destination is mapped 4 KiB at a time (where THP is
+    on "madvise": under "always" the kernel maps huge pages without being asked)."""
+    import mmap
+
+    monkeypatch.setattr(prefault, "MIN_BYTES", 0)
+    monkeypatch.setenv(prefault.HUGE_PAGES_ENV, "off")
+    mm = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    view = host_bytes(t)
+    addr = prefault.address(view)
+    assert prefault.start([view]) is None
+    t.fill_(9)
+    if _thp_mode() == "madvise":
+        assert _huge_kib(addr, len(view)) == 0
+    assert int(t.sum()) == 9 * (64 << 20)
+    del t, view
+
+
+def test_misspelt_huge_pages_setting_fails_a_load_before_it_reads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small load too (below the size where advice is given) names the variable, and
+    the template is left as it was."""
+    state = {"w": torch.arange(12.0).reshape(3, 4)}
+    objckpt.save(state, str(tmp_path / "ck"))
+    template = {"w": torch.full((3, 4), -1.0)}
+    monkeypatch.setenv(prefault.HUGE_PAGES_ENV, "maybe")
+    with pytest.raises(ValueError, match="OBJCKPT_HUGE_PAGES"):
+        objckpt.load(template, str(tmp_path / "ck"))
+    assert bool((template["w"] == -1).all())
+    monkeypatch.setenv(prefault.HUGE_PAGES_ENV, "off")
+    objckpt.load(template, str(tmp_path / "ck"))
+    assert torch.equal(template["w"], state["w"])

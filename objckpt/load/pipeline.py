@@ -277,9 +277,9 @@ def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: C
     raise, saying the checkpoint was replaced)."""
     tries = 0
     stateful = find_stateful(state_dict)  # each Stateful value's state_dict(), taken once
-    # A restarting job's template was just allocated: its pages get populated by other
-    # threads while the client starts and the manifest is fetched (a cold process spends
-    # about 0.5 s there), not faulted in by the receiving loop later.
+    # A restarting job's template was just allocated: its large pieces are advised huge
+    # pages where that pays (see prefault), before the manifest is fetched; a misspelt
+    # OBJCKPT_HUGE_PAGES is reported here, before any request.
     faults = prefault.start(prefault.tensor_memory(s.value for s in template_slots(state_dict, stateful)))
     try:
         while True:
