@@ -384,6 +384,18 @@ class ObjckptSplice(Objckpt):
         super().setup(target)
 
 
+class ObjckptHugePages(Objckpt):
+    """objckpt_s3 with huge-page advice for fresh destinations forced on
+    (``OBJCKPT_HUGE_PAGES=on``): on a guest that reports free pages to its host the
+    default leaves it off; this shows what that choice costs or saves."""
+
+    name = "objckpt_s3_huge"
+
+    def setup(self, target: Target) -> None:
+        os.environ["OBJCKPT_HUGE_PAGES"] = "on"  # this process only (each op runs in its own)
+        super().setup(target)
+
+
 class ObjckptBaseline(Objckpt):
     """objckpt_s3 with the objckpt of another commit: ``OBJCKPT_BASELINE`` names a directory
     holding its source (``bench_cold_warm --baseline REF`` exports one), put first on
@@ -421,7 +433,7 @@ class ObjckptLocal(Objckpt):
 
 METHODS: dict[str, type[Method]] = {m.name: m for m in (
     TorchSaveBoto3, DcpS3fs, TensorStoreOcdbt, Objckpt, DcpLocal, TorchSaveLocal, ObjckptLocal, DcpS3fsT4,
-    TorchSaveS3tc, ObjckptBaseline, ObjckptNoPrefault, ObjckptPopulate, ObjckptSplice)}
+    TorchSaveS3tc, ObjckptBaseline, ObjckptNoPrefault, ObjckptPopulate, ObjckptSplice, ObjckptHugePages)}
 #: run when ``--methods`` is not given (``dcp_s3fs_t4`` and ``torchsave_s3tc`` are opt-in)
 DEFAULT_METHODS = ["torchsave_boto3", "dcp_s3fs", "tensorstore_ocdbt", "objckpt_s3", "dcp_local", "torchsave_local",
                    "objckpt_local"]

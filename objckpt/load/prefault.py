@@ -13,13 +13,13 @@ each page is zeroed by the thread that receives its first bytes, right before
 it writes them.
 
 Not on a virtual machine whose balloon reports free pages to its host
-(virtio ``VIRTIO_BALLOON_F_REPORTING``, common on microVMs): the guest hands
+(virtio ``VIRTIO_BALLOON_F_REPORTING``, as on the development machine): the guest hands
 its free 2 MiB blocks back, the host drops them, and a huge page is then
 taken from exactly such a block, so the host has to fault in and zero all of
 it again underneath the guest's own zeroing.  Measured on one (2 cores,
 1.03 GiB, new processes alternated): writing fresh destinations cost 0.78-0.80
-CPU-s/GB with 4 KiB pages and 1.02-1.44 with the advice; a cold restore took
-0.84-0.95 s and 1.02-1.16 CPU-s/GB without the advice, 1.15-1.47 s and 1.50-2.03
+CPU-s/GB with 4 KiB pages and 1.02-1.69 with the advice; a cold restore took
+0.84-0.95 s and 1.02-1.16 CPU-s/GB without the advice, 1.15-1.47 s and 1.50-2.04
 with it.  (Reloads within a second of freeing the previous destinations gain
 from the advice there, 0.54-0.68 s against 0.73-0.98 s, because freshly freed
 blocks have not been reported yet; a restarting job's first load is not that
