@@ -173,7 +173,8 @@ def load(
     values).  Global shape must match exactly, and dtype too unless
     ``cast=True``, which converts between floating dtypes (an fp32 checkpoint
     into a bf16 template: each such tensor is read into a temporary of the
-    stored dtype, then copied).  With ``strict`` (the default) keys missing from
+    stored dtype, then copied; a rank reading alone holds at most 256 MiB of
+    such temporaries at a time).  With ``strict`` (the default) keys missing from
     the checkpoint or not in ``state_dict`` are an error; otherwise they are
     reported in the result.
 

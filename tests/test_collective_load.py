@@ -419,3 +419,29 @@ def test_gloo_collective_load_into_gpu_tensors(tmp_path: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for out in run_multiprocess(2, load_gloo_into_gpu, uri, timeout=120):
         assert all(v for k, v in out.items() if "/" not in k), out
+
+
+# --------------------------------------------------------------------------- cast=True across ranks
+
+def load_cast(rank: int, world: int, uri: str) -> dict[str, bool]:
+    """Rank 1 converts every tensor (a bf16 template), rank 0 none: ranks reading together
+    still take the same collective steps; reading alone, rank 1 goes in small batches."""
+    from objckpt.load import pipeline
+
+    pipeline.CAST_BATCH_BYTES = 64 << 10  # several batches for this state
+    src = {f"p{i}": torch.arange(i, i + 96 * 128, dtype=torch.float32).reshape(96, 128) / 7 for i in range(5)}
+    dtype = torch.bfloat16 if rank == 1 else torch.float32
+    out = {}
+    for strategy in ("broadcast", "allgather", "direct"):
+        tmpl = {k: torch.zeros(v.shape, dtype=dtype) for k, v in src.items()}
+        res = objckpt.load(tmpl, uri, read_strategy=strategy, cast=True)
+        out[strategy] = all(torch.equal(tmpl[k], v.to(dtype)) for k, v in src.items()) and res.tensors == 5
+    return out
+
+
+def test_cast_on_one_rank_of_a_collective_load(tmp_path: Any) -> None:
+    src = {f"p{i}": torch.arange(i, i + 96 * 128, dtype=torch.float32).reshape(96, 128) / 7 for i in range(5)}
+    uri = str(tmp_path / "ck")
+    objckpt.save(src, uri)
+    per_rank = run_multiprocess(2, load_cast, uri, timeout=120)
+    assert per_rank == [{"broadcast": True, "allgather": True, "direct": True}] * 2

@@ -233,6 +233,44 @@ def test_cast_loads_other_float_dtypes_only_when_asked(local_or_s3: tuple[str, d
                      strict=False)
 
 
+def test_cast_holds_one_batch_of_temporaries(local_or_s3: tuple[str, dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole fp32 state loaded into a bf16 template reads through temporaries of the
+    stored dtype one batch at a time: at no point are more than a batch (or one larger
+    tensor) of them alive, and every value, tied ones included, is converted exactly."""
+    import gc
+    import weakref
+
+    from objckpt.load import pipeline
+
+    uri, opts = local_or_s3
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(6)}  # 1 MiB each
+    state["big"] = torch.randn(768, 1024, generator=g)  # 3 MiB: alone in its batch
+    state["tied"] = state["w0"]
+    objckpt.save(state, uri, storage_options=opts)
+    limit = 2 << 20
+    monkeypatch.setattr(pipeline, "CAST_BATCH_BYTES", limit)
+    alive: list[weakref.ref] = []
+    most = [0]
+    made = pipeline.CastTarget.targets
+
+    def tracked(self: Any) -> Any:
+        gc.collect()
+        temp, pieces = made(self)
+        alive.append(weakref.ref(temp))
+        most[0] = max(most[0], sum(r().nbytes for r in alive if r() is not None))
+        return temp, pieces
+
+    monkeypatch.setattr(pipeline.CastTarget, "targets", tracked)
+    template = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in state.items() if k != "tied"}
+    template["tied"] = template["w0"]
+    objckpt.load(template, uri, storage_options=opts, cast=True)
+    for k, v in state.items():
+        assert torch.equal(template[k], v.to(torch.bfloat16)), k
+    assert len(alive) == 7  # the tied tensor is read once
+    assert most[0] <= 3 << 20  # one batch of 2 MiB, or the 3 MiB tensor alone; the state is 9 MiB
+
+
 def test_cast_through_a_stateful_bf16_model(tmp_path: Any) -> None:
     net, _, _ = _trained()
     objckpt.save({"model": net}, str(tmp_path / "ck"))

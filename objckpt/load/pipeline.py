@@ -169,10 +169,52 @@ class Match:
     n_tensors: int
     missing: list[str]
     unexpected: list[str]
-    #: (template tensor, temporary of the stored dtype) for each tensor loaded with ``cast``
-    casts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: the tensors loaded with ``cast``: read through temporaries of the stored dtype
+    casts: list["CastTarget"] = field(default_factory=list)
     #: the encoded checkpoint value of each value slot, by key
     values: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CastTarget:
+    """A template tensor loaded with ``cast=True``: its pieces are read into a temporary
+    of the stored dtype, which is then copied (converting) into it.  The temporary is
+    made only when its batch is read (:func:`cast_batches`), so a load converting a
+    whole state (bf16 checkpoint, fp32 model) never holds it all twice."""
+
+    key: str  # the stored key
+    dest: torch.Tensor  # the template's local tensor
+    stored: torch.dtype
+    pieces: tuple[tuple[Any, tuple[int, ...]], ...]  # (box, local offsets) of each piece
+    source: Any  # the state-dict value (its placements give the replica group)
+
+    @property
+    def nbytes(self) -> int:
+        return self.dest.numel() * itemsize(self.stored)
+
+    def targets(self) -> tuple[torch.Tensor, list[FillTarget]]:
+        """A new temporary, and the fill targets that land in it."""
+        temp = torch.empty(tuple(self.dest.shape), dtype=self.stored, device=self.dest.device)
+        return temp, [FillTarget(self.key, box, local_view(temp, box, offs)) for box, offs in self.pieces]
+
+
+#: the most bytes of cast temporaries a (non-collective) load holds at once
+CAST_BATCH_BYTES = 256 << 20
+
+
+def cast_batches(casts: list[CastTarget], limit: Optional[int] = None) -> list[list[CastTarget]]:
+    """``casts`` in order, cut into batches of temporaries up to ``limit`` bytes
+    (:data:`CAST_BATCH_BYTES` when not given; a larger tensor alone in its batch)."""
+    limit = CAST_BATCH_BYTES if limit is None else limit
+    out: list[list[CastTarget]] = []
+    size = 0
+    for c in casts:
+        if not out or size + c.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(c)
+        size += c.nbytes
+    return out
 
 
 def castable(have: torch.dtype, stored: torch.dtype) -> bool:
@@ -250,13 +292,14 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
             continue  # this rank holds no part of it
         out.n_tensors += 1
         sk = _stored_key(m, s.key)
-        pieces = part.pieces  # several for a strided DTensor: each a view of its local tensor
         if part.dtype != stored:  # cast=True: read into a temporary of the stored dtype, convert after
-            temp = torch.empty(tuple(local.shape), dtype=stored, device=local.device)
-            out.casts.append((local, temp))
-            pieces = tuple((box, local_view(temp, box, offs))
-                           for (box, _), offs in zip(part.pieces, part.local_offsets))
-        for box, view in pieces:
+            ident = (local.device, local.data_ptr(), tuple(local.shape), tuple(local.stride()), sk, "cast")
+            if ident not in seen or not local.numel():  # tied destination: fill once
+                seen.add(ident)
+                out.casts.append(CastTarget(sk, local, stored, tuple(
+                    (box, offs) for (box, _), offs in zip(part.pieces, part.local_offsets)), s.value))
+            continue
+        for box, view in part.pieces:  # several for a strided DTensor: each a view of its local tensor
             ident = (view.device, view.data_ptr(), tuple(view.shape), tuple(view.stride()), sk, box)
             if ident in seen and view.numel():
                 continue  # tied destination: fill once
@@ -312,14 +355,10 @@ def _load_from(state_dict: Any, stateful: dict[str, StatefulValue], uri: str, st
     if faults is not None:
         faults.cancel()  # the fill populates what is left in the order of its requests
     try:
-        reader.fill(st, prefix, m, match.targets, match.sources, stats, uri)
+        _fill_all(reader, st, prefix, m, match, stats, uri)
     except ObjckptError as e:
         _say_template_touched(e, match.n_tensors)
         raise
-    with torch.no_grad():
-        for dest, temp in match.casts:
-            dest.copy_(temp)
-    match.casts.clear()
     for s in match.value_slots:
         if s.container is not None and not isinstance(s.container, tuple):
             s.container[s.index] = decode_tree(match.values[s.key], lambda k: None, allow_pickle=opts.allow_pickle,
@@ -331,6 +370,41 @@ def _load_from(state_dict: Any, stateful: dict[str, StatefulValue], uri: str, st
              reader.comm.world_size, res.tensors, res.bytes, res.requests, res.seconds, res.timings.describe(),
              res.strategy)
     return res
+
+
+def _fill_all(reader: CollectiveReader, st: ObjectStore, prefix: str, m: Manifest, match: Match, stats: IOStats,
+              uri: str) -> None:
+    """Fill every target of ``match``, the cast ones through temporaries.
+
+    Ranks reading together fill once, every temporary at a time (each collective step
+    must be taken by every rank alike).  A rank reading alone fills the tensors that need
+    no cast, then the cast ones in batches of :data:`CAST_BATCH_BYTES`, so converting a
+    whole state holds one batch of temporaries, not a second copy of the state."""
+    if reader.active or not match.casts:
+        batches = [match.casts]
+    else:
+        batches = [[]] + cast_batches(match.casts)
+    for i, batch in enumerate(batches):
+        _fill_batch(reader, st, prefix, m, match, batch, i == 0, stats, uri)
+
+
+def _fill_batch(reader: CollectiveReader, st: ObjectStore, prefix: str, m: Manifest, match: Match,
+                batch: list[CastTarget], first: bool, stats: IOStats, uri: str) -> None:
+    """One fill: ``batch``'s temporaries (and, ``first``, the targets needing no cast),
+    then the conversions; the temporaries die on return."""
+    targets = list(match.targets) if first else []
+    sources = list(match.sources) if first else []
+    temps: list[torch.Tensor] = []
+    for c in batch:
+        temp, pieces = c.targets()
+        temps.append(temp)
+        targets += pieces
+        sources += [c.source] * len(pieces)
+    if targets or reader.active:
+        reader.fill(st, prefix, m, targets, sources, stats, uri)
+    with torch.no_grad():
+        for c, temp in zip(batch, temps):
+            c.dest.copy_(temp)
 
 
 def _say_template_touched(e: ObjckptError, n_tensors: int) -> None:
