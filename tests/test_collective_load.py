@@ -445,3 +445,24 @@ def test_cast_on_one_rank_of_a_collective_load(tmp_path: Any) -> None:
     objckpt.save(src, uri)
     per_rank = run_multiprocess(2, load_cast, uri, timeout=120)
     assert per_rank == [{"broadcast": True, "allgather": True, "direct": True}] * 2
+
+
+def load_with_bad_setting_on_rank_1(rank: int, world: int, uri: str) -> str:
+    """Rank 1 alone has a misspelt ``OBJCKPT_HUGE_PAGES``: both ranks raise, neither waits
+    for the process group's timeout."""
+    if rank == 1:
+        os.environ["OBJCKPT_HUGE_PAGES"] = "maybe"
+    tmpl = {"w": torch.zeros(64, 64)}
+    try:
+        objckpt.load(tmpl, uri, read_strategy="broadcast")
+    except Exception as e:  # noqa: BLE001 - what each rank sees is the result
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_misspelt_huge_pages_setting_on_one_rank_fails_every_rank(tmp_path: Any) -> None:
+    uri = str(tmp_path / "ck")
+    objckpt.save({"w": torch.ones(64, 64)}, uri)
+    got = run_multiprocess(2, load_with_bad_setting_on_rank_1, uri, timeout=60)
+    assert got[1].startswith("ValueError") and "OBJCKPT_HUGE_PAGES='maybe'" in got[1], got
+    assert got[0] != "loaded" and "rank(s) [1]" in got[0] and "OBJCKPT_HUGE_PAGES" in got[0], got
