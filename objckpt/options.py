@@ -16,6 +16,18 @@ from typing_extensions import TypedDict
 
 from .units import MiB
 
+#: the words that turn a switch (an environment variable, a string option) on or off,
+#: in any case and with spaces around; one list for every switch of the library
+ON_WORDS = ("1", "on", "true", "yes")
+OFF_WORDS = ("0", "off", "false", "no")
+
+
+def switch_word(value: object) -> Optional[bool]:
+    """True for an on word, False for an off word (:data:`ON_WORDS`, :data:`OFF_WORDS`),
+    None for anything else: each switch decides what an unknown word means."""
+    v = str(value).strip().lower()
+    return True if v in ON_WORDS else False if v in OFF_WORDS else None
+
 
 #: the names ``load(read_strategy=...)`` accepts, for type checkers (a misspelt one is a type error)
 ReadStrategyName = Literal["auto", "direct", "broadcast", "allgather"]

@@ -60,6 +60,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from ..memory import host_bytes, plain_host
+from ..options import switch_word
 
 _MADV_POPULATE_WRITE = 23
 _MADV_HUGEPAGE = 14
@@ -80,8 +81,6 @@ MIN_BYTES = 32 << 20
 
 #: the environment variable choosing the huge-page advice (read at every load)
 HUGE_PAGES_ENV = "OBJCKPT_HUGE_PAGES"
-_ON = ("1", "on", "true", "yes")
-_OFF = ("0", "off", "false", "no")
 #: virtio device id of a memory balloon, and its free page reporting feature bit
 _BALLOON_DEVICE = 0x5
 _BALLOON_F_REPORTING = 5
@@ -143,12 +142,10 @@ def huge_pages_wanted() -> bool:
     (see the module docstring for why and what it measured).  Read at every load, so a
     change between calls takes effect."""
     raw = os.environ.get(HUGE_PAGES_ENV, "auto")
-    value = raw.strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    if value in ("", "auto"):
+    said = switch_word(raw)
+    if said is not None:
+        return said
+    if raw.strip().lower() in ("", "auto"):
         return not host_takes_free_pages()
     raise ValueError(f"{HUGE_PAGES_ENV}={raw!r}: expected auto, on (1/true/yes) or off (0/false/no)")
 

@@ -35,6 +35,7 @@ from xml.sax.saxutils import escape
 from urllib.parse import urlsplit
 
 from .. import _runtime
+from ..options import switch_word
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 from .wire import Conn, ShortBody, Sink, receive, send_views
 
@@ -77,7 +78,7 @@ class Target:
 
 
 def _truthy(v: Optional[str]) -> bool:
-    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+    return switch_word(v or "") is True
 
 
 def resolve_target(bucket: str, options: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> Optional[Target]:

@@ -28,6 +28,7 @@ except ImportError:  # not a Unix: no low-water mark (see Conn.lowat)
     fcntl = termios = None  # type: ignore[assignment]
 
 from ..checksum import CellCrcs
+from ..options import switch_word
 
 #: bytes a plain-TCP body receive waits for before it wakes (see :func:`receive`)
 RECV_LOWAT = 1 << 20
@@ -204,7 +205,7 @@ def splice_wanted() -> bool:
     the cores), and wall time is what a training job waits on
     (``benchmarks/results/splice-cold-warm.json``, docs/benchmarks.md).  Read at
     every send, so a change between calls takes effect."""
-    return SPLICE and os.environ.get(SPLICE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    return SPLICE and switch_word(os.environ.get(SPLICE_ENV, "0")) is True
 
 
 def _get_vmsplice() -> Any:
