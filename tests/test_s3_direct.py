@@ -444,3 +444,26 @@ def test_a_body_nobody_reads_times_out(splice: str, monkeypatch: pytest.MonkeyPa
         assert time.monotonic() - t0 < 3 and client._idle == []
     finally:
         srv.close()
+
+
+def test_on_off_options_take_every_switch_word_and_refuse_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``direct_http``, ``checksums`` and ``adaptive`` (and ``OBJCKPT_S3_DIRECT_HTTP``) read
+    the same on/off words; "off" turns them off (it used to leave them on), and a word
+    that is neither is an error naming the option or variable, before any request."""
+    from objckpt.storage.s3 import S3Store
+
+    monkeypatch.delenv("OBJCKPT_S3_DIRECT_HTTP", raising=False)
+    keys = {"endpoint_url": "http://127.0.0.1:9", "aws_access_key_id": "k", "aws_secret_access_key": "s"}
+    store = S3Store("b", **keys, direct_http="off", checksums="OFF", adaptive=" no ")
+    assert store._direct_wanted is False and store.checksums is False and store.limiter is None
+    store = S3Store("b", **keys, direct_http=True, checksums="on", adaptive="1")
+    assert store._direct_wanted is True and store.checksums is True and store.limiter is not None
+    monkeypatch.setenv("OBJCKPT_S3_DIRECT_HTTP", "off")
+    assert S3Store("b", **keys)._direct_wanted is False
+    assert S3Store("b", **keys, direct_http=True)._direct_wanted is True  # the option wins
+    monkeypatch.setenv("OBJCKPT_S3_DIRECT_HTTP", "sometimes")
+    with pytest.raises(ValueError, match="environment variable OBJCKPT_S3_DIRECT_HTTP='sometimes'"):
+        S3Store("b", **keys)
+    monkeypatch.delenv("OBJCKPT_S3_DIRECT_HTTP")
+    with pytest.raises(ValueError, match="storage option 'checksums'='maybe'"):
+        S3Store("b", **keys, checksums="maybe")

@@ -26,6 +26,7 @@ from .. import _runtime
 from ..checksum import CellCrcs, crc32c, crc_header
 from ..logs import get_logger, register_secret
 from ..errors import BucketNotFoundError, PreconditionFailed, StorageError
+from ..options import switch_word
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 from .limiter import AimdLimiter
 from .s3_writer import S3Writer
@@ -41,6 +42,22 @@ _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 
 
+def _switch(options: dict[str, Any], name: str, env: Optional[str] = None) -> bool:
+    """Pop the on/off storage option ``name`` (on when absent, or from ``env`` when that
+    variable is set); True/False or an on/off word (:func:`~objckpt.options.switch_word`),
+    anything else a ValueError naming it, before the store is used."""
+    where = f"storage option {name!r}"
+    value: Any = True
+    if name in options:
+        value = options.pop(name)
+    elif env is not None and env in os.environ:
+        value, where = os.environ[env], f"environment variable {env}"
+    said = switch_word(value)
+    if said is None:
+        raise ValueError(f"{where}={value!r}: expected True/False or on/off (1/true/yes, 0/false/no)")
+    return said
+
+
 class S3Store(DirectRoutes, ObjectStore):
     """``s3://bucket/...``; options: endpoint_url, region_name, credentials,
     concurrency, addressing_style, profile, the budgets of :class:`RetryPolicy`
@@ -53,14 +70,13 @@ class S3Store(DirectRoutes, ObjectStore):
         self.concurrency = int(options.pop("concurrency", 32))
         self.policy = RetryPolicy.from_options(options)
         # adaptive=False keeps a fixed number of requests in flight (no AIMD)
-        adaptive = str(options.pop("adaptive", True)).lower() not in ("false", "0", "no")
+        adaptive = _switch(options, "adaptive")
         self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
         # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
-        self.checksums = str(options.pop("checksums", True)).lower() not in ("false", "0", "no")
+        self.checksums = _switch(options, "checksums")
         self.endpoint_kind = parse_kind(options.pop("endpoint_kind", None))
         # direct_http=False: every request through botocore (see s3_direct)
-        self._direct_wanted = str(options.pop("direct_http", os.environ.get("OBJCKPT_S3_DIRECT_HTTP", True))
-                                  ).lower() not in ("false", "0", "no")
+        self._direct_wanted = _switch(options, "direct_http", env="OBJCKPT_S3_DIRECT_HTTP")
         unknown = sorted(set(options) - set(_CLIENT_KEYS) - {"addressing_style", "profile"})
         if unknown:  # said at once: a restore may never build the botocore client
             raise ValueError(f"unknown S3 storage_options: {unknown}")
