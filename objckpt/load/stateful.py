@@ -36,6 +36,7 @@ from ..format.manifest import Manifest
 from ..format.subtree import NOTHING, children, find
 from ..format.tree import _child_key, decode_tree
 from ..stateful import StatefulValue
+from .writeback import check_written_back, snapshot
 
 
 def optimizer_shaped(sd: Any) -> bool:
@@ -95,7 +96,9 @@ def _allocator(m: Manifest, param: Any) -> Any:
 
 
 def hand_back(stateful: Mapping[str, StatefulValue], uri: str) -> None:
-    """Call each Stateful value's ``load_state_dict()`` with its filled state dict."""
+    """Call each Stateful value's ``load_state_dict()`` with its filled state dict, then check
+    that each object now holds the loaded tensors (:mod:`objckpt.load.writeback`)."""
+    loaded = {key: snapshot(sv) for key, sv in stateful.items()}
     for sv in stateful.values():
         try:
             sv.obj.load_state_dict(sv.state)
@@ -104,3 +107,5 @@ def hand_back(stateful: Mapping[str, StatefulValue], uri: str) -> None:
                 f"cannot load {uri!r}: {type(sv.obj).__qualname__}.load_state_dict() at key "
                 f"{sv.key or '<root>'!r} refused the checkpoint's state ({type(e).__name__}: {e}); "
                 "its tensors are filled, its other state may be unchanged") from e
+    for key, sv in stateful.items():
+        check_written_back(sv, loaded[key], uri)
