@@ -33,6 +33,13 @@ class PreconditionFailed(ObjckptError, FileExistsError):
     """A conditional write lost: the object appeared (or changed) meanwhile."""
 
 
+class ConditionalWriteIgnoredError(CheckpointExistsError):
+    """The store reported a create-only write (S3 ``If-None-Match: *``) as successful,
+    yet another writer's object is at the key: the store does not honour conditional
+    writes, so two writers can both be told they committed (docs/reliability.md,
+    "What objckpt requires of a store").  This attempt did not commit."""
+
+
 class CorruptCheckpointError(ObjckptError, ValueError):
     """Stored bytes or metadata do not match what the manifest promises."""
 

@@ -52,7 +52,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from ..errors import CorruptCheckpointError, NotFoundError, ObjckptError, PreconditionFailed
+from ..errors import (ConditionalWriteIgnoredError, CorruptCheckpointError, NotFoundError, ObjckptError,
+                      PreconditionFailed)
 from ..format import keys
 from ..format.manifest import decode
 from ..format.sealed_json import load_json, seal, verify
@@ -289,17 +290,38 @@ class StepIndex:
         doc = base
         for _ in range(MAX_CAS_ATTEMPTS):
             new = replace(change(doc), seq=doc.seq + 1)
+            data, key = new.encode(), self._version_key(new.seq)
             try:
-                await self.store.put(self._version_key(new.seq), new.encode(), if_absent=True)
+                await self.store.put(key, data, if_absent=True)
             except PreconditionFailed:
                 try:
                     doc = await self._forward(doc)
                 except CorruptCheckpointError:
                     doc = await self.read()
                 continue
+            await self._confirm_ours(key, data)
             return new
         raise IndexContentionError(f"step index under {self.root!r}: gave up after {MAX_CAS_ATTEMPTS} conditional "
                           "writes lost to other writers")
+
+    async def _confirm_ours(self, key: str, data: bytes) -> None:
+        """A create-only write reported success: the version at ``key`` must be ours (its
+        bytes, which carry the time of the update).  Otherwise the store ignored
+        ``If-None-Match`` and another writer's version replaced ours, so this update (and
+        perhaps theirs) would be lost silently: :class:`ConditionalWriteIgnoredError`."""
+        try:
+            stored = await self.store.get(key)
+        except NotFoundError:
+            stored = None
+        if stored == data:
+            return
+        what = "is gone" if stored is None else "holds another writer's version"
+        raise ConditionalWriteIgnoredError(
+            f"step index under {self.root!r}: {self.store.describe()} reported the create-only write "
+            f"(If-None-Match: *) of {key!r} as successful, but a GET right after {what}: the store does not honour "
+            "conditional writes (or does not read back what it acknowledged), so concurrent index updates can be "
+            "lost.  Use a store that honours If-None-Match (docs/reliability.md, "
+            "'What objckpt requires of a store').")
 
     async def update(self, change: Callable[[IndexDoc], IndexDoc]) -> IndexDoc:
         """Apply ``change`` to the newest version as one new version (no update is ever lost),

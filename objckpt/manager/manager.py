@@ -25,6 +25,7 @@ failed save raises on every rank.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import operator
 from typing import Any, Optional
 
@@ -34,13 +35,17 @@ from ..api import load as _load
 from ..api import save as _save
 from ..deletion import DeleteReport, delete_checkpoint
 from ..distributed.comm import Comm, LocalComm, decide_on_root, get_comm
-from ..errors import CheckpointExistsError, NotFoundError
+from ..errors import CheckpointExistsError, ConditionalWriteIgnoredError, NotFoundError
+from ..format import keys
 from ..results import LoadResult
 from ..save.background import SaveHandle
 from ..storage import open_store
 from .index import IndexDoc, StepIndex, step_name
+from .leftovers import LEFTOVER_GRACE
 from .retention import RetentionPolicy
 from .worker import CommitJob, RetentionReport, Worker, apply_retention
+
+log = logging.getLogger("objckpt.manager")
 
 
 class CheckpointManager:
@@ -49,12 +54,15 @@ class CheckpointManager:
     def __init__(self, root: str, *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
                  keep_best: Optional[int] = None, best_key: Optional[str] = None, best_mode: str = "max",
                  async_save: bool = False, storage_options: Optional[dict[str, Any]] = None,
-                 process_group: Any = None, no_dist: bool = False) -> None:
+                 process_group: Any = None, no_dist: bool = False, leftover_grace: float = LEFTOVER_GRACE) -> None:
         """``root``: where the run's steps go (``s3://bucket/run``, a path, ...).
         Retention (see :mod:`objckpt.manager.retention`): ``keep_last``, ``keep_every``,
         ``keep_best`` ranked by ``metadata[best_key]`` (``best_mode="max"``: higher is
         better, ``"min"``: lower); no rule keeps everything.  ``async_save``: :meth:`save`
-        returns once the state is staged, one save in flight at a time."""
+        returns once the state is staged, one save in flight at a time.  ``leftover_grace``:
+        seconds after which what killed saves left under a step that retention deletes
+        is removed with it (the rule and default of ``objckpt gc``; see
+        :mod:`objckpt.manager.leftovers`)."""
         self.root = root.rstrip("/")
         self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_key, best_mode)
         self.async_save = async_save
@@ -65,7 +73,9 @@ class CheckpointManager:
         store, prefix = open_store(self.root, storage_options)
         self.index = StepIndex(store, prefix)
         self._handles: list[SaveHandle] = []
-        self._worker: Optional[Worker] = Worker(self.index, self.policy, self.root) if self.is_root else None
+        self.leftover_grace = float(leftover_grace)
+        self._worker: Optional[Worker] = (Worker(self.index, self.policy, self.root, self.leftover_grace)
+                                          if self.is_root else None)
 
     # -- naming -----------------------------------------------------------------------------
     @property
@@ -92,15 +102,14 @@ class CheckpointManager:
         md = dict(metadata or {})
         self._settle_handles()
         try:
-            handle = self._start(state, uri, md, overwrite=False)
-        except CheckpointExistsError:
-            # committed but not indexed: the leftover of a save killed between its commit and
-            # its index update (the index is what the manager shows); replace it.  An indexed
-            # step is never replaced.  Every rank got the error, so every rank asks rank 0.
-            if step in self.steps():
-                raise CheckpointExistsError(f"step {step} is already committed under {self.root!r} "
-                                            f"({uri}); delete it first to save it again") from None
-            handle = self._start(state, uri, md, overwrite=True)
+            handle = self._start(state, uri, md)
+        except CheckpointExistsError as e:
+            # Never replaced, indexed or not: a committed manifest the index does not list yet
+            # is another writer's checkpoint (a second job on this root, a restarted job beside
+            # the old one) or the commit of a save killed before its index update, and nothing
+            # stored can prove which.  A prefix with no manifest never gets here: the save just
+            # goes on beside the leftover (blob keys are unique per attempt).
+            raise self._exists_error(step, uri, e) from None
         if handle is not None:
             self._handles.append(handle)
             if self._worker is not None:
@@ -114,12 +123,39 @@ class CheckpointManager:
                 raise job.error
         return None
 
-    def _start(self, state: Any, uri: str, md: dict[str, Any], overwrite: bool) -> Optional[SaveHandle]:
-        """The async save's handle, or None once a synchronous save committed."""
+    def _start(self, state: Any, uri: str, md: dict[str, Any]) -> Optional[SaveHandle]:
+        """The async save's handle, or None once a synchronous save committed (never an overwrite)."""
         if self.async_save:
-            return _async_save(state, uri, metadata=md, max_in_flight=1, overwrite=overwrite, **self._dist_kwargs())
-        _save(state, uri, metadata=md, overwrite=overwrite, **self._dist_kwargs())
+            return _async_save(state, uri, metadata=md, max_in_flight=1, overwrite=False, **self._dist_kwargs())
+        _save(state, uri, metadata=md, overwrite=False, **self._dist_kwargs())
         return None
+
+    def _exists_error(self, step: int, uri: str, cause: CheckpointExistsError) -> CheckpointExistsError:
+        """The error for a save that found ``step`` committed; rank 0 first adopts the step into
+        the index when it is missing there (it is a checkpoint, whoever wrote it), so
+        ``latest_step()`` shows what is stored.  The same error on every rank."""
+        def adopt() -> str:
+            try:
+                if step in _runtime.run(self.index.read()).step_numbers():
+                    return ""
+                entry = _runtime.run(self.index.describe_step(step))
+                _runtime.run(self.index.add(entry))
+            except NotFoundError:
+                return "; it was deleted meanwhile."
+            except Exception as e:  # noqa: BLE001 - the save's own error is what the caller gets
+                log.warning("objckpt: could not index the committed step %d under %s: %s: %s", step, self.root,
+                            type(e).__name__, e)
+                return "; indexing it failed (see the log)."
+            return "; it is now indexed."
+
+        outcome = self._on_root(adopt)
+        why = "" if not outcome else (
+            " It was not in the index: another job is saving under this root, or a save was killed after its "
+            "commit and before its index update" + outcome)
+        cls = ConditionalWriteIgnoredError if isinstance(cause, ConditionalWriteIgnoredError) else CheckpointExistsError
+        detail = f" ({cause})" if cls is ConditionalWriteIgnoredError else ""
+        return cls(f"step {step} is already committed under {self.root!r} ({uri}); it was not replaced.{why} "
+                   f"Delete it first (CheckpointManager.delete) to save it again{detail}")
 
     def _settle_handles(self) -> None:
         """Wait for the async save in flight (one at most) and raise its error, on every rank."""
@@ -167,9 +203,38 @@ class CheckpointManager:
         return self._on_root(lambda: _runtime.run(self.index.read()).step_numbers())
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or None; the same value on every rank."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest committed step, or None; the same value on every rank.  The index's newest
+        step is checked (a HEAD of its manifest): a step deleted behind the manager's back
+        (its folder removed by hand) is dropped from the index, with a warning, and the
+        newest step that exists is the answer."""
+        return self._on_root(self._newest_existing)
+
+    def _newest_existing(self) -> Optional[int]:
+        """Rank 0: the newest indexed step whose manifest exists; indexed steps above it
+        whose manifest is gone leave the index (re-checked after, so a step committed
+        again meanwhile is put back)."""
+        steps = _runtime.run(self.index.read()).step_numbers()
+        gone: list[int] = []
+        found: Optional[int] = None
+        for s in reversed(steps):
+            if self._committed(s):
+                found = s
+                break
+            gone.append(s)
+        if gone:
+            log.warning("objckpt: step(s) %s under %s are in the index but their manifest is gone (deleted "
+                        "outside the manager?): dropped from the index; the latest step is %s", sorted(gone),
+                        self.root, found)
+            _runtime.run(self.index.remove(set(gone)))
+            back = [s for s in gone if self._committed(s)]
+            for s in back:  # committed again between our HEAD and our update
+                _runtime.run(self.index.add(_runtime.run(self.index.describe_step(s))))
+            if back:
+                found = max([*back] + ([found] if found is not None else []))
+        return found
+
+    def _committed(self, step: int) -> bool:
+        return _runtime.run(self.index.store.head(keys.manifest_key(self.index.step_prefix(step)))) is not None
 
     def entries(self) -> IndexDoc:
         """The index document (steps with time, size and metadata); rank 0's, broadcast."""
@@ -204,7 +269,8 @@ class CheckpointManager:
 
     def prune(self, dry_run: bool = False) -> RetentionReport:
         """Apply the retention policy now (normally done after each save); rank 0 deletes."""
-        return self._on_root(lambda: apply_retention(self.index, self.policy, self.root, dry_run))
+        return self._on_root(lambda: apply_retention(self.index, self.policy, self.root, dry_run,
+                                                     grace=self.leftover_grace))
 
 
 __all__ = ["CheckpointManager"]

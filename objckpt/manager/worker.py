@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -37,6 +38,7 @@ from ..deletion import delete_checkpoint
 from ..errors import NotFoundError
 from ..save.background import SaveHandle
 from .index import IndexDoc, StepIndex
+from .leftovers import LEFTOVER_GRACE, sweep_step
 from .retention import RetentionPolicy, steps_to_delete
 
 log = logging.getLogger("objckpt.manager")
@@ -59,10 +61,14 @@ class RetentionReport:
 
     deleted: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
+    #: objects (and multipart uploads) of killed saves removed from the deleted steps' prefixes
+    leftovers: int = 0
+    #: deleted steps with leftovers still inside the grace period: step -> when they become old
+    young: dict[int, float] = field(default_factory=dict)
 
 
 def apply_retention(index: StepIndex, policy: RetentionPolicy, root_uri: str, dry_run: bool = False,
-                    adopt: bool = False) -> RetentionReport:
+                    adopt: bool = False, grace: float = LEFTOVER_GRACE) -> RetentionReport:
     """Delete the indexed steps ``policy`` does not keep (see the module docstring for the order).
     ``adopt``: first adopt committed steps missing from the index (a LIST; ``objckpt prune``)."""
     if not policy.deletes:
@@ -79,11 +85,12 @@ def apply_retention(index: StepIndex, policy: RetentionPolicy, root_uri: str, dr
         return d.without(set(doomed))
 
     _runtime.run(index.update(change))
-    return delete_steps(index, doomed, root_uri)
+    return delete_steps(index, doomed, root_uri, grace)
 
 
-def delete_steps(index: StepIndex, steps: list[int], root_uri: str) -> RetentionReport:
-    """``objckpt.delete`` each step (already out of the index): manifest first, then its objects."""
+def delete_steps(index: StepIndex, steps: list[int], root_uri: str, grace: float = LEFTOVER_GRACE) -> RetentionReport:
+    """``objckpt.delete`` each step (already out of the index): manifest first, then its objects,
+    then what killed saves of that step left under its prefix (:mod:`~objckpt.manager.leftovers`)."""
     report = RetentionReport()
     for step in steps:
         prefix = index.step_prefix(step)
@@ -95,7 +102,20 @@ def delete_steps(index: StepIndex, steps: list[int], root_uri: str) -> Retention
             report.failed[step] = f"{type(e).__name__}: {e}"
             continue
         report.deleted.append(step)
+        sweep_into(report, index, step, grace)
     return report
+
+
+def sweep_into(report: RetentionReport, index: StepIndex, step: int, grace: float) -> None:
+    """Sweep the leftovers under a deleted ``step`` into ``report`` (a failure is logged: gc's job then)."""
+    try:
+        swept = _runtime.run(sweep_step(index.store, index.step_prefix(step), grace))
+    except Exception as e:  # noqa: BLE001 - the step itself is deleted; what is left is gc's
+        log.warning("objckpt: could not sweep the leftovers under deleted step %d: %s: %s", step, type(e).__name__, e)
+        return
+    report.leftovers += len(swept.deleted) + len(swept.aborted)
+    if swept.due is not None:
+        report.young[step] = swept.due
 
 
 _live: "weakref.WeakSet[Worker]" = weakref.WeakSet()
@@ -126,10 +146,14 @@ def _install_exit_hook() -> None:
 class Worker:
     """One thread that runs :class:`CommitJob` s in order."""
 
-    def __init__(self, index: StepIndex, policy: RetentionPolicy, root_uri: str) -> None:
+    def __init__(self, index: StepIndex, policy: RetentionPolicy, root_uri: str,
+                 grace: float = LEFTOVER_GRACE) -> None:
         self.index = index
         self.policy = policy
         self.root_uri = root_uri
+        self.grace = grace
+        #: deleted steps whose leftovers were still young: step -> when to sweep it again
+        self.pending: dict[int, float] = {}
         self._jobs: "queue.Queue[Optional[CommitJob]]" = queue.Queue()
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -190,9 +214,22 @@ class Worker:
         finally:
             job.indexed.set()
         try:
-            self.last_retention = delete_steps(self.index, doomed, self.root_uri)
+            self.last_retention = delete_steps(self.index, doomed, self.root_uri, self.grace)
             if self.last_retention.failed:
                 log.warning("objckpt: retention could not delete %s", self.last_retention.failed)
+            self._sweep_due(self.last_retention, set(doomed))
         except BaseException as e:  # noqa: BLE001
             with self._lock:
                 self._errors.append(e)
+
+    def _sweep_due(self, report: RetentionReport, just_deleted: "set[int]") -> None:
+        """Sweep again the deleted steps whose leftovers have aged past the grace period
+        (a step indexed again meanwhile is live: its leftovers are gc's), then remember
+        the ones still young."""
+        now = time.time()
+        for step, due in sorted(self.pending.items()):
+            if due > now or step in just_deleted:
+                continue
+            del self.pending[step]
+            sweep_into(report, self.index, step, self.grace)
+        self.pending.update(report.young)

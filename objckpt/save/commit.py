@@ -4,6 +4,16 @@ The manifest is the commit record: written last, by rank 0 only, after every
 rank's blobs are up.  The conditional write makes two writers unable to both
 commit; an error on the write is examined before anything is cleaned up,
 because a PUT can land even when its reply is lost.
+
+A conditional create that reports success is confirmed with one GET: the
+manifest now at the key must be this attempt's.  Some S3-compatible stores
+accept ``If-None-Match: *`` and ignore it; there a second writer's PUT replaces
+ours and both would be told "committed".  The GET turns that into
+:class:`ConditionalWriteIgnoredError` for the writer whose manifest was replaced
+(its blobs are deleted; the stored checkpoint is the other writer's).  It cannot
+catch every interleaving on such a store (a replacement landing after our GET),
+which is why docs/reliability.md lists honoured conditional writes among what
+objckpt requires of a store.
 """
 from __future__ import annotations
 
@@ -12,11 +22,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import _runtime
-from ..errors import CorruptCheckpointError, NotFoundError, PreconditionFailed
+from ..errors import (ConditionalWriteIgnoredError, CorruptCheckpointError, NotFoundError, PreconditionFailed,
+                      StorageError)
 from ..format import keys
 from ..format.manifest import Manifest, decode, encode
+from ..logs import get_logger
 from ..results import IOStats
 from ..storage import ObjectStore
+
+log = get_logger("objckpt.save")
 
 
 class CommitState(str, enum.Enum):
@@ -66,6 +80,13 @@ def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
                     return CommitStatus(CommitState.EXISTS, f"another writer committed a checkpoint at {uri!r} first")
                 state = CommitState.FAILED_CLEAN if committed != "?" else CommitState.FAILED
                 return CommitStatus(state, f"committing {uri!r} failed: {type(e).__name__}: {e}")
+        else:
+            if not overwrite:
+                unseen = await _confirm_ours(st, mkey, m.attempt, uri, written)
+                stats.add(0)  # the GET that confirmed it
+                if unseen is not None:
+                    errors.append(unseen)
+                    return CommitStatus(CommitState.FAILED, str(unseen))
         stats.add(len(data))
         if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
             await _delete_async(st, replaced_keys(prefix, old, m))
@@ -127,6 +148,38 @@ async def _committed_attempt(store: ObjectStore, mkey: str) -> Optional[str]:
         return None
     except Exception:
         return "?"
+
+
+async def _confirm_ours(st: ObjectStore, mkey: str, attempt: str, uri: str,
+                        written: list[str]) -> Optional[BaseException]:
+    """After a conditional create reported success: check that the manifest at ``mkey`` is
+    ``attempt``'s.  Another attempt's there: the store ignored ``If-None-Match`` (this
+    attempt's objects are deleted, :class:`ConditionalWriteIgnoredError` raised).  None
+    there: the store does not read back what it just acknowledged; the error is returned
+    (nothing is deleted: the manifest may still appear).  A GET that fails outright
+    cannot tell, and the store did acknowledge the create: a warning, and the commit stands."""
+    try:
+        found: Optional[str] = decode(await st.get(mkey), mkey).attempt
+    except NotFoundError:
+        return StorageError(
+            f"committing {uri!r}: {st.describe()} acknowledged the manifest {mkey!r} but a GET right after "
+            "does not find it: objckpt needs read-after-write consistency from a store (docs/reliability.md, "
+            "'What objckpt requires of a store'); this save's objects are left for gc")
+    except CorruptCheckpointError:
+        found = "?"  # a damaged or foreign document: not ours
+    except Exception as e:  # noqa: BLE001 - the create was acknowledged; do not fail a committed save
+        log.warning("objckpt: committed %s, but could not read its manifest back to confirm it (%s: %s)",
+                    uri, type(e).__name__, e)
+        return None
+    if found == attempt:
+        return None
+    await _delete_async(st, written)
+    raise ConditionalWriteIgnoredError(
+        f"committing {uri!r}: {st.describe()} reported the create-only write (If-None-Match: *) of {mkey!r} as "
+        f"successful, but the manifest there now belongs to save attempt {found!r}, not this one ({attempt!r}): "
+        "the store does not honour conditional writes, so two writers of one checkpoint can both be told they "
+        "committed.  This save did NOT commit (the stored checkpoint is the other writer's).  Use a store that "
+        "honours If-None-Match (docs/reliability.md, 'What objckpt requires of a store').")
 
 
 async def _delete_async(store: ObjectStore, names: list[str]) -> None:
