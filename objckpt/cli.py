@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -93,6 +94,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.uri, _opts(args), args.size_mb, args.repeat, progress=wanted(args.no_progress))
 
 
+def _stdout_gone() -> int:
+    """The reader of stdout went away (``objckpt info ... | head``): stop quietly, as Unix tools
+    do.  What is still buffered goes to /dev/null, so the flush at exit raises nothing either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to redirect
+        pass
+    return 141  # 128 + SIGPIPE: what a shell reports for a tool that the closed pipe stopped
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="objckpt", description="Fast, safe PyTorch checkpoints on object storage")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -157,7 +170,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .errors import ObjckptError
 
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()  # a reader gone (``| head``) shows here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
     except (ObjckptError, ValueError) as e:  # ValueError: a bad storage option, an S3 URI without a bucket
         print(f"objckpt: error: {e}", file=sys.stderr)
         return 2

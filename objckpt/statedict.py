@@ -119,13 +119,13 @@ def template_slots(state: Any, stateful: Optional[Mapping[str, StatefulValue]] =
 
     def resolve(x: Any, key: str, container: Any, index: Any) -> tuple[Any, Any, Any]:
         sv = found.get(key)
-        if sv is not None and x is sv.obj:
+        if sv is not None and sv.sits_in(x):
             return sv.state, sv.holder, "state"
         return x, container, index
 
     def has_tensor(x: Any, key: str) -> bool:
         """Whether the walk must descend into ``x``: it holds a tensor or a Stateful value."""
-        if is_stored_leaf(x) or (key in found and x is found[key].obj):
+        if is_stored_leaf(x) or (key in found and found[key].sits_in(x)):
             return True
         if isinstance(x, Mapping):
             return any(has_tensor(v, _child_key(key, k)) for k, v in x.items())

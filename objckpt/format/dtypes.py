@@ -3,6 +3,10 @@
 Names are stable strings written into manifests; torch's own repr may change
 between releases, so the table, not ``str(dtype)``, is the contract.  Bytes are
 little-endian, row-major.
+
+``float4_e2m1fn_x2`` is torch's packed fp4: one byte holds two e2m1 values, and a
+tensor's shape counts bytes (pairs).  It is stored as those bytes, like any 1-byte
+dtype; torch converts it to nothing, so ``cast=True`` never applies to it.
 """
 from __future__ import annotations
 
@@ -34,7 +38,11 @@ _NAMES: dict[str, str] = {
     "float8_e4m3fnuz": "float8_e4m3fnuz",
     "float8_e5m2fnuz": "float8_e5m2fnuz",
     "float8_e8m0fnu": "float8_e8m0fnu",
+    "float4_e2m1fn_x2": "float4_e2m1fn_x2",
 }
+
+#: dtypes torch packs several values into one element of: copied as bytes, never converted
+PACKED: frozenset[str] = frozenset({"float4_e2m1fn_x2"})
 
 NAME_TO_DTYPE: dict[str, torch.dtype] = {}
 DTYPE_TO_NAME: dict[torch.dtype, str] = {}
@@ -59,6 +67,11 @@ def dtype_from_name(name: str, key: str = "?") -> torch.dtype:
         raise UnsupportedFormatError(
             f"tensor {key!r}: dtype {name!r} is unknown to this torch build/objckpt release"
         ) from None
+
+
+def converts_between_floats(dtype: torch.dtype) -> bool:
+    """Whether ``load(..., cast=True)`` may convert to or from ``dtype``: a floating dtype torch converts."""
+    return dtype.is_floating_point and DTYPE_TO_NAME.get(dtype) not in PACKED
 
 
 @functools.lru_cache(maxsize=None)

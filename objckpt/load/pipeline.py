@@ -15,12 +15,12 @@ import torch
 
 from .. import _runtime
 from ..distributed.placements import Shard, local_part, local_view
-from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointError, MissingKeyError, NotFoundError,
+from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointError, NotFoundError,
                       ObjckptError, StateDictMismatchError)
 from ..format import keys as objkeys
-from ..format.dtypes import dtype_from_name, itemsize
+from ..format.dtypes import converts_between_floats, dtype_from_name, itemsize
 from ..format.manifest import Manifest, decode
-from ..format.subtree import NOTHING, find, select, tensor_keys
+from ..format.subtree import NOTHING, find
 from ..format.tree import decode_tree, iter_leaves
 from ..layout import resolver_for
 from ..logs import get_logger
@@ -33,6 +33,8 @@ from ..storage import ObjectStore
 from .collective import CollectiveReader
 from . import prefault
 from .fill import FillTarget, fill_boxes
+from .key_match import KeyCheck, check_key_match, reconcile, renamed_leaves
+from .read_keys import ReadSelection, select_keys
 from .stateful import create_optimizer_state, hand_back
 
 log = get_logger("objckpt.load")
@@ -51,7 +53,21 @@ async def manifest_bytes(store: ObjectStore, prefix: str, uri: str) -> bytes:
     except BucketNotFoundError:
         raise  # names the bucket: more precise than "no checkpoint"
     except NotFoundError:
-        raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)") from None
+        pass
+    if await _is_dcp_directory(store, prefix):
+        raise NotFoundError(
+            f"no objckpt checkpoint at {uri!r}: it is a torch.distributed.checkpoint (DCP) directory (a .metadata, "
+            f"no {objkeys.MANIFEST_NAME}). Convert it once, streaming: objckpt convert {uri} <new uri> "
+            "(objckpt.integrations.convert.convert in Python); or load it with torch.distributed.checkpoint")
+    raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)")
+
+
+async def _is_dcp_directory(store: ObjectStore, prefix: str) -> bool:
+    """Whether ``prefix`` holds DCP's ``.metadata`` (asked only once the manifest is known missing)."""
+    try:
+        return await store.head(objkeys.join(prefix, ".metadata")) is not None
+    except ObjckptError:
+        return False  # the hint is a courtesy: the NotFoundError stays the answer
 
 
 async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
@@ -99,7 +115,8 @@ def replaced_since(st: ObjectStore, prefix: str, uri: str, m: Manifest, err: Blo
 
 def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Iterable[str]],
                     allow_pickle: bool) -> Any:
-    """Tensors (on CPU) and values without a template; with ``keys``, only those leaves.
+    """Tensors (on CPU) and values without a template; with ``keys``, only what they select
+    (:mod:`objckpt.load.read_keys`).
 
     A checkpoint overwritten while it is read is read again from its new manifest."""
     wanted_keys = list(keys) if keys is not None else None
@@ -109,10 +126,10 @@ def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Itera
         stats = IOStats()
         m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
         try:
-            out = _read_from(st, prefix, uri, m, wanted_keys, allow_pickle, stats)
-            log.info("read %s: %s tensors, %d bytes, %d requests, %.3f s (%s)", uri,
-                     len(m.tensors) if wanted_keys is None else len(wanted_keys), stats.bytes, stats.requests,
-                     time.perf_counter() - t0, stats.timings.describe())
+            sel = select_keys(m, wanted_keys, uri)
+            out = _read_from(st, prefix, uri, m, sel, allow_pickle, stats)
+            log.info("read %s: %d tensors, %d bytes, %d requests, %.3f s (%s)", uri, len(sel.tensors), stats.bytes,
+                     stats.requests, time.perf_counter() - t0, stats.timings.describe())
             return out
         except BlobMissingError as e:
             if not replaced_since(st, prefix, uri, m, e, tries):
@@ -120,26 +137,10 @@ def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Itera
             tries += 1
 
 
-def _read_from(st: ObjectStore, prefix: str, uri: str, m: Manifest, wanted_keys: Optional[list[str]],
-               allow_pickle: bool, stats: IOStats) -> Any:
-    leaves = dict(iter_leaves(m.tree))
-    nodes: dict[str, Any] = {}
-    if wanted_keys is None:
-        wanted = list(m.tensors)
-    else:
-        for k in wanted_keys:  # a leaf, else a subtree or key prefix ("optim", "model.layers.0")
-            if not isinstance(k, str):
-                raise TypeError(f"read(keys=...) takes str keys, got {type(k).__name__} {k!r}")
-            nodes[k] = leaves[k] if k in leaves else select(m.tree, k)
-        missing = [k for k, n in nodes.items() if n is NOTHING]
-        if missing:
-            raise MissingKeyError(
-                f"key(s) {missing[:10]} not in checkpoint {uri!r}, neither as a key nor as a key prefix "
-                f"(it has {len(leaves)} keys, e.g. {list(leaves)[:5]})"
-            )
-        wanted = list(dict.fromkeys(t for n in nodes.values() for t in tensor_keys(n)))
+def _read_from(st: ObjectStore, prefix: str, uri: str, m: Manifest, sel: ReadSelection, allow_pickle: bool,
+               stats: IOStats) -> Any:
     bufs: dict[str, torch.Tensor] = {}
-    for k in wanted:
+    for k in sel.tensors:
         sk = _stored_key(m, k)
         if sk not in bufs:
             e = m.tensors[sk]
@@ -154,9 +155,9 @@ def _read_from(st: ObjectStore, prefix: str, uri: str, m: Manifest, wanted_keys:
     def get_tensor(k: str) -> torch.Tensor:
         return bufs[_stored_key(m, k)]
 
-    if wanted_keys is None:
+    if sel.nodes is None:
         return decode_tree(m.tree, get_tensor, allow_pickle=allow_pickle, where=repr(uri))
-    return {k: decode_tree(nodes[k], get_tensor, allow_pickle=allow_pickle, where=repr(uri)) for k in wanted_keys}
+    return {k: decode_tree(n, get_tensor, allow_pickle=allow_pickle, where=repr(uri)) for k, n in sel.nodes.items()}
 
 
 @dataclass
@@ -218,8 +219,9 @@ def cast_batches(casts: list[CastTarget], limit: Optional[int] = None) -> list[l
 
 
 def castable(have: torch.dtype, stored: torch.dtype) -> bool:
-    """Whether ``load(..., cast=True)`` converts ``stored`` into ``have``: floating dtypes only."""
-    return have.is_floating_point and stored.is_floating_point
+    """Whether ``load(..., cast=True)`` converts ``stored`` into ``have``: floating dtypes only
+    (not complex, integer, bool, nor the packed fp4 pairs)."""
+    return converts_between_floats(have) and converts_between_floats(stored)
 
 
 def _under_value_leaves(keys: Iterable[str], leaves: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
@@ -249,16 +251,15 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
     """Pair every template leaf with the checkpoint, or raise naming what does not fit."""
     slots = list(template_slots(state_dict, stateful))
     tkeys = {s.key for s in slots}
+    keymap = reconcile(tkeys, leaves)  # torch's wrapper prefixes (_orig_mod., module.) on one side only
+    leaves = renamed_leaves(leaves, keymap)
     inside, covered = _under_value_leaves(tkeys, leaves)
     values = {**{k: leaves[k] for k in tkeys if k in leaves}, **inside}
     missing = [s.key for s in slots if s.key not in values]
     unexpected = [k for k in leaves if k not in tkeys and k not in covered]
-    if strict and (missing or unexpected):
-        raise StateDictMismatchError(
-            f"state dict does not match checkpoint {uri!r}: missing from checkpoint {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}; in checkpoint but not in state dict {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''} (pass strict=False to load the common keys)"
-        )
+    check_key_match(KeyCheck([s.key for s in slots if isinstance(s.value, (torch.Tensor, Shard))],
+                             list(values), missing, unexpected, list(m.tensors),
+                             list((stateful or {}).values()), keymap), uri, strict)
     problems: list[str] = []
     out = Match([], [], [], 0, missing, unexpected, values=values)
     seen: set[tuple] = set()
@@ -266,7 +267,8 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
         if s.key not in values:
             continue
         is_t = isinstance(s.value, (torch.Tensor, Shard))
-        in_ckpt_t = s.key in m.tensors
+        ck = keymap.ckpt_key(s.key)
+        in_ckpt_t = ck in m.tensors
         if is_t != in_ckpt_t:
             problems.append(f"{s.key!r}: {'tensor' if is_t else 'value'} in state dict, "
                             f"{'tensor' if in_ckpt_t else 'value'} in checkpoint")
@@ -274,13 +276,17 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
         if not is_t:
             out.value_slots.append(s)
             continue
-        e = m.tensors[s.key]
+        e = m.tensors[ck]
         part = local_part(s.key, s.value)
         local = part.local
         stored = dtype_from_name(e.dtype, s.key)
         if tuple(part.shape) != e.shape or (part.dtype != stored and not (cast and castable(part.dtype, stored))):
-            hint = (" (pass cast=True to convert between floating dtypes)"
-                    if not cast and tuple(part.shape) == e.shape and castable(part.dtype, stored) else "")
+            hint = ""
+            if tuple(part.shape) == e.shape and castable(part.dtype, stored):
+                hint = " (pass cast=True to convert between floating dtypes)"
+            elif tuple(part.shape) == e.shape and cast:
+                hint = (" (cast=True converts between floating dtypes only, e.g. float32 and bfloat16; not complex, "
+                        "integer, bool or packed fp4 tensors)")
             problems.append(f"{s.key!r}: state dict has {part.dtype} {list(part.shape)}, checkpoint has "
                             f"{e.dtype} {list(e.shape)}{hint}")
             continue
@@ -291,7 +297,7 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
         if not part.pieces or part.local is None:
             continue  # this rank holds no part of it
         out.n_tensors += 1
-        sk = _stored_key(m, s.key)
+        sk = _stored_key(m, ck)
         if part.dtype != stored:  # cast=True: read into a temporary of the stored dtype, convert after
             ident = (local.device, local.data_ptr(), tuple(local.shape), tuple(local.stride()), sk, "cast")
             if ident not in seen or not local.numel():  # tied destination: fill once
