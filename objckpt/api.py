@@ -136,8 +136,12 @@ def read(
     tied tensors tied again, sharded tensors assembled whole).  With ``keys``,
     returns ``{key: value}`` for just those keys and fetches only their bytes; a
     key may also be a subtree or key prefix (``"optim"``, ``"model.layers.0"``),
-    whose value is then the nested subtree under it (keys relative to it).  A
-    single string is one key (``read(uri, "optim")`` is ``read(uri, ["optim"])``).
+    whose value is then the nested subtree under it (keys relative to it), or a
+    glob pattern (``*``, ``?``, ``[...]``; ``fnmatch`` rules, case-sensitive, ``*``
+    crossing dots): ``read(uri, "model.*lora*")`` returns every matching leaf under
+    its own key and fetches only the matching tensors' bytes.  A key or pattern that
+    selects nothing is a :class:`MissingKeyError` naming it.  A single string is one
+    key (``read(uri, "optim")`` is ``read(uri, ["optim"])``).
     ``read`` never communicates with other ranks; ``no_dist`` is accepted for
     symmetry with :func:`load` and changes nothing.
     """
@@ -175,8 +179,13 @@ def load(
     into a bf16 template: each such tensor is read into a temporary of the
     stored dtype, then copied; a rank reading alone holds at most 256 MiB of
     such temporaries at a time).  With ``strict`` (the default) keys missing from
-    the checkpoint or not in ``state_dict`` are an error; otherwise they are
-    reported in the result.
+    the checkpoint or not in ``state_dict`` are an error naming them (and the key
+    prefix one side has and the other lacks, with the fix); otherwise they are
+    reported in the result, but a load that matches no tensor of the checkpoint,
+    or none of a Stateful value's tensors, is still an error (before any byte is
+    read).  Keys that differ only by the prefix torch's wrappers add
+    (``_orig_mod.``, ``module.``, ``_checkpoint_wrapped_module.``) on every key of
+    one side are matched without it (see :mod:`objckpt.load.key_match`).
 
     Stateful values (anything with ``state_dict()`` and ``load_state_dict()``:
     modules, optimizers, schedulers...) are loaded through them: their current
