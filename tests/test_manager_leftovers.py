@@ -21,9 +21,10 @@ from conftest import assert_same
 from mp import run_multiprocess
 
 #: a save killed (the process exits at once) when it is about to ``die_at``: ``manifest``
-#: (every blob is up, nothing committed) or ``complete`` (a multipart upload is left open)
+#: (every blob is up, nothing committed) or ``complete`` (two 6 MiB blobs in 5 MiB parts: the
+#: second completion never happens, so one blob is stored and a multipart upload is left open)
 KILLED_SAVE = r"""
-import json, os, sys, torch, objckpt
+import asyncio, json, os, sys, torch, objckpt
 from objckpt.storage import open_store
 from objckpt.testing.stores import CountingStore
 uri, opts, die_at, n = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -37,13 +38,20 @@ class Dies(CountingStore):
     def open_writer(self, key, size, num_parts=1):
         w = super().open_writer(key, size, num_parts)
         if die_at == "complete":
+            done = w.complete
             async def complete():
-                os._exit(9)
+                if self.ops["complete"] >= 1:  # the second blob: once the first is stored, die
+                    while not stored:
+                        await asyncio.sleep(0.01)
+                    os._exit(9)
+                await done()
+                stored.append(key)
             w.complete = complete
         return w
 
-objckpt.save({"w": torch.randn(n)}, uri, store=Dies(open_store(uri, opts)[0]), **({"part_size": 5 << 20}
-             if die_at == "complete" else {}))
+stored = []
+big = {"blob_size": 6 << 20, "part_size": 5 << 20} if die_at == "complete" else {}
+objckpt.save({"w": torch.randn(n)}, uri, store=Dies(open_store(uri, opts)[0]), **big)
 """
 
 
@@ -73,10 +81,11 @@ def test_retention_removes_killed_saves_leftovers_with_the_step(local_or_s3: tup
     uri, opts = local_or_s3
     root = uri + "-root"
     step2 = f"{root}/step-0000000002"
-    _kill_a_save(step2, opts, "manifest")
-    if opts:  # S3: a multipart upload left open as well
+    if opts:  # S3, multipart as on AWS: a stored blob and an open multipart upload
         _kill_a_save(step2, {**opts, "endpoint_kind": "s3"}, "complete", n=3 << 20)
         assert _under(root, opts, 2)[1]
+    else:
+        _kill_a_save(step2, opts, "manifest")
     killed = _under(root, opts, 2)[0]
     assert killed and not any(k.endswith("manifest.json") for k in killed)
 

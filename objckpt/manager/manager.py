@@ -43,7 +43,7 @@ from ..storage import open_store
 from .index import IndexDoc, StepIndex, step_name
 from .leftovers import LEFTOVER_GRACE
 from .retention import RetentionPolicy
-from .worker import CommitJob, RetentionReport, Worker, apply_retention
+from .worker import CommitJob, RetentionReport, Worker, apply_retention, sweep_into
 
 log = logging.getLogger("objckpt.manager")
 
@@ -257,13 +257,16 @@ class CheckpointManager:
         return _load(state, self.step_uri(step), **kw)
 
     def delete(self, step: int) -> Optional[DeleteReport]:
-        """Delete ``step``: out of the index first, then its manifest, then its objects (rank 0;
-        every rank calls it).  :class:`NotFoundError` when it is neither indexed nor committed."""
+        """Delete ``step``: out of the index first, then its manifest, then its objects, then what
+        killed saves left under it past ``leftover_grace`` (rank 0; every rank calls it).
+        :class:`NotFoundError` when it is neither indexed nor committed."""
         uri = self.step_uri(step)
 
         def run() -> DeleteReport:
             _runtime.run(self.index.remove({step}))
-            return _runtime.run(delete_checkpoint(self.index.store, self.index.step_prefix(step), uri))
+            report = _runtime.run(delete_checkpoint(self.index.store, self.index.step_prefix(step), uri))
+            sweep_into(RetentionReport(), self.index, step, self.leftover_grace)  # killed saves' leftovers
+            return report
 
         return self._on_root(run)
 

@@ -39,6 +39,7 @@ from ..errors import NotFoundError
 from ..save.background import SaveHandle
 from .index import IndexDoc, StepIndex
 from .leftovers import LEFTOVER_GRACE, sweep_step
+from .store_check import ConditionalWriteCheck, check_conditional_writes
 from .retention import RetentionPolicy, steps_to_delete
 
 log = logging.getLogger("objckpt.manager")
@@ -154,6 +155,8 @@ class Worker:
         self.grace = grace
         #: deleted steps whose leftovers were still young: step -> when to sweep it again
         self.pending: dict[int, float] = {}
+        #: whether the store honours create-only writes (probed before the first index update)
+        self.conditional: Optional[ConditionalWriteCheck] = None
         self._jobs: "queue.Queue[Optional[CommitJob]]" = queue.Queue()
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -203,6 +206,7 @@ class Worker:
         try:
             if job.handle is not None:
                 job.handle.result()  # the save's own error is raised to every rank by the manager
+            self._check_store_once()
             entry = _runtime.run(self.index.describe_step(job.step, job.metadata))
             _runtime.run(self.index.update(change))
         except BaseException as e:  # noqa: BLE001 - handed to wait()
@@ -221,6 +225,23 @@ class Worker:
         except BaseException as e:  # noqa: BLE001
             with self._lock:
                 self._errors.append(e)
+
+    def _check_store_once(self) -> None:
+        """Probe the store's create-only writes once (:mod:`~objckpt.manager.store_check`);
+        a store that ignores them gets a warning: two writers on this root are unsafe there."""
+        if self.conditional is not None:
+            return
+        try:
+            self.conditional = _runtime.run(check_conditional_writes(self.index.store, self.index.root))
+        except Exception as e:  # noqa: BLE001 - the probe must not fail a save; tried again next time
+            log.debug("objckpt: conditional-write probe under %s failed: %s: %s", self.root_uri, type(e).__name__, e)
+            return
+        if not self.conditional.honoured:
+            log.warning("objckpt: checkpoint manager under %s: %s.  Two writers of this root (two jobs, or a "
+                        "restarted job beside the old one) can then both be told a step committed; objckpt "
+                        "reads each commit back, which catches most such races but not all.  Use one writer "
+                        "per root, or a store that honours If-None-Match (docs/reliability.md).",
+                        self.root_uri, self.conditional.detail)
 
     def _sweep_due(self, report: RetentionReport, just_deleted: "set[int]") -> None:
         """Sweep again the deleted steps whose leftovers have aged past the grace period
