@@ -74,6 +74,12 @@ class StorageError(ObjckptError, OSError):
     """The storage backend failed after its retries."""
 
 
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage request ran out of time on every attempt its retry budget allowed:
+    no answer within the first-byte or read timeout, or an answer slower than the
+    minimum rate (the per-request deadline, see docs/reliability.md)."""
+
+
 class CollectiveLoadError(ObjckptError):
     """A collective load failed on some rank; raised on every rank.
 

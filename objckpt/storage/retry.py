@@ -7,7 +7,9 @@ failure has its own budget: throttling (503 SlowDown, 429) is retried long,
 since it is the server asking for patience; server errors a few times; timeouts
 and refused connections once or twice, since waiting rarely fixes them.
 Connect time and first-byte time are bounded separately by the client
-(``connect_timeout``, ``read_timeout``).
+(``connect_timeout``, ``read_timeout``), and each request of the direct path
+as a whole by its deadline, ``max(deadline_floor, bytes / min_rate)``: an
+answer (or an upload) that keeps trickling is a timeout like a silent one.
 
 :func:`retrying` is the one retry loop of both ways an S3 store sends a
 request (botocore's client and the direct HTTP path), so that both count
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Protocol, TypeVar
 
-from ..errors import BucketNotFoundError, StorageError
+from ..errors import BucketNotFoundError, StorageError, StorageTimeoutError
 from ..logs import get_logger
 
 if TYPE_CHECKING:
@@ -37,6 +40,10 @@ _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimi
 # short (it left objckpt intact: its checksum was computed here); sending it again may pass
 _SERVER_CODES = {"InternalError", "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed", "BadDigest",
                  "XAmzContentChecksumMismatch", "IncompleteBody"}
+
+
+#: where the deadline settings come from when ``storage_options`` do not give them
+DEADLINE_ENV = {"deadline_floor": "OBJCKPT_S3_DEADLINE_FLOOR", "min_rate": "OBJCKPT_S3_MIN_RATE"}
 
 
 class Failure(Enum):
@@ -60,7 +67,15 @@ class RetryPolicy:
     request without a body (the HEAD or GET that starts every save and read)
     gets only ``first_answer_timeout`` per attempt, so an endpoint that accepts
     TCP and never answers is reported in seconds, while ``read_timeout`` stays
-    long enough for a busy but live server."""
+    long enough for a busy but live server.
+
+    Each request of the direct path must also be done, head and body, within
+    ``max(deadline_floor, bytes / min_rate)`` seconds of being sent (bytes: its
+    body plus the answer's body as asked for): a server that answers at one byte
+    a second never trips ``read_timeout``, but it trips this.  The defaults
+    (60 s, 1 MiB/s) let a 16 MiB part or an 8 MiB ranged GET take a minute;
+    ``OBJCKPT_S3_DEADLINE_FLOOR`` and ``OBJCKPT_S3_MIN_RATE`` set them where
+    the options do not."""
 
     connect_timeout: float = 5.0  #: seconds to open a TCP/TLS connection
     read_timeout: float = 20.0  #: seconds to wait for the first (or next) byte of a response
@@ -71,6 +86,12 @@ class RetryPolicy:
     connect_attempts: int = 2  #: connection refused / unreachable
     base_backoff: float = 0.1  #: first backoff (seconds); doubles per attempt, full jitter
     max_backoff: float = 10.0  #: cap of one backoff
+    deadline_floor: float = 60.0  #: seconds any one request may take, whatever its size
+    min_rate: float = float(1 << 20)  #: bytes/s below which a large request runs out of time
+
+    def deadline(self, size: int) -> float:
+        """Seconds a request moving ``size`` bytes may take in all (see the class docstring)."""
+        return max(self.deadline_floor, size / self.min_rate)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "RetryPolicy":
@@ -78,7 +99,11 @@ class RetryPolicy:
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in options:
-                kw[f.name] = type(f.default)(options.pop(f.name))  # type: ignore[operator]
+                value = options.pop(f.name)
+                try:
+                    kw[f.name] = type(f.default)(value)  # type: ignore[operator]
+                except (TypeError, ValueError):
+                    raise ValueError(f"storage option {f.name}={value!r}: expected a number") from None
         if "max_attempts" in options:  # earlier single budget: applies to throttling and errors
             n = int(options.pop("max_attempts"))
             kw.setdefault("throttle_attempts", n)
@@ -86,6 +111,16 @@ class RetryPolicy:
         for name in ("throttle_attempts", "error_attempts", "timeout_attempts", "connect_attempts"):
             if name in kw and kw[name] < 1:
                 raise ValueError(f"storage option {name} must be >= 1, got {kw[name]}")
+        for name, var in DEADLINE_ENV.items():
+            where = f"storage option {name}"
+            if name not in kw and os.environ.get(var, "").strip():
+                where = f"environment variable {var}"
+                try:
+                    kw[name] = float(os.environ[var])
+                except ValueError:
+                    raise ValueError(f"{where}={os.environ[var]!r}: expected a number") from None
+            if name in kw and not 0 < kw[name] < float("inf"):
+                raise ValueError(f"{where} must be a positive number, got {kw[name]}")
         return cls(**kw)
 
     def attempts(self, kind: Failure) -> int:
@@ -166,8 +201,9 @@ async def retrying(host: RetryHost, what: str, send: Callable[[float], Awaitable
     unchanged; any other is retried under the policy's budget for its kind,
     with throttling fed back to the limiter, and is then reported as
     StorageError naming ``what``, the endpoint, the HTTP status, the kind and
-    the attempts.  ``name_type``: the exception's type name goes before its
-    text (the direct path's exceptions do not say where they come from)."""
+    the attempts (:class:`StorageTimeoutError`, also a ``TimeoutError``, when
+    it ran out of time).  ``name_type``: the exception's type name goes before
+    its text (the direct path's exceptions do not say where they come from)."""
     attempt = 0
     while True:
         policy = host.policy
@@ -199,8 +235,8 @@ async def retrying(host: RetryHost, what: str, send: Callable[[float], Awaitable
             text = f"{type(e).__name__}: {e}" if name_type else str(e)
             if attempt >= policy.attempts(kind):
                 tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
-                raise StorageError(f"S3 {what} at {host.endpoint()} failed ({status}{kind.value}, {tries}): {text}"
-                                   ) from e
+                error = StorageTimeoutError if kind is Failure.TIMEOUT else StorageError
+                raise error(f"S3 {what} at {host.endpoint()} failed ({status}{kind.value}, {tries}): {text}") from e
             log.warning("S3 %s (%s%s), attempt %d of %d; retrying: %s", what, status, kind.value, attempt,
                         policy.attempts(kind), text)
             await policy.backoff(attempt)

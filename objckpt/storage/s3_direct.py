@@ -37,12 +37,15 @@ from urllib.parse import urlsplit
 from .. import _runtime
 from ..options import switch_word
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
-from .wire import Conn, ShortBody, Sink, receive, send_views
+from .http_answer import BadAnswer, Head, Reader, check_range, content_length
+from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
+from .wire import SlowAnswer as SlowAnswer  # re-exported: the store tells it from a silent endpoint
 
 _PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 _UNHANDLED_ENV = ("AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT", "AWS_S3_USE_ARN_REGION")
-_MAX_HEAD = 64 << 10
 _ERROR_BODY = 64 << 10
+#: the largest answer body to a PUT or POST (S3's are a few hundred bytes)
+_SMALL_BODY = 1 << 20
 # answers that mean "botocore would have done something else here"
 _FALLBACK_CODES = {"PermanentRedirect", "TemporaryRedirect", "AuthorizationHeaderMalformed",
                    "SignatureDoesNotMatch", "IllegalLocationConstraintException", "InvalidRequest"}
@@ -114,29 +117,23 @@ def resolve_target(bucket: str, options: Mapping[str, Any], env: Mapping[str, st
     return Target(scheme, hostname, port, host_header, prefix, region, cafile)
 
 
-@dataclass
-class _Head:
-    status: int
-    headers: dict[str, str]
-    body: Optional[Sink] = None  # a whole object's bytes (see DirectClient.get)
-
-    @property
-    def reusable(self) -> bool:
-        """The server keeps the connection open after this answer."""
-        return self.headers.get("connection", "").lower() != "close"
+_Head = Head  # the answer head (see http_answer.Head)
 
 
 class DirectClient:
     """GET/HEAD and object writes for one bucket, blocking; call from :func:`pool` threads."""
 
     def __init__(self, bucket: str, target: Target, creds: CredentialSource, *, connect_timeout: float,
-                 read_timeout: float) -> None:
+                 read_timeout: float, deadline_floor: float = 60.0, min_rate: float = float(1 << 20)) -> None:
         self.bucket = bucket
         self.target = target
         self.creds = creds
         self.signer = Signer(target.region)
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        # each exchange must be done within max(deadline_floor, bytes / min_rate) s (see wire.Deadline)
+        self.deadline_floor = deadline_floor
+        self.min_rate = min_rate
         self._idle: list[Conn] = []
         self._lock = threading.Lock()
         self._ssl: Optional[ssl.SSLContext] = None
@@ -177,8 +174,14 @@ class DirectClient:
         self._idle = []
 
     # -- one exchange -----------------------------------------------------
-    def _request(self, conn: Conn, method: str, path: str, extra: dict[str, str], first_byte: float,
-                 query: str = "", body: Sequence[memoryview] = ()) -> _Head:
+    def _request(self, conn: Conn, method: str, path: str, extra: dict[str, str], rd: Reader,
+                 query: str = "", body: Sequence[memoryview] = ()) -> Head:
+        """Send one request and read its answer's head (interim 1xx answers skipped).
+
+        The peer must take some of the body every ``first_byte`` seconds (the
+        bound :func:`.retry.retrying` gives an attempt: ``read_timeout`` for a
+        request with a body) and begin its answer within ``first_byte`` of the
+        last byte sent; all of it within the request's deadline (``rd.dl``)."""
         hdrs = self.signer.headers(method, path, query, self.target.host_header, self.creds.get())
         target = f"{path}?{query}" if query else path
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.target.host_header}", "Accept-Encoding: identity",
@@ -186,159 +189,80 @@ class DirectClient:
         if method in ("PUT", "POST"):
             lines.append(f"Content-Length: {sum(len(v) for v in body)}")
         lines += [f"{k}: {v}" for k, v in {**hdrs, **extra}.items()]
-        conn.sock.settimeout(first_byte)
+        conn.sock.settimeout(rd.dl.bound(rd.first_byte))
         conn.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        send_views(conn, body)  # straight from the caller's memory (tensors, staging buffers)
-        buf = conn.extra
-        while True:
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(buf) > _MAX_HEAD:
-                raise ConnectionError(f"{self.target.host_header}: response head over {_MAX_HEAD} bytes")
-            chunk = conn.sock.recv(16 << 10)
-            if not chunk:
-                raise ConnectionResetError(f"{self.target.host_header} closed the connection before answering")
-            buf += chunk
-        head = bytes(buf[:end]).decode("latin-1").split("\r\n")
-        conn.extra = buf[end + 4:]
-        conn.sock.settimeout(self.read_timeout)
-        parts = head[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
-            raise ConnectionError(f"{self.target.host_header}: not an HTTP/1.1 answer: {head[0][:80]!r}")
-        headers: dict[str, str] = {}
-        for line in head[1:]:
-            k, _, v = line.partition(":")
-            headers[k.strip().lower()] = v.strip()
-        status = int(parts[1])
-        if 200 <= status < 300:
+        # straight from the caller's memory (tensors, staging buffers)
+        send_views(conn, body, rd.dl, rd.first_byte)
+        head = rd.head()
+        if 200 <= head.status < 300:
             conn.lent = False  # the server read the whole body: the socket holds none of it
-        return _Head(status, headers)
+        return head
 
-    def _recv_body(self, conn: Conn, head: _Head, sink: Optional[Sink], skip: int = 0) -> bool:
-        """Receive the body into ``sink`` (``None``: keep it, up to a bound, for an
-        error message); True when the connection can be reused."""
-        te = head.headers.get("transfer-encoding", "").lower()
-        if "chunked" in te:
-            return self._recv_chunked(conn, head, sink, skip)
-        length = head.headers.get("content-length")
-        if length is None:
-            raise Unsupported(f"{self.target.host_header}: a response without Content-Length or chunking")
-        left = int(length)
-        # bytes already read with the head
-        if conn.extra:
-            take = conn.extra[:left]
-            del conn.extra[:len(take)]
-            left -= len(take)
-            self._deliver(memoryview(take), sink, skip)
-            skip = max(0, skip - len(take))
-        while left > 0 and skip > 0:
-            data = conn.sock.recv(min(left, skip, 1 << 20))
-            if not data:
-                raise ShortBody("connection closed mid-body")
-            left -= len(data)
-            skip -= len(data)
-        if sink is not None:
-            left = receive(conn, sink, left)
-        if left > 0:  # more than the caller wants (or an error body): read and drop
-            if left > (_ERROR_BODY if sink is None else 4 << 20):
-                return False  # not worth draining; close instead
-            while left > 0:
-                data = conn.sock.recv(min(left, 1 << 20))
-                if not data:
-                    raise ShortBody("connection closed mid-body")
-                left -= len(data)
-        return head.reusable
-
-    def _recv_chunked(self, conn: Conn, head: _Head, sink: Optional[Sink], skip: int) -> bool:
-        buf = conn.extra
-
-        def need(n: int) -> None:
-            while len(buf) < n:
-                data = conn.sock.recv(1 << 20)
-                if not data:
-                    raise ShortBody("connection closed mid-body")
-                buf.extend(data)
-
-        while True:
-            while b"\r\n" not in buf:
-                need(len(buf) + 1)
-            line, _, _ = bytes(buf[:buf.index(b"\r\n")]).partition(b";")
-            size = int(line.strip() or b"0", 16)
-            del buf[:buf.index(b"\r\n") + 2]
-            if size == 0:
-                while not buf.startswith(b"\r\n"):  # trailers, then the blank line
-                    while b"\r\n" not in buf:
-                        need(len(buf) + 1)
-                    del buf[:buf.index(b"\r\n") + 2]
-                del buf[:2]
-                return head.reusable
-            need(size + 2)
-            self._deliver(memoryview(bytes(buf[:size])), sink, skip)
-            skip = max(0, skip - size)
-            del buf[:size + 2]
-
-    @staticmethod
-    def _deliver(data: memoryview, sink: Optional[Sink], skip: int) -> None:
-        if sink is not None and len(data) > skip:
-            sink.write(data[skip:])
-
-    def _error(self, conn: Conn, head: _Head, what: str, has_body: bool) -> Exception:
+    def _error(self, conn: Conn, rd: Reader, head: Head, what: str, has_body: bool) -> Exception:
         """The exception for a non-2xx answer (its body read, the connection reused)."""
-        body = bytearray()
         keep = not has_body and head.reusable
+        sink = Sink([memoryview(bytearray(_ERROR_BODY))])
         try:
-            sink = Sink([memoryview(bytearray(_ERROR_BODY))])
             if has_body:
-                keep = self._recv_body(conn, head, sink)
-            body = bytearray(sink.views[0][:sink.got]) if sink.views else bytearray()
-        except Unsupported:
-            pass
+                keep = rd.body(head, sink, 0, strict=False)
+        except OSError:  # incl. BadAnswer: the status says what matters; the body was only its detail
+            keep = False
         finally:
             if keep:
                 self._give_back(conn)
             else:
                 conn.close()
-        text = body.decode("utf-8", "replace")
+        text = sink.data().decode("utf-8", "replace")
         code = _xml_field(text, "Code")
         message = _xml_field(text, "Message")
         if head.status in (301, 302, 307, 308) or code in _FALLBACK_CODES:
             return Unsupported(f"{what}: HTTP {head.status} {code} {message}".strip())
         return S3HttpError(head.status, code, message, what, head.headers.get("server"))
 
+    def _deadline(self, sink: "Optional[Sink | Callable[[Head], Sink]]", body: Sequence[memoryview]) -> Deadline:
+        """The deadline of one exchange: its body and the answer asked for into ``sink``
+        (a sink made from the head, a whole object, is covered once its size is known)."""
+        asked = sink.total - sink.got if isinstance(sink, Sink) else 0
+        return Deadline(self.deadline_floor, self.min_rate, sum(len(v) for v in body) + asked)
+
     def _exchange(self, method: str, path: str, extra: dict[str, str], first_byte: float,
-                  sink: "Optional[Sink | Callable[[_Head], Sink]]", what: str, query: str = "",
-                  body: Sequence[memoryview] = ()) -> _Head:
+                  sink: "Optional[Sink | Callable[[Head], Sink]]", what: str, query: str = "",
+                  body: Sequence[memoryview] = ()) -> Head:
         """One request and its answer, on a kept-alive connection when one is idle.
 
         ``sink``: where the body goes, or a function that makes it from the
         answer's head (a whole object, sized by its Content-Length).  A reused
         connection the server has closed meanwhile fails before any answer:
-        that is retried once on a fresh connection, unseen by callers."""
+        that is retried once on a fresh connection, unseen by callers.  An
+        exchange that outlives its deadline raises :class:`~.wire.SlowAnswer`
+        saying what moved and how fast."""
         for fresh in (False, True):
             conn = self._connect() if fresh else self._take()
             reused = conn.used
+            rd = Reader(conn, self.target.host_header, self._deadline(sink, body), first_byte, self.read_timeout)
             try:
-                head = self._request(conn, method, path, extra, first_byte, query, body)
+                head = self._request(conn, method, path, extra, rd, query, body)
             except (ConnectionError, OSError) as e:
                 conn.close()
-                if reused and not fresh and not isinstance(e, TimeoutError):
+                if isinstance(e, TimeoutError) and rd.dl.passed():
+                    raise rd.dl.error(f"{what} from {self.target.host_header}") from None
+                if reused and not fresh and not isinstance(e, (TimeoutError, BadAnswer)):
                     continue
                 raise
             except BaseException:
                 conn.close()
                 raise
             if not 200 <= head.status < 300:
-                raise self._error(conn, head, what, has_body=method != "HEAD" and head.status not in (204, 304))
+                raise self._error(conn, rd, head, what, has_body=method != "HEAD" and head.status not in (204, 304))
             keep = head.reusable
             try:
                 if method != "HEAD":
-                    out = sink(head) if callable(sink) else sink
-                    # a 200 to a ranged GET: the server ignored Range, skip to its start
-                    skip = int(extra["range"][6:].split("-")[0]) if head.status == 200 and "range" in extra else 0
-                    keep = self._recv_body(conn, head, out, skip)
-                    if callable(sink):
-                        head.body = out
+                    keep = self._answer_body(rd, head, extra, sink, what)
+            except TimeoutError as e:
+                conn.close()
+                if rd.dl.passed():
+                    raise rd.dl.error(f"{what} from {self.target.host_header}") from None
+                raise
             except BaseException:
                 conn.close()
                 raise
@@ -348,6 +272,29 @@ class DirectClient:
                 conn.close()
             return head
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _answer_body(self, rd: Reader, head: Head, extra: dict[str, str],
+                     sink: "Optional[Sink | Callable[[Head], Sink]]", what: str) -> bool:
+        """Receive a 2xx answer's body where it belongs; True when the connection can be reused.
+
+        A ranged GET's 206 must hold the range asked for; a 200 to it (a server that
+        ignores Range) is read from the range's start.  Bodies are bounded by what
+        was asked for: a ranged sink's size, a whole object's Content-Length, a
+        write's answer :data:`_SMALL_BODY`."""
+        out = sink(head) if callable(sink) else sink
+        if callable(sink):
+            head.body = out
+            rd.dl.cover(rd.dl.size + out.total)
+        skip = 0
+        rng = extra.get("range")
+        if rng is not None:
+            lo, hi = (int(x) for x in rng[6:].split("-"))
+            if head.status == 206:
+                check_range(head, lo, hi, what)
+            elif head.status == 200:  # the server ignored Range: skip to its start
+                skip = lo
+                rd.dl.cover(rd.dl.size + skip)
+        return rd.body(head, out, skip, strict=skip == 0)
 
     # -- the calls --------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -366,18 +313,18 @@ class DirectClient:
         """A whole object (small ones: manifests, indexes), in one request."""
         what = f"GET s3://{self.bucket}/{key}"
 
-        def sized(head: _Head) -> Sink:
-            n = head.headers.get("content-length")
+        def sized(head: Head) -> Sink:
+            n = content_length(head, f"{what} from {self.target.host_header}")
             if n is None:
                 raise Unsupported(f"{what}: no Content-Length")
-            return Sink([memoryview(bytearray(int(n)))])
+            return GrowingSink(n)  # memory follows the bytes that arrive, not the announcement
 
         head = self._exchange("GET", self._path(key), {}, first_byte, sized, what)
         body = head.body
-        assert body is not None
-        if body.got != body.total:
-            raise ShortBody(f"{what}: {body.got} of {body.total} bytes")
-        return bytes(body.views[0]) if body.total else b""
+        if body is None or body.got != body.total:
+            got, total = (0, 0) if body is None else (body.got, body.total)
+            raise ShortBody(f"{what}: {got} of {total} bytes")
+        return body.data()
 
     def _head(self, key: Optional[str], first_byte: float) -> _Head:
         """HEAD of ``key`` (``None``: of the bucket, i.e. HeadBucket); a refusal raises."""
@@ -402,8 +349,14 @@ class DirectClient:
         return None if h is None else (int(h.headers.get("content-length", "0")), h.headers.get("etag"))
 
     # -- writes -------------------------------------------------------------
-    def _small_body(self, head: _Head) -> Sink:
-        return Sink([memoryview(bytearray(int(head.headers.get("content-length") or 0)))])
+    def _small_body(self, head: Head) -> Sink:
+        """Where the answer to a PUT or POST goes: its Content-Length (or, chunked, up
+        to :data:`_SMALL_BODY`), allocated as it arrives; a larger one is refused."""
+        n = content_length(head, self.target.host_header)
+        if n is not None and n > _SMALL_BODY:
+            raise BadAnswer(f"{self.target.host_header}: an answer body of {n} bytes to a write "
+                            f"(over {_SMALL_BODY}; refused unread)")
+        return GrowingSink(_SMALL_BODY if n is None else n)
 
     def put(self, key: str, views: Sequence[memoryview], headers: dict[str, str], first_byte: float,
             query: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -422,7 +375,7 @@ class DirectClient:
               what: str) -> str:
         h = self._exchange("POST", self._path(key), headers, first_byte, self._small_body, what,
                            canonical_query(query), [memoryview(body)] if body else [])
-        text = bytes(h.body.views[0][:h.body.got]).decode("utf-8", "replace") if h.body and h.body.views else ""
+        text = h.body.data().decode("utf-8", "replace") if h.body is not None else ""
         if "<Error>" in text:  # CompleteMultipartUpload can fail inside a 200
             raise S3HttpError(500, _xml_field(text, "Code"), _xml_field(text, "Message"), what)
         return text

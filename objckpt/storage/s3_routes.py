@@ -89,7 +89,8 @@ class DirectRoutes:
         if creds is None:
             return None
         return DirectClient(self.bucket, target, creds, connect_timeout=self.policy.connect_timeout,
-                            read_timeout=self.policy.read_timeout)
+                            read_timeout=self.policy.read_timeout, deadline_floor=self.policy.deadline_floor,
+                            min_rate=self.policy.min_rate)
 
     async def _try_direct(self, call: Callable[[DirectClient], Awaitable[Any]]) -> Any:
         """``await call(direct)`` when the direct path is on; :data:`NOT_DIRECT` when it is
@@ -120,8 +121,8 @@ class DirectRoutes:
         async def send(first: float) -> Any:
             try:
                 return await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
-            except TimeoutError:
-                if self._answered:  # the endpoint is alive: an ordinary timeout
+            except TimeoutError as e:
+                if self._answered or isinstance(e, s3_direct.SlowAnswer):  # it answered (slowly): as it says
                     raise
                 raise no_answer(self.endpoint(), first) from None
 

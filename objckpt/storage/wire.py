@@ -5,6 +5,8 @@
 piece hashed right there when the reader asked for it (``tally``).
 :func:`receive` is the loop that fills it, waking once per :data:`RECV_LOWAT`
 bytes on plain TCP rather than once per arriving segment.
+:class:`Deadline` is the time one whole request may take; every blocking
+call here waits no longer than what is left of it.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from ..options import switch_word
 
 #: bytes a plain-TCP body receive waits for before it wakes (see :func:`receive`)
 RECV_LOWAT = 1 << 20
+#: the largest piece a :class:`GrowingSink` allocates at once
+GROW_PIECE = 8 << 20
 #: buffers at least this large are spliced on plain TCP, not copied (see :func:`send_views`)
 SPLICE_MIN = 64 << 10
 #: pipe sizes tried for splicing, largest first (1 MiB is the default limit for non-root)
@@ -42,6 +46,71 @@ _LINUX = sys.platform.startswith("linux")
 
 class ShortBody(ConnectionError):
     """The connection ended before the announced body did (retried for the rest)."""
+
+
+class SlowAnswer(TimeoutError):
+    """A request ran past its :class:`Deadline`: the peer moved its bytes slower than
+    the minimum rate (a timeout: retried under that budget, then reported)."""
+
+
+def rate_text(bytes_per_s: float) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.3g} {unit}/s"
+    return f"{bytes_per_s:.3g} B/s"
+
+
+@dataclass
+class Deadline:
+    """The time one request may take in all, head and body, both ways:
+    ``max(floor, size / min_rate)`` seconds from its start.
+
+    The per-read timeout bounds a silence; it does not bound a peer that sends
+    one byte a second, which would hold a read (and its buffers) forever.  This
+    does.  ``size`` is what the request moves as far as it is known (its body and
+    the answer body asked for); :meth:`cover` grows it when an answer's head says
+    more (a whole-object GET).  ``moved`` counts the bytes that did move, for the
+    rate the error reports."""
+
+    floor: float
+    min_rate: float
+    size: int = 0
+    start: float = field(default_factory=time.monotonic)
+    moved: int = 0
+    at: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.at = self.start + self.seconds()
+
+    def seconds(self) -> float:
+        return max(self.floor, self.size / self.min_rate)
+
+    def cover(self, size: int) -> None:
+        """The request moves ``size`` bytes in all (never less than said before)."""
+        if size > self.size:
+            self.size = size
+            self.at = self.start + self.seconds()
+
+    def bound(self, per_op: float) -> float:
+        """``per_op`` seconds, or what is left of the deadline if that is less;
+        :class:`SlowAnswer` when nothing is left."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise SlowAnswer("request deadline passed")
+        return min(per_op, left)
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def error(self, what: str) -> SlowAnswer:
+        """The exception for a request ``what`` that ran out of its deadline: what moved,
+        at which rate, and the rule (with the options that set it)."""
+        took = max(time.monotonic() - self.start, 1e-9)
+        return SlowAnswer(
+            f"{what}: {self.moved} bytes moved in {took:.1f} s ({rate_text(self.moved / took)}), "
+            f"slower than the minimum rate: the request may take {self.seconds():.3g} s for its {self.size} bytes "
+            f"= max(deadline_floor {self.floor:g} s, bytes / min_rate {rate_text(self.min_rate)}) "
+            "(storage options deadline_floor, min_rate; OBJCKPT_S3_DEADLINE_FLOOR, OBJCKPT_S3_MIN_RATE)")
 
 
 @dataclass
@@ -86,6 +155,25 @@ class Sink:
             data = data[n:]
             self.advance(n)
 
+    def data(self) -> bytes:
+        """The bytes received, as one ``bytes``."""
+        return b"".join(self.views)[:self.got]
+
+
+class GrowingSink(Sink):
+    """A sink of at most ``limit`` bytes whose memory is allocated as bytes arrive,
+    in pieces of up to :data:`GROW_PIECE`: an answer that announces gigabytes and
+    sends a few costs a few, not what it announced."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__([])
+        self.total = limit
+
+    def room(self) -> memoryview:
+        if self._vi == len(self.views):
+            self.views.append(memoryview(bytearray(min(GROW_PIECE, self.total - self.got))))
+        return super().room()
+
 
 class Conn:
     """One kept-alive connection and the bytes read past the last response head."""
@@ -129,7 +217,8 @@ def _set_lowat(sock: socket.socket, n: int) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
 
 
-def receive(conn: Conn, sink: Sink, left: int) -> int:
+def receive(conn: Conn, sink: Sink, left: int, deadline: Optional[Deadline] = None,
+            read_timeout: Optional[float] = None) -> int:
     """Receive up to ``left`` body bytes into ``sink`` (until it is full); the bytes
     of the body still unread.
 
@@ -141,12 +230,22 @@ def receive(conn: Conn, sink: Sink, left: int) -> int:
     slower than the mark per read timeout is not a stalled one: when the wait times
     out with bytes queued, the mark goes back to 1 for this body and the read goes
     on; with nothing queued, the timeout is raised as before.  The mark is back at 1
-    when this returns (the next response head is read byte-exact)."""
+    when this returns (the next response head is read byte-exact).
+
+    With a ``deadline``, each read waits at most ``read_timeout`` (default: the
+    socket's timeout) or what is left of the deadline, and its bytes count as moved."""
     sock, mark, cur = conn.sock, conn.lowat, 1
+    per = sock.gettimeout() if read_timeout is None else read_timeout
+    timeout = None if read_timeout is None else sock.gettimeout()
     try:
         while left > 0 and sink.got < sink.total:
             if sink.cancelled:
                 raise ConnectionAbortedError("read cancelled")
+            if deadline is not None and per is not None:
+                t = deadline.bound(per)
+                if t < per or timeout != per:  # near the deadline, each read may wait only for what is left
+                    sock.settimeout(t)
+                    timeout = t
             room = sink.room()
             want = min(len(room), left)
             lw = min(mark, want)
@@ -164,6 +263,8 @@ def receive(conn: Conn, sink: Sink, left: int) -> int:
                 raise ShortBody("connection closed mid-body")
             sink.advance(n)
             left -= n
+            if deadline is not None:
+                deadline.moved += n
     finally:
         if cur != 1:
             try:
@@ -239,7 +340,8 @@ def _pipe(conn: Conn) -> Optional[tuple[int, int]]:
     return conn.pipe
 
 
-def send_views(conn: Conn, views: "list[memoryview] | tuple[memoryview, ...]") -> None:
+def send_views(conn: Conn, views: "list[memoryview] | tuple[memoryview, ...]", deadline: Optional[Deadline] = None,
+               stall: Optional[float] = None) -> None:
     """Send ``views`` in order.  With :func:`splice_wanted`, on plain TCP (Linux) each large
     writable buffer is spliced: ``vmsplice`` lends its pages to a pipe and ``splice`` moves them into the
     socket, so the kernel sends from the caller's memory instead of copying it first
@@ -247,17 +349,30 @@ def send_views(conn: Conn, views: "list[memoryview] | tuple[memoryview, ...]") -
     must not change until the answer comes (tensors of a blocking save, staging
     buffers held until their upload returns): a 2xx answer means the peer read them
     all; until then ``conn.lent`` is set and :meth:`Conn.close` discards what the
-    socket still holds (an abortive close) rather than let it go out later."""
+    socket still holds (an abortive close) rather than let it go out later.
+
+    Time: the peer must take some bytes every ``stall`` seconds (default: the
+    socket's timeout), and all of them before the ``deadline``; without one, the
+    socket's timeout bounds each body buffer whole (as ``sendall`` does)."""
     splice = splice_wanted() and _plain_tcp(conn.sock)
+    per = conn.sock.gettimeout() if stall is None else stall
     for v in views:
-        if splice and len(v) >= SPLICE_MIN and not v.readonly and v.contiguous and _splice(conn, v):
+        if splice and len(v) >= SPLICE_MIN and not v.readonly and v.contiguous and _splice(conn, v, deadline, per):
             continue
-        conn.sock.sendall(v)
+        if deadline is None or per is None:
+            conn.sock.sendall(v)
+            continue
+        off = 0
+        while off < len(v):  # send() takes what the socket buffer holds; each wait is bounded anew
+            conn.sock.settimeout(deadline.bound(per))
+            n = conn.sock.send(v[off:])
+            off += n
+            deadline.moved += n
 
 
-def _splice(conn: Conn, v: memoryview) -> bool:
+def _splice(conn: Conn, v: memoryview, dl: Optional[Deadline] = None, stall: Optional[float] = None) -> bool:
     """Splice all of ``v`` into the socket; False (nothing sent) where splicing is not
-    available, after which it is not tried again."""
+    available, after which it is not tried again.  Waits as :func:`send_views` says."""
     global SPLICE
     vmsplice = _get_vmsplice()
     pipe = _pipe(conn) if vmsplice else None
@@ -267,7 +382,7 @@ def _splice(conn: Conn, v: memoryview) -> bool:
     addr = ctypes.addressof(ctypes.c_char.from_buffer(v))
     fd = conn.sock.fileno()
     timeout = conn.sock.gettimeout()
-    deadline = None if timeout is None else time.monotonic() + timeout  # for all of v, as sendall's
+    deadline = None if timeout is None or dl is not None else time.monotonic() + timeout  # all of v, as sendall's
     wait = select.poll()
     wait.register(fd, select.POLLOUT)
     off, total = 0, len(v)
@@ -284,7 +399,10 @@ def _splice(conn: Conn, v: memoryview) -> bool:
             try:
                 sent = os.splice(r, fd, left)
             except BlockingIOError:  # the socket is full (it is non-blocking under a timeout)
-                ms = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
+                if dl is not None:
+                    ms: Optional[float] = None if stall is None else dl.bound(stall) * 1000
+                else:
+                    ms = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
                 if not wait.poll(ms):
                     raise TimeoutError("timed out sending the request body") from None
                 continue
@@ -296,5 +414,7 @@ def _splice(conn: Conn, v: memoryview) -> bool:
                 raise
             conn.lent = True
             left -= sent
+            if dl is not None:
+                dl.moved += sent
         off += n
     return True
