@@ -261,37 +261,52 @@ def _under_key(k: str, scope: str) -> bool:
     return not scope or k == scope or k.startswith(scope + ".")
 
 
+def _stateful_unmatched(c: KeyCheck, matched_t: list[str]) -> Optional[tuple[StatefulValue, list[str]]]:
+    """The first Stateful value whose template holds tensors none of which matched, with those keys."""
+    for sv in c.stateful:
+        mine = [k for k in c.tensor_keys if _under_key(k, sv.key)]
+        if mine and not any(_under_key(k, sv.key) for k in matched_t):
+            return sv, mine
+    return None
+
+
 def check_key_match(c: KeyCheck, uri: str, strict: bool) -> None:
     """Raise a :class:`StateDictMismatchError` for a load that would load too little
     (this module's docstring); before any byte is read, so the template is untouched."""
     matched = set(c.matched)
     ckpt_t = set(c.ckpt_tensors)
     matched_t = [k for k in c.tensor_keys if k in matched and c.keymap.ckpt_key(k) in ckpt_t]
-    hint = prefix_hint(c.missing, c.unexpected)
-    lead = f"{hint}. " if hint else ""
-    renamed = f" (matched already: {c.keymap.describe()})" if c.keymap.renames else ""
-    if strict and (c.missing or c.unexpected):
+    if strict and not (c.missing or c.unexpected):
+        return
+    unmatched_sv = None
+    if not strict:
+        if not ckpt_t or not c.tensor_keys:
+            return  # an empty checkpoint, or a template asking for values only
+        unmatched_sv = _stateful_unmatched(c, matched_t) if matched_t else None
+        if matched_t and unmatched_sv is None:
+            return
+    hint = prefix_hint(c.missing, c.unexpected)  # only on the way to an error: it scans the keys
+    lead = f"{hint[0].upper()}{hint[1:]}. " if hint else ""
+    renamed = (f" (after matching keys without torch's wrapper prefixes: {c.keymap.describe()})"
+               if c.keymap.renames else "")
+    if strict:
         retry = (f" Pass strict=False to load the {len(matched_t)} tensor(s) in common." if matched_t and not hint
                  else "")
         raise StateDictMismatchError(
             f"state dict does not match checkpoint {uri!r}{renamed}: {lead}Missing from checkpoint "
             f"{_listed(c.missing)}; in checkpoint but not in state dict {_listed(c.unexpected)}.{retry}")
-    if strict or not ckpt_t:
-        return
-    if c.tensor_keys and not matched_t:
+    if unmatched_sv is None:
         raise StateDictMismatchError(
             f"cannot load {uri!r}: none of the state dict's {len(c.tensor_keys)} tensor(s) is in the checkpoint, "
             f"whose {len(ckpt_t)} tensor(s) have other keys{renamed}. {lead}State dict: {_listed(c.tensor_keys, 5)}; "
             f"checkpoint: {_listed(c.ckpt_tensors, 5)}. Nothing was loaded (strict=False skips some keys; it does "
             "not turn a load of nothing into a success)")
-    for sv in c.stateful:
-        mine = [k for k in c.tensor_keys if _under_key(k, sv.key)]
-        if mine and not any(_under_key(k, sv.key) for k in matched_t):
-            there = [k for k in c.ckpt_tensors if _under_key(k, sv.key)]
-            has = (f"the checkpoint's tensors under it are {_listed(there, 5)}" if there else
-                   "the checkpoint has no tensor under that key")
-            raise StateDictMismatchError(
-                f"cannot load {uri!r}: none of the {len(mine)} tensor(s) of the {type(sv.obj).__qualname__} at key "
-                f"{sv.key or '<root>'!r} is in the checkpoint ({has}){renamed}. {lead}It would keep the values it "
-                f"was built with beside loaded state; nothing was loaded. Leave it out of the state to load the "
-                "rest without it")
+    sv, mine = unmatched_sv
+    there = [k for k in c.ckpt_tensors if _under_key(k, sv.key)]
+    has = (f"the checkpoint's tensors under it are {_listed(there, 5)}" if there else
+           "the checkpoint has no tensor under that key")
+    raise StateDictMismatchError(
+        f"cannot load {uri!r}: none of the {len(mine)} tensor(s) of the {type(sv.obj).__qualname__} at key "
+        f"{sv.key or '<root>'!r} is in the checkpoint ({has}){renamed}. {lead}It would keep the values it "
+        "was built with beside loaded state; nothing was loaded. Leave it out of the state to load the "
+        "rest without it")
