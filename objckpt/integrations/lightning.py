@@ -14,7 +14,10 @@ Lightning's view of the bucket are handled here:
   also writes a small JSON *marker object* at the path itself, after the
   manifest commits.  That makes fsspec's ``exists`` / ``modified`` /
   ``isfile`` answer as for a ``.ckpt`` file, which ``ckpt_path="last"`` needs
-  (s3fs has no modification time for a prefix).  Remove deletes the marker
+  (s3fs has no modification time for a prefix).  The marker is a ``torch.save`` file whose
+  loading fails with advice (:mod:`objckpt.integrations.lightning_marker`), so
+  ``LightningModule.load_from_checkpoint`` on it says to call
+  :func:`objckpt.lightning.load_from_checkpoint` instead.  Remove deletes the marker
   first, then the checkpoint (:func:`objckpt.delete`: manifest first).
 * objckpt writes behind fsspec's back, so after each save and remove the
   plugin drops fsspec's cached listing of the path, or a later ``exists`` /
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -48,6 +50,7 @@ from ..api import save as _save
 from ..errors import NotFoundError, ObjckptError
 from ..save.background import SaveHandle
 from ..storage import open_store, split_uri
+from .lightning_marker import marker_body
 from .plain_values import TypeNote, from_plain, to_plain
 
 __all__ = ["ObjckptCheckpointIO", "ModelCheckpoint", "TYPES_KEY"]
@@ -257,8 +260,7 @@ class ObjckptCheckpointIO(CheckpointIO):
         """After the manifest is in place: the marker object (object stores), then fsspec's cache."""
         if _on_object_store(uri):
             store, key = open_store(uri, self.storage_options)
-            body = json.dumps({"objckpt": "lightning-checkpoint", "format": FORMAT,
-                               "manifest": f"{key}/manifest.json"}).encode()
+            body = marker_body(f"{key}/manifest.json", FORMAT)  # torch.load of it says what to call instead
             _runtime.run(store.put(key, body))
         _invalidate_fsspec(uri)
 
