@@ -109,9 +109,11 @@ def test_packed_fp4_round_trips_as_its_bytes(tmp_path: Any) -> None:
 
 
 def test_info_into_a_closed_pipe_ends_without_a_traceback(tmp_path: Any) -> None:
-    """``objckpt info ... | head -1``: the reader leaves after one line of some 200 KB."""
+    """``objckpt info ... | head -1``: the reader leaves after one line of some 160 KB (more
+    than a pipe holds, so the command is still writing when the pipe closes)."""
     uri = str(tmp_path / "ck")
-    objckpt.save({f"block_{i:04d}.some_long_parameter_name": torch.zeros(1) for i in range(3000)}, uri)
+    name = "encoder.layers.{:04d}.self_attention.query_key_value.some_rather_long_parameter_name.weight"
+    objckpt.save({name.format(i): torch.zeros(1) for i in range(1200)}, uri)
     code = "import sys; from objckpt.cli import main; sys.exit(main())"
     p = subprocess.Popen([sys.executable, "-c", code, "info", uri], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          cwd=str(tmp_path))

@@ -44,87 +44,85 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def save_compiled(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Train a plain model one step, then save it through its compiled wrapper: as a Stateful
-    value, and as the compiled module's state dict (keys ``_orig_mod.…``)."""
+def save_wrapped(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Two gloo ranks save a model through its wrappers.
+
+    ``compiled``: a plain model trained one step, saved through ``torch.compile`` as a
+    Stateful value and as the compiled module's state dict (keys ``_orig_mod.…``).
+    ``ddp``: a DDP model trained one step (each rank on its own data), saved as a Stateful
+    value and as ``ddp.state_dict()`` (keys ``module.…``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     net = _net(0)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     _step(net, opt, 1)
     compiled = torch.compile(net, backend="eager")  # its state_dict() needs no run
     assert next(iter(compiled.state_dict())).startswith("_orig_mod.")
-    objckpt.save({"model": compiled, "optim": opt}, f"{root}/stateful")
-    objckpt.save({"model": compiled.state_dict(), "optim": opt.state_dict()}, f"{root}/dict")
-    return _plain({"model": net.state_dict(), "optim": opt.state_dict()})
-
-
-def resume_compiled(rank: int, world: int, root: str) -> list[dict[str, Any]]:
-    """A fresh process resumes both checkpoints into the plain model (strict), and the plain
-    model's checkpoint into a compiled one."""
-    out = []
-    for name in ("stateful", "dict"):
-        net = _net(7)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        objckpt.load({"model": net, "optim": opt}, f"{root}/{name}")
-        out.append(_plain({"model": net.state_dict(), "optim": opt.state_dict()}))
-    net = _net(8)
-    compiled = torch.compile(net, backend="eager")
-    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
-    objckpt.load({"model": compiled, "optim": opt}, f"{root}/stateful")
-    out.append(_plain({"model": net.state_dict(), "optim": opt.state_dict()}))
-    return out
-
-
-def test_compiled_model_resumes_into_the_plain_model_and_back(tmp_path: Any) -> None:
-    root = str(tmp_path)
-    (saved,) = run_multiprocess(1, save_compiled, root)
-    assert all(k.startswith(("model.0", "model.2", "optim.")) for k in objckpt.inspect(f"{root}/stateful").tensors)
-    (loaded,) = run_multiprocess(1, resume_compiled, root)
-    assert len(loaded) == 3
-    assert all(_same(got, saved) for got in loaded)
-
-
-def save_ddp(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Two gloo ranks train a DDP model one step (each on its own data) and save it: as a
-    Stateful value, and as ``ddp.state_dict()`` (keys ``module.…``)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    objckpt.save({"model": compiled, "optim": opt}, f"{root}/compiled/stateful")
+    objckpt.save({"model": compiled.state_dict(), "optim": opt.state_dict()}, f"{root}/compiled/dict")
+    out = {"compiled": _plain({"model": net.state_dict(), "optim": opt.state_dict()})}
 
     net = _net(0)
     ddp = DDP(net)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     _step(ddp, opt, 10 + rank)
     assert next(iter(ddp.state_dict())).startswith("module.")
-    objckpt.save({"model": ddp, "optim": opt}, f"{root}/stateful")
-    objckpt.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, f"{root}/dict")
-    return _plain({"model": net.state_dict(), "optim": opt.state_dict()})
-
-
-def resume_ddp(rank: int, world: int, root: str) -> list[dict[str, Any]]:
-    """A fresh process (a one-rank gloo group) resumes the DDP checkpoints into the plain
-    model, and the plain-keyed one into a DDP model."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    out = []
-    for name in ("stateful", "dict"):
-        net = _net(7)
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        objckpt.load({"model": net, "optim": opt}, f"{root}/{name}")
-        out.append(_plain({"model": net.state_dict(), "optim": opt.state_dict()}))
-    net = _net(8)
-    ddp = DDP(net)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    objckpt.load({"model": ddp, "optim": opt}, f"{root}/stateful")
-    out.append(_plain({"model": net.state_dict(), "optim": opt.state_dict()}))
+    objckpt.save({"model": ddp, "optim": opt}, f"{root}/ddp/stateful")
+    objckpt.save({"model": ddp.state_dict(), "optim": opt.state_dict()}, f"{root}/ddp/dict")
+    out["ddp"] = _plain({"model": net.state_dict(), "optim": opt.state_dict()})
     return out
 
 
-def test_ddp_checkpoint_resumes_into_the_plain_model_and_back(tmp_path: Any) -> None:
-    root = str(tmp_path)
-    saved, saved1 = run_multiprocess(2, save_ddp, root)
-    assert _same(saved, saved1)  # DDP kept the replicas equal
-    assert all(".module." not in k for k in objckpt.inspect(f"{root}/stateful").tensors)
-    assert any(k.startswith("model.module.") for k in objckpt.inspect(f"{root}/dict").tensors)
-    (loaded,) = run_multiprocess(1, resume_ddp, root)
-    assert all(_same(got, saved) for got in loaded)
+def resume_wrapped(rank: int, world: int, root: str) -> dict[str, list[dict[str, Any]]]:
+    """A fresh process (a one-rank gloo group) resumes each wrapper's two checkpoints into the
+    plain model (strict), and the Stateful one into a wrapped model again."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    wrap = {"compiled": lambda m: torch.compile(m, backend="eager"), "ddp": DDP}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for kind, wrapper in wrap.items():
+        got = []
+        for name in ("stateful", "dict"):
+            net = _net(7)
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+            objckpt.load({"model": net, "optim": opt}, f"{root}/{kind}/{name}")
+            got.append(_plain({"model": net.state_dict(), "optim": opt.state_dict()}))
+        net = _net(8)
+        wrapped = wrapper(net)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        objckpt.load({"model": wrapped, "optim": opt}, f"{root}/{kind}/stateful")
+        got.append(_plain({"model": net.state_dict(), "optim": opt.state_dict()}))
+        out[kind] = got
+    return out
+
+
+@pytest.fixture(scope="module")
+def wrapped_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """(root, what each saving rank had, what the resuming process loaded): one save run of
+    two ranks and one fresh resume, shared by the compile and DDP tests."""
+    root = str(tmp_path_factory.mktemp("wrapped"))
+    saved = run_multiprocess(2, save_wrapped, root)
+    (loaded,) = run_multiprocess(1, resume_wrapped, root)
+    return root, saved, loaded
+
+
+def test_compiled_model_resumes_into_the_plain_model_and_back(
+        wrapped_runs: tuple[str, list[dict[str, Any]], dict[str, Any]]) -> None:
+    root, saved, loaded = wrapped_runs
+    keys = objckpt.inspect(f"{root}/compiled/stateful").tensors
+    assert all(k.startswith(("model.0", "model.2", "optim.")) for k in keys)
+    assert any(k.startswith("model._orig_mod.") for k in objckpt.inspect(f"{root}/compiled/dict").tensors)
+    assert len(loaded["compiled"]) == 3 and all(_same(got, saved[0]["compiled"]) for got in loaded["compiled"])
+
+
+def test_ddp_checkpoint_resumes_into_the_plain_model_and_back(
+        wrapped_runs: tuple[str, list[dict[str, Any]], dict[str, Any]]) -> None:
+    root, saved, loaded = wrapped_runs
+    assert _same(saved[0]["ddp"], saved[1]["ddp"])  # DDP kept the replicas equal
+    assert not _same(saved[0]["ddp"], saved[0]["compiled"])  # and they trained on other data
+    assert all(".module." not in k for k in objckpt.inspect(f"{root}/ddp/stateful").tensors)
+    assert any(k.startswith("model.module.") for k in objckpt.inspect(f"{root}/ddp/dict").tensors)
+    assert len(loaded["ddp"]) == 3 and all(_same(got, saved[0]["ddp"]) for got in loaded["ddp"])
 
 
 def test_activation_checkpointed_parameters_load_into_the_plain_model(
