@@ -107,6 +107,8 @@ def test_retention_removes_killed_saves_leftovers_with_the_step(local_or_s3: tup
     assert m._worker.last_retention.deleted == [2]  # type: ignore[union-attr]
     assert m._worker.last_retention.leftovers >= len(killed)  # type: ignore[union-attr]
     assert _under(root, opts, 2) == ([], [])  # nothing of the deleted step is left
+    if not opts:
+        assert not os.path.exists(os.path.join(root, "step-0000000002"))  # not even its folders
     st = {"w": torch.zeros(256), "step": 0}
     m.load(st)
     assert_same(st, _state(4))
@@ -165,3 +167,4 @@ def test_every_rank_falls_back_to_the_same_step(tmp_path: Any) -> None:
             m.save(step, _state(step))
     shutil.rmtree(os.path.join(root, "step-0000000003"))
     assert run_multiprocess(2, _ranks_load_latest, root) == [(2, 2), (2, 2)]
+
