@@ -106,8 +106,9 @@ def on_reset(fn: Callable[[], None]) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _loop, _thread, _pool
+    global _loop, _thread, _pool, _lock
     _loop, _thread, _pool = None, None, None
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
     for fn in _on_reset:
         fn()
 

@@ -101,3 +101,8 @@ class TensorChangedError(ObjckptError, RuntimeError):
     read it: the bytes uploaded may not be the bytes checksummed, so the save
     refuses to commit.  Save from a quiescent state, or use ``async_save``, which
     copies first."""
+
+
+class ForeignSaveError(ObjckptError, RuntimeError):
+    """The outcome of an ``async_save`` was asked for in a process forked from the one
+    that started it: the save runs (and commits) in its own process only."""

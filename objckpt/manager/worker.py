@@ -26,6 +26,7 @@ for async saves in flight (registered later, so it runs earlier).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -126,6 +127,8 @@ _hook_installed = [False]
 
 def _drain_at_exit() -> None:
     for w in list(_live):
+        if w._pid != os.getpid():
+            continue  # a forked child's copy: the thread that would run its jobs is the parent's
         for e in w.join():
             log.warning("objckpt: checkpoint manager under %s: %s: %s", w.root_uri, type(e).__name__, e)
 
@@ -160,6 +163,7 @@ class Worker:
         self._jobs: "queue.Queue[Optional[CommitJob]]" = queue.Queue()
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self.last_retention = RetentionReport()
         self._thread = threading.Thread(target=self._run, name="objckpt-manager", daemon=True)
         self._thread.start()

@@ -17,10 +17,19 @@ Commits happen in call order.  In a process group, the outcome exchange and
 commit run in a background thread over a gloo group created for objckpt (never
 NCCL from a background thread).  The interpreter waits for saves in flight
 before it exits (their threads are not daemons).
+
+A save belongs to the process that started it.  A forked child (a DataLoader
+worker, forked anew every epoch by default) inherits the list of saves in
+flight but not the threads that finish them: it forgets them at fork, so its
+exit does not wait for (and print about) the parent's saves, its own saves do
+not queue behind them, and a parent's :class:`SaveHandle` asked for its outcome
+in the child raises :class:`~objckpt.errors.ForeignSaveError` instead of
+blocking forever.  The parent's saves commit as if no fork happened.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from typing import Any, Optional
 
@@ -28,6 +37,7 @@ import torch
 
 from .. import _runtime
 from ..distributed.comm import Comm
+from ..errors import ForeignSaveError
 from ..memory import Budget, host_pool, side_stream
 from ..options import SaveOptions
 from ..results import SaveResult
@@ -47,10 +57,19 @@ class SaveHandle:
         self._staged = threading.Event()
         self._future: "concurrent.futures.Future[SaveResult]" = concurrent.futures.Future()
         self._violation: Optional[str] = None
+        self._pid = os.getpid()
+
+    def _check_owner(self) -> None:
+        """In a forked child the threads that would finish this save do not exist."""
+        if os.getpid() != self._pid:
+            raise ForeignSaveError(
+                f"async save to {self.uri!r} was started by process {self._pid}, not this one ({os.getpid()}, "
+                "forked from it): its outcome is known only there (it commits as usual)")
 
     def wait_staged(self, timeout: Optional[float] = None) -> None:
         """Block until the state is in host memory (or staging failed); after this the
         caller may modify its tensors."""
+        self._check_owner()
         if not self._staged.wait(timeout):
             raise TimeoutError(f"async save to {self.uri!r}: staging not finished after {timeout} s")
 
@@ -62,14 +81,16 @@ class SaveHandle:
 
     def result(self, timeout: Optional[float] = None) -> SaveResult:
         """The :class:`SaveResult` once committed, or the background error."""
+        self._check_owner()
         return self._future.result(timeout)
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        self._check_owner()
         return self._future.exception(timeout)
 
 
 def wait_all(timeout: Optional[float] = None) -> None:
-    """Wait for every save in flight to commit or fail."""
+    """Wait for every save in flight that this process started to commit or fail."""
     with _lock:
         pending = [h._future for h in _in_flight]
     concurrent.futures.wait(pending, timeout=timeout)
@@ -103,6 +124,18 @@ def _install_exit_hook() -> None:
         import atexit
 
         atexit.register(hook)
+
+
+def _after_fork_in_child() -> None:
+    """Forget the parent's saves (see the module docstring); a new lock, in case another
+    thread of the parent held this one at the fork."""
+    global _lock
+    _lock = threading.Lock()
+    _in_flight.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _wait_for_room(max_in_flight: int) -> None:

@@ -6,17 +6,24 @@ manifest is committed atomically: written to a temporary file, fsync'ed, then
 hard-linked into place when it must not exist yet (``link`` fails if the target
 exists, so two writers can never both commit) or ``os.replace``d for an
 overwrite.  Readers thus see either no manifest or a whole one.
+
+Every filesystem error (a full disk, a read-only mount, a file where a
+directory should be, a directory where a file should be) is raised as an
+objckpt error naming the object, the file and the cause (:mod:`.fs_errors`);
+a failed write removes the temporary or partial file it made.
 """
 from __future__ import annotations
 
 import errno
 import os
 import secrets
+import stat
 from typing import Optional, Sequence
 
 from .. import _runtime
-from ..errors import PreconditionFailed, StorageError
-from .base import BlobWriter, ObjectInfo, ObjectStore, not_found
+from ..errors import ObjckptError, PreconditionFailed, StorageError
+from .base import BlobWriter, ObjectInfo, ObjectStore
+from .fs_errors import is_absent, missing, storage_error
 
 
 def _fsync_dir(path: str) -> None:
@@ -40,9 +47,18 @@ class _LocalWriter(BlobWriter):
         self._store = store
         self._path = store._path(key)
         self._key = key
-        os.makedirs(os.path.dirname(self._path), exist_ok=True)
-        self._fd: Optional[int] = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self._fd, size)
+        self._fd: Optional[int] = None
+        try:
+            os.makedirs(os.path.dirname(self._path), exist_ok=True)
+            self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(self._fd, size)
+        except OSError as e:
+            err = store._error("creating", key, e)
+            if self._fd is not None:  # created, then refused its size: no empty file left behind
+                os.close(self._fd)
+                self._fd = None
+                _unlink_quietly(self._path)
+            raise err from e
 
     def _pwrite(self, offset: int, data: memoryview) -> None:
         assert self._fd is not None
@@ -55,7 +71,7 @@ class _LocalWriter(BlobWriter):
         try:
             await _runtime.in_thread(self._pwrite, offset, data)
         except OSError as e:
-            raise StorageError(f"writing {self._key!r} at offset {offset}: {e}") from e
+            raise self._store._error(f"writing at offset {offset} of", self._key, e) from e
 
     def _pwritev(self, offset: int, views: Sequence[memoryview]) -> None:
         assert self._fd is not None
@@ -74,7 +90,7 @@ class _LocalWriter(BlobWriter):
         try:
             await _runtime.in_thread(self._pwritev, offset, views)
         except OSError as e:
-            raise StorageError(f"writing {self._key!r} at offset {offset}: {e}") from e
+            raise self._store._error(f"writing at offset {offset} of", self._key, e) from e
 
     async def complete(self) -> None:
         fd, self._fd = self._fd, None
@@ -82,16 +98,29 @@ class _LocalWriter(BlobWriter):
             return
         def finish() -> None:
             try:
-                os.fsync(fd)
+                os.fsync(fd)  # a full disk or a failing device can first show here
             finally:
                 os.close(fd)
-        await _runtime.in_thread(finish)
+        try:
+            await _runtime.in_thread(finish)
+        except OSError as e:
+            raise self._store._error("flushing", self._key, e) from e
 
     async def abort(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # a delayed write error: the file goes anyway
         await self._store.delete([self._key])  # also tidies the emptied attempt directory
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class LocalStore(ObjectStore):
@@ -108,13 +137,21 @@ class LocalStore(ObjectStore):
             raise ValueError(f"bad object key {key!r}")
         return os.path.join(self.root, *key.split("/"))
 
+    def _error(self, doing: str, key: str, e: OSError) -> ObjckptError:
+        """``e`` (met while ``doing`` object ``key``) as an objckpt error naming the file and the cause."""
+        return storage_error(doing, self._path(key), self.root, e)
+
+    def _read_error(self, key: str, e: OSError) -> ObjckptError:
+        """A read's ``e``: the object is absent when its path is not a file, else a StorageError."""
+        return missing(key, self._path(key), e) if is_absent(e) else self._error("reading", key, e)
+
     async def get(self, key: str) -> bytes:
         def read() -> bytes:
             try:
                 with open(self._path(key), "rb") as f:
                     return f.read()
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                raise not_found(key) from None
+            except OSError as e:
+                raise self._read_error(key, e) from None
         return await _runtime.in_thread(read)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
@@ -126,8 +163,8 @@ class LocalStore(ObjectStore):
         """Scatter-read with preadv: straight into every destination, no copy."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise not_found(key) from None
+        except OSError as e:
+            raise self._read_error(key, e) from None
         try:
             views = [o.cast("B") if o.format != "B" else o for o in outs if len(o)]
             got = 0
@@ -142,6 +179,8 @@ class LocalStore(ObjectStore):
                 if views and n:
                     views[0] = views[0][n:]
             return got
+        except OSError as e:  # EISDIR: a directory opens, but does not read
+            raise self._read_error(key, e) from None
         finally:
             os.close(fd)
 
@@ -169,31 +208,48 @@ class LocalStore(ObjectStore):
 
     async def put(self, key: str, data: memoryview | bytes, *, if_absent: bool = False) -> None:
         path = self._path(key)
+        doing = "writing the manifest" if key.rsplit("/", 1)[-1] == "manifest.json" else "writing"
 
         def write() -> None:
             d = os.path.dirname(path)
-            os.makedirs(d, exist_ok=True)
-            if if_absent and os.path.exists(path):
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:  # FileExistsError here: a file stands where the directory should be
+                raise self._error(doing, key, e) from e
+            if os.path.isdir(path):
+                raise self._error(doing, key, IsADirectoryError(errno.EISDIR, "Is a directory", path))
+            if if_absent and os.path.lexists(path):
                 raise PreconditionFailed(f"object {key!r} already exists")
             tmp = f"{path}.tmp-{secrets.token_hex(6)}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except OSError as e:
+                raise self._error(doing, key, e) from e
+            try:
+                try:
+                    view = memoryview(data).cast("B")
+                    while len(view):
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
                 if if_absent:
                     try:
                         os.link(tmp, path)
                     except FileExistsError:
                         raise PreconditionFailed(f"object {key!r} already exists") from None
-                    finally:
-                        os.unlink(tmp)
                 else:
                     os.replace(tmp, path)
+            except OSError as e:  # a full disk, a read-only remount, ...: the temporary goes too
+                _unlink_quietly(tmp)
+                if isinstance(e, ObjckptError):
+                    raise
+                raise self._error(doing, key, e) from e
             except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                _unlink_quietly(tmp)
                 raise
+            if if_absent:
+                _unlink_quietly(tmp)
             _fsync_dir(d)
 
         await _runtime.in_thread(write)
@@ -201,8 +257,12 @@ class LocalStore(ObjectStore):
     async def head(self, key: str) -> Optional[ObjectInfo]:
         try:
             st = os.stat(self._path(key))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        except OSError as e:
+            if is_absent(e):
+                return None
+            raise self._error("looking up", key, e) from e
+        if not stat.S_ISREG(st.st_mode):
+            return None  # a directory is a prefix, not an object
         return ObjectInfo(key, st.st_size, mtime=st.st_mtime)
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
@@ -210,7 +270,12 @@ class LocalStore(ObjectStore):
             out: list[ObjectInfo] = []
             base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
             start = os.path.join(self.root, *base.split("/")) if base else self.root
-            for dirpath, _, files in os.walk(start):
+
+            def unreadable(e: OSError) -> None:
+                if not is_absent(e):  # a directory that vanished is fine; an unreadable one is not
+                    raise storage_error("listing", e.filename or start, self.root, e) from e
+
+            for dirpath, _, files in os.walk(start, onerror=unreadable):
                 for fn in files:
                     full = os.path.join(dirpath, fn)
                     key = os.path.relpath(full, self.root).replace(os.sep, "/")
@@ -226,6 +291,7 @@ class LocalStore(ObjectStore):
     async def delete(self, keys: Sequence[str]) -> None:
         def rm() -> None:
             dirs = set()
+            failed: list[ObjckptError] = []
             for k in keys:
                 p = self._path(k)
                 try:
@@ -233,15 +299,22 @@ class LocalStore(ObjectStore):
                     dirs.add(os.path.dirname(p))
                 except FileNotFoundError:
                     pass
+                except OSError as e:  # keep going: delete what can be deleted, then report
+                    if e.errno == errno.ENOTDIR:
+                        continue  # a file where a directory should be: the object cannot exist
+                    failed.append(self._error("deleting", k, e))
             for d in sorted(dirs, key=len, reverse=True):  # tidy now-empty blob dirs
                 while d.startswith(self.root) and d != self.root:
                     try:
                         os.rmdir(d)
-                    except OSError as e:
-                        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.EBUSY):
-                            break
-                        raise
+                    except OSError:
+                        break  # not empty (another attempt's files), or cannot: an empty folder is harmless
                     d = os.path.dirname(d)
+            if failed:
+                more = f" ({len(failed) - 1} more object(s) not deleted)" if len(failed) > 1 else ""
+                err = StorageError(f"{failed[0]}{more}")
+                err.errno = failed[0].errno  # type: ignore[attr-defined]
+                raise err
         await _runtime.in_thread(rm)
 
     def open_writer(self, key: str, size: int, num_parts: int = 1) -> BlobWriter:
