@@ -178,6 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ObjckptError, ValueError) as e:  # ValueError: a bad storage option, an S3 URI without a bucket
         print(f"objckpt: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a local file a command reads or writes itself (export's directory): no traceback
+        print(f"objckpt: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
