@@ -260,6 +260,14 @@ def _on_stop(signum: int, *_: Any) -> None:
     raise Stopped(signal.Signals(signum).name)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and its waited-for children (spawned ranks are not waited for)."""
+    import resource
+
+    return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
 def run_steps(run: Run, steps: list[Step]) -> None:
     """Each step under its slice: ``timeout`` = what is left minus the later steps' slices, but
     never less than its own slice (and never past the deadline); a SIGALRM a little after that
@@ -279,7 +287,7 @@ def run_steps(run: Run, steps: list[Step]) -> None:
                 run.say(f"{step.name}: {OUT_OF_TIME} ({timeout:.0f} s left for it)")
                 continue
             run.say(f"== step {i + 1}/{len(steps)} {step.name}: {timeout:.0f} s")
-            t = time.monotonic()
+            t, cpu0 = time.monotonic(), _cpu_s()
             signal.setitimer(signal.ITIMER_REAL, timeout + min(5.0, 0.1 * timeout))
             data: dict[str, Any]
             try:
@@ -299,7 +307,7 @@ def run_steps(run: Run, steps: list[Step]) -> None:
                 data = partial
             data["status"] = status
             run.results["steps"][step.name] = {"status": status, "seconds": round(time.monotonic() - t, 1),
-                                               "timeout_s": round(timeout, 1)}
+                                               "timeout_s": round(timeout, 1), "cpu_s": round(_cpu_s() - cpu0, 1)}
             run.put(step.name, data)
             run.say(f"{step.name}: {status} in {time.monotonic() - t:.0f} s")
     finally:

@@ -39,8 +39,8 @@ def header(r: dict[str, Any]) -> str:
                      f"still missing: {deps.get('missing_after') or 'none'}.")
     steps = r.get("steps") or {}
     if steps:
-        lines += ["", h.md_table(["step", "status", "seconds", "slice s"],
-                                 [[k, v.get("status"), _f(v.get("seconds")), _f(v.get("timeout_s"))]
+        lines += ["", h.md_table(["step", "status", "seconds", "slice s", "CPU s"],
+                                 [[k, v.get("status"), _f(v.get("seconds")), _f(v.get("timeout_s")), _f(v.get("cpu_s"))]
                                   for k, v in steps.items()])]
     return "\n".join(lines)
 
