@@ -58,7 +58,7 @@ def test_two_processes_saving_the_same_steps_one_commits_each(local_or_s3: tuple
     state and holds only the winner's blobs."""
     uri, opts = local_or_s3
     root = uri + "-root"
-    steps = 12 if opts else 16  # before the fix both saves returned in 18 of 30 steps locally, 8 of 30 on S3
+    steps = 12  # before the fix both saves returned in 18 of 30 steps locally, 8 of 30 on S3
     outcomes = run_multiprocess(2, _writer, root, opts, steps, timeout=240)
     m = objckpt.CheckpointManager(root, storage_options=opts)
     assert m.steps() == list(range(steps))
