@@ -25,8 +25,9 @@ import torch
 import objckpt
 from objckpt import _runtime
 from objckpt.storage import open_store
-from objckpt.storage.s3_direct import DirectClient, Sink, Target, resolve_target
-from objckpt.storage.sigv4 import CredentialSource, Credentials, Signer, quote_path, resolve_credentials
+from objckpt.storage.s3_config import S3Config
+from objckpt.storage.s3_direct import DirectClient, Sink, Target
+from objckpt.storage.sigv4 import CredentialSource, Credentials, Signer, quote_path
 from objckpt.testing.s3server import S3Server
 
 from conftest import make_bucket, s3_options
@@ -80,40 +81,7 @@ def test_signature_matches_the_published_aws_example() -> None:
     assert sig == "f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41"
 
 
-def test_target_follows_botocore_addressing() -> None:
-    env: dict[str, str] = {}
-    t = resolve_target("bkt", {"endpoint_url": "http://127.0.0.1:5000"}, env)
-    assert t is not None and (t.host, t.port, t.prefix, t.host_header) == ("127.0.0.1", 5000, "/bkt", "127.0.0.1:5000")
-    t = resolve_target("my-bucket", {"region_name": "eu-west-1"}, env)
-    assert t is not None and (t.scheme, t.host, t.prefix, t.region) == (
-        "https", "my-bucket.s3.eu-west-1.amazonaws.com", "", "eu-west-1")
-    t = resolve_target("dotted.bucket", {}, env)  # dots break the wildcard certificate: path style
-    assert t is not None and (t.host, t.prefix, t.region) == ("s3.us-east-1.amazonaws.com", "/dotted.bucket", "us-east-1")
-    t = resolve_target("b", {"endpoint_url": "https://minio.local/s3/", "addressing_style": "virtual"}, env)
-    assert t is not None and (t.host, t.prefix, t.port) == ("b.minio.local", "/s3", 443)
-    t = resolve_target("bkt", {}, {"AWS_ENDPOINT_URL_S3": "http://[::1]:9000", "AWS_REGION": "x-1"})
-    assert t is not None and (t.host, t.host_header, t.region) == ("::1", "[::1]:9000", "x-1")
-    # what only botocore does: proxies, FIPS / dual-stack endpoints, China partitions
-    assert resolve_target("bkt", {}, {"HTTPS_PROXY": "http://proxy:3128"}) is None
-    assert resolve_target("bkt", {}, {"AWS_USE_FIPS_ENDPOINT": "true"}) is None
-    assert resolve_target("bkt", {"region_name": "cn-north-1"}, env) is None
-
-
-def test_credentials_come_from_where_botocore_takes_them(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = {"aws_access_key_id": "OPT", "aws_secret_access_key": "s", "aws_session_token": "t"}
-    src = resolve_credentials(opts, {"AWS_ACCESS_KEY_ID": "ENV", "AWS_SECRET_ACCESS_KEY": "e"})
-    assert src is not None and src.get() == Credentials("OPT", "s", "t")
-    src = resolve_credentials({}, {"AWS_ACCESS_KEY_ID": "ENV", "AWS_SECRET_ACCESS_KEY": "e", "AWS_SESSION_TOKEN": "k"})
-    assert src is not None and src.get() == Credentials("ENV", "e", "k")
-    # a named profile goes through botocore's chain (the files it reads)
-    creds_file = tmp_path / "credentials"
-    creds_file.write_text("[prof]\naws_access_key_id = FROMFILE\naws_secret_access_key = filesecret\n")
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds_file))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    src = resolve_credentials({"profile": "prof"}, os.environ)
-    assert src is not None and src.get() == Credentials("FROMFILE", "filesecret", None)
+# where requests go and which credentials sign them: tests/test_s3_config_parity.py
 
 
 def test_ranged_reads_from_moto_land_in_place(moto_endpoint: str) -> None:
@@ -342,8 +310,7 @@ def fast_client() -> Iterator[tuple[DirectClient, S3Server]]:
         import boto3
 
         boto3.client("s3", **s3_options(srv.endpoint_url)).create_bucket(Bucket="b")
-        target = resolve_target("b", s3_options(srv.endpoint_url), env={})
-        assert target is not None
+        target = S3Config.resolve("b", s3_options(srv.endpoint_url)).target
         client = DirectClient("b", target, CredentialSource(Credentials("testing", "testing")), connect_timeout=2,
                               read_timeout=5)
         yield client, srv

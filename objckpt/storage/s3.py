@@ -19,72 +19,46 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from typing import Any, Optional, Sequence
 
 from .. import _runtime
 from ..checksum import CellCrcs, crc32c, crc_header
-from ..logs import get_logger, register_secret
+from ..logs import get_logger
 from ..errors import BucketNotFoundError, PreconditionFailed, StorageError
-from ..options import switch_word
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 from .limiter import AimdLimiter
 from .s3_writer import S3Writer
 from .s3_routes import NOT_DIRECT, DirectRoutes
+from .s3_config import S3Config, Transport
 from .s3_direct import DirectClient, Sink
 from .retry import (RetryPolicy, callers_map, classify, error_code, is_missing, is_no_bucket, is_precondition,
                     no_answer, retrying)
-from .shape import parse_kind
 
 log = get_logger("objckpt.storage")
-_SECRET_OPTIONS = ("aws_secret_access_key", "aws_session_token")
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-_CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-
-
-def _switch(options: dict[str, Any], name: str, env: Optional[str] = None) -> bool:
-    """Pop the on/off storage option ``name`` (on when absent, or from ``env`` when that
-    variable is set); True/False or an on/off word (:func:`~objckpt.options.switch_word`),
-    anything else a ValueError naming it, before the store is used."""
-    where = f"storage option {name!r}"
-    value: Any = True
-    if name in options:
-        value = options.pop(name)
-    elif env is not None and env in os.environ:
-        value, where = os.environ[env], f"environment variable {env}"
-    said = switch_word(value)
-    if said is None:
-        raise ValueError(f"{where}={value!r}: expected True/False or on/off (1/true/yes, 0/false/no)")
-    return said
 
 
 class S3Store(DirectRoutes, ObjectStore):
     """``s3://bucket/...``; options: endpoint_url, region_name, credentials,
-    concurrency, addressing_style, profile, the budgets of :class:`RetryPolicy`
+    profile, addressing_style, ca_bundle, verify, unsigned, request_payer,
+    sse_kms_key_id, concurrency, the budgets of :class:`RetryPolicy`
     (connect_timeout, read_timeout, throttle_attempts, error_attempts, ...), and
     endpoint_kind (``auto``, ``s3``, ``moto``: the upload and read shape, see
-    :mod:`objckpt.storage.shape`)."""
+    :mod:`objckpt.storage.shape`).  All of them, and the environment and AWS
+    config files, are resolved once here into :attr:`config` (see :mod:`.s3_config`)."""
 
     def __init__(self, bucket: str, **options: Any) -> None:
         self.bucket = bucket
-        self.concurrency = int(options.pop("concurrency", 32))
-        self.policy = RetryPolicy.from_options(options)
+        self.config = S3Config.resolve(bucket, options)
+        cfg = self.config
+        self.concurrency = cfg.concurrency
+        self.policy = cfg.policy
         # adaptive=False keeps a fixed number of requests in flight (no AIMD)
-        adaptive = _switch(options, "adaptive")
-        self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if adaptive else None
+        self.limiter = AimdLimiter(self.concurrency, name=f"s3://{bucket}") if cfg.adaptive else None
         # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
-        self.checksums = _switch(options, "checksums")
-        self.endpoint_kind = parse_kind(options.pop("endpoint_kind", None))
-        # direct_http=False: every request through botocore (see s3_direct)
-        self._direct_wanted = _switch(options, "direct_http", env="OBJCKPT_S3_DIRECT_HTTP")
-        unknown = sorted(set(options) - set(_CLIENT_KEYS) - {"addressing_style", "profile"})
-        if unknown:  # said at once: a restore may never build the botocore client
-            raise ValueError(f"unknown S3 storage_options: {unknown}")
-        self._options = options
-        for k in _SECRET_OPTIONS:  # never logged, whatever error text carries them
-            register_secret(options.get(k))
-        for k in _SECRET_ENV:
-            register_secret(os.environ.get(k))
+        self.checksums = cfg.checksums
+        self.endpoint_kind = cfg.endpoint_kind
+        # the own HTTP path serves this store (else every request through botocore; see s3_config)
+        self._direct_wanted = cfg.transport is Transport.DIRECT
         self._client: Any = None
         self._body_client: Any = None
         self._client_cms: list[Any] = []
@@ -170,20 +144,14 @@ class S3Store(DirectRoutes, ObjectStore):
         from aiobotocore.config import AioConfig
         from aiobotocore.session import get_session
 
-        opts = dict(self._options)
-        kwargs = {k: opts.pop(k) for k in _CLIENT_KEYS if k in opts}
-        if "region_name" not in kwargs and not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
-            kwargs["region_name"] = "us-east-1"
-        custom = kwargs.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        # S3-compatible servers (MinIO, moto, on-prem) rarely do virtual-host buckets
-        addressing = opts.pop("addressing_style", "path" if custom else "auto")
+        kwargs, extra = self.config.client_args()  # the same resolution the own path uses
         cfg: dict[str, Any] = dict(
             retries={"total_max_attempts": max_attempts, "mode": "standard"},
             max_pool_connections=max(self.concurrency * 2, 16),
             connect_timeout=self.policy.connect_timeout,
             read_timeout=self.policy.read_timeout,
-            s3={"addressing_style": addressing, "payload_signing_enabled": False},
             parameter_validation=False,
+            **extra,
         )
         try:
             config = AioConfig(
@@ -192,19 +160,19 @@ class S3Store(DirectRoutes, ObjectStore):
         except TypeError:  # older botocore without flexible checksums
             config = AioConfig(**cfg)
         session = get_session()
-        if "profile" in opts:
-            session.set_config_variable("profile", opts.pop("profile"))
-        if opts:
-            raise ValueError(f"unknown S3 storage_options: {sorted(opts)}")
+        if self.config.profile:  # the credential chain of the same profile (region, endpoint... are explicit)
+            session.set_config_variable("profile", self.config.profile)
         cm = session.create_client("s3", config=config, **kwargs)
-        try:
-            return await cm.__aenter__(), cm
-        except Exception as e:
-            from botocore.exceptions import ProfileNotFound
+        client = await cm.__aenter__()
+        if self.config.request_payer or self.config.sse_kms_key_id:
+            headers_for = self.config.extra_headers
 
-            if isinstance(e, ProfileNotFound):  # bad input: say so plainly (a ValueError, as other bad options)
-                raise ValueError(f"storage option profile: {e} (see ~/.aws/config, AWS_CONFIG_FILE)") from None
-            raise
+            def add_headers(request: Any, operation_name: str = "", **_: Any) -> None:
+                for k, v in headers_for(operation_name).items():  # before signing: they are signed too
+                    request.headers[k] = v
+
+            client.meta.events.register("before-sign.s3", add_headers)
+        return client, cm
 
     async def call_with_body(self, op: str, views: Sequence[memoryview], **kw: Any) -> Any:
         """One PutObject / UploadPart that sends ``views``; a fresh body per attempt."""
@@ -449,13 +417,13 @@ class S3Store(DirectRoutes, ObjectStore):
 
     @property
     def endpoint_url(self) -> Optional[str]:
-        """The custom endpoint (option, else environment); None: AWS."""
-        return (self._options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL") or None)
+        """The custom endpoint (option, environment or AWS config file); None: AWS."""
+        return self.config.endpoint_url.value  # type: ignore[no-any-return]
 
     def endpoint(self) -> str:
-        """The endpoint requests go to (option, else environment, else AWS)."""
-        return str(self.endpoint_url or "the AWS S3 endpoint")
+        """The endpoint requests go to, with the settings (and their sources) a failure
+        there may come from: the proxy, the region (on AWS), the CA bundle."""
+        return self.config.endpoint()
 
     def describe(self) -> str:
         return f"s3://{self.bucket} at {self.endpoint()}"

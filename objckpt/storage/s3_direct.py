@@ -14,11 +14,12 @@ caller's buffers with ``sendall`` (no copy, no aiohttp writer), so a first save
 in a new process does not wait for aiobotocore either.  Listings, deletes and
 aborts (rare, off the hot path) stay on the botocore client.
 
-The path is used when it can reproduce what botocore would send:
-plain HTTP(S) to the configured endpoint, SigV4 with the same credentials and
-region.  Anything it does not handle (a proxy, FIPS or dual-stack endpoints, a
-redirect, a region or signature complaint) is reported as
-:class:`Unsupported`, and the store falls back to botocore for good.
+Where requests go (host, addressing, signing region, CA bundle, proxy) is
+resolved once per store by :mod:`.s3_config` from botocore's own resolution,
+which also decides whether this path serves the store at all (not through a
+proxy, for one).  An answer it does not handle (a redirect, a signature
+complaint) is reported as :class:`Unsupported`, and the store falls back to
+botocore for good.
 Integrity does not depend on this layer: every chunk's crc32c is checked above.
 """
 from __future__ import annotations
@@ -36,13 +37,12 @@ from urllib.parse import urlsplit
 
 from .. import _runtime
 from ..options import switch_word
+from . import s3_config
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 from .http_answer import BadAnswer, Head, Reader, check_range, content_length
 from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
 from .wire import SlowAnswer as SlowAnswer  # re-exported: the store tells it from a silent endpoint
 
-_PROXY_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
-_UNHANDLED_ENV = ("AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT", "AWS_S3_USE_ARN_REGION")
 _ERROR_BODY = 64 << 10
 #: the largest answer body to a PUT or POST (S3's are a few hundred bytes)
 _SMALL_BODY = 1 << 20
@@ -67,54 +67,19 @@ class S3HttpError(Exception):
                          "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where a bucket's requests go and how they are addressed."""
-
-    scheme: str
-    host: str  # to connect to
-    port: int
-    host_header: str
-    prefix: str  # path before the key: "/bucket" (path style) or "" (virtual host)
-    region: str
-    cafile: Optional[str] = None
+# where a bucket's requests go: resolved once per store by s3_config (botocore's endpoint rules)
+Target = s3_config.Target
 
 
-def _truthy(v: Optional[str]) -> bool:
-    return switch_word(v or "") is True
-
-
-def resolve_target(bucket: str, options: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> Optional[Target]:
-    """The target botocore would use for ``bucket`` with these options; ``None``
-    where the direct path must not guess (proxies, FIPS, dual-stack, China)."""
-    if any(env.get(k) for k in _PROXY_ENV) or any(_truthy(env.get(k)) for k in _UNHANDLED_ENV):
-        return None
-    region = str(options.get("region_name") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1")
-    endpoint = options.get("endpoint_url") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-    style = str(options.get("addressing_style") or env.get("AWS_S3_ADDRESSING_STYLE") or
-                ("path" if endpoint else "auto"))
-    if endpoint:
-        u = urlsplit(str(endpoint))
-        if u.scheme not in ("http", "https") or not u.hostname or u.query:
-            return None
-        hostname, base = u.hostname, u.path.rstrip("/")
-    else:
-        if region.startswith("cn-") or region.startswith("us-iso"):
-            return None
-        u = urlsplit(f"https://s3.{region}.amazonaws.com")
-        hostname, base = str(u.hostname), ""
-    virtual = style == "virtual" or (style == "auto" and "." not in bucket
-                                     and re.fullmatch(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]", bucket) is not None)
-    if virtual:
-        hostname, prefix = f"{bucket}.{hostname}", base
-    else:
-        prefix = f"{base}/{bucket}"
-    scheme = u.scheme
-    port = u.port or (443 if scheme == "https" else 80)
-    shown = f"[{hostname}]" if ":" in hostname else hostname
-    host_header = shown if port == (443 if scheme == "https" else 80) else f"{shown}:{port}"
-    cafile = env.get("AWS_CA_BUNDLE") or None
-    return Target(scheme, hostname, port, host_header, prefix, region, cafile)
+def _op(method: str, path: str, query: str, bucket_path: str) -> str:
+    """botocore's name of the operation a request is (for :meth:`S3Config.extra_headers`)."""
+    if method == "GET":
+        return "GetObject"
+    if method == "HEAD":
+        return "HeadBucket" if path == bucket_path else "HeadObject"
+    if method == "PUT":
+        return "UploadPart" if "partNumber=" in query else "PutObject"
+    return "CreateMultipartUpload" if query.startswith("uploads") else "CompleteMultipartUpload"
 
 
 _Head = Head  # the answer head (see http_answer.Head)
@@ -124,12 +89,14 @@ class DirectClient:
     """GET/HEAD and object writes for one bucket, blocking; call from :func:`pool` threads."""
 
     def __init__(self, bucket: str, target: Target, creds: CredentialSource, *, connect_timeout: float,
-                 read_timeout: float, deadline_floor: float = 60.0, min_rate: float = float(1 << 20)) -> None:
+                 read_timeout: float, deadline_floor: float = 60.0, min_rate: float = float(1 << 20),
+                 extra_headers: Optional[Callable[[str], Mapping[str, str]]] = None) -> None:
         self.bucket = bucket
         self.target = target
         self.creds = creds
         self.signer = Signer(target.region)
         self.connect_timeout = connect_timeout
+        self.extra_headers = extra_headers  # per operation: requester-pays, SSE-KMS (S3Config.extra_headers)
         self.read_timeout = read_timeout
         # each exchange must be done within max(deadline_floor, bytes / min_rate) s (see wire.Deadline)
         self.deadline_floor = deadline_floor
@@ -138,7 +105,12 @@ class DirectClient:
         self._lock = threading.Lock()
         self._ssl: Optional[ssl.SSLContext] = None
         if target.scheme == "https":
-            self._ssl = ssl.create_default_context(cafile=target.cafile)
+            ca = target.cafile
+            self._ssl = ssl.create_default_context(capath=ca) if ca and os.path.isdir(ca) else \
+                ssl.create_default_context(cafile=ca)
+            if not target.verify:
+                self._ssl.check_hostname = False
+                self._ssl.verify_mode = ssl.CERT_NONE
 
     # -- connections ------------------------------------------------------
     def _connect(self) -> Conn:
@@ -146,7 +118,13 @@ class DirectClient:
         sock = socket.create_connection((t.host, t.port), timeout=self.connect_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl is not None:
-            sock = self._ssl.wrap_socket(sock, server_hostname=t.host)
+            try:
+                sock = self._ssl.wrap_socket(sock, server_hostname=t.host)
+            except ssl.SSLCertVerificationError as e:
+                sock.close()
+                raise s3_config.CertificateError(
+                    f"{t.scheme}://{t.host_header}: TLS certificate not trusted by CA bundle {t.cafile} "
+                    f"({t.trust or 'the default'}): {e.verify_message or e}") from None
         return Conn(sock)
 
     def _take(self) -> Conn:
@@ -182,7 +160,12 @@ class DirectClient:
         bound :func:`.retry.retrying` gives an attempt: ``read_timeout`` for a
         request with a body) and begin its answer within ``first_byte`` of the
         last byte sent; all of it within the request's deadline (``rd.dl``)."""
-        hdrs = self.signer.headers(method, path, query, self.target.host_header, self.creds.get())
+        if self.extra_headers is not None:
+            bucket_path = quote_path(self.target.prefix or "/")
+            extra = {**extra, **self.extra_headers(_op(method, path, query, bucket_path))}
+        creds = self.creds.get()
+        hdrs = {} if creds is None else self.signer.headers(method, path, query, self.target.host_header, creds,
+                                                            extra=extra)
         target = f"{path}?{query}" if query else path
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.target.host_header}", "Accept-Encoding: identity",
                  "User-Agent: objckpt"]

@@ -40,7 +40,7 @@ class DirectRoutes:
     policy: Any
     limiter: Any
     _answered: bool
-    _options: dict[str, Any]
+    config: Any  # the store's S3Config
     _direct_wanted: bool
     _direct_client: Optional[DirectClient]
     _direct_decided: bool
@@ -75,22 +75,13 @@ class DirectRoutes:
         return self._direct_client
 
     async def _make_direct(self) -> Optional[DirectClient]:
-        from .sigv4 import resolve_credentials
-
-        target = s3_direct.resolve_target(self.bucket, self._options)
-        if target is None:
-            return None
-        try:
-            # botocore's provider chain may do network calls (roles, IMDS): off the loop
-            creds = await _runtime.in_thread(resolve_credentials, self._options)
-        except Exception as e:  # e.g. a profile that does not exist: botocore's path says it best
-            log.debug("direct S3 requests off for %s: credentials: %s", self.describe(), e)
-            return None
-        if creds is None:
-            return None
+        config = self.config  # resolved once when the store opened (s3_config)
+        target = config.target
+        # botocore's provider chain may do network calls (roles, IMDS): off the loop
+        creds = await _runtime.in_thread(config.credentials)
         return DirectClient(self.bucket, target, creds, connect_timeout=self.policy.connect_timeout,
                             read_timeout=self.policy.read_timeout, deadline_floor=self.policy.deadline_floor,
-                            min_rate=self.policy.min_rate)
+                            min_rate=self.policy.min_rate, extra_headers=config.extra_headers)
 
     async def _try_direct(self, call: Callable[[DirectClient], Awaitable[Any]]) -> Any:
         """``await call(direct)`` when the direct path is on; :data:`NOT_DIRECT` when it is

@@ -6,17 +6,16 @@ and client set-up in a new process, before the first byte).  The payload is
 never hashed (``UNSIGNED-PAYLOAD``, as the botocore client is configured too):
 integrity is objckpt's own crc32c per chunk.
 
-Credentials: explicit storage options, else the standard environment variables;
-anything else (a profile, SSO, web identity, container or instance roles) is
-resolved by botocore's own provider chain, imported only then, and its
-refreshing credentials are re-read for every request.
+Credentials: where they come from is decided once per store by
+:mod:`.s3_config` (storage options, else botocore's provider chain for the
+profile); :class:`CredentialSource` hands them to each request, re-reading
+botocore's refreshing credentials every time, or none for unsigned requests.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import hmac
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -35,42 +34,22 @@ class Credentials:
 
 
 class CredentialSource:
-    """Credentials for each request: fixed ones, or botocore's (which refresh)."""
+    """Credentials for each request: fixed ones, botocore's (which refresh), or none
+    (``anonymous``: unsigned requests, for public buckets)."""
 
-    def __init__(self, fixed: Optional[Credentials] = None, botocore_creds: Any = None) -> None:
+    def __init__(self, fixed: Optional[Credentials] = None, botocore_creds: Any = None, *,
+                 anonymous: bool = False) -> None:
         self._fixed = fixed
         self._boto = botocore_creds
+        self.anonymous = anonymous
 
-    def get(self) -> Credentials:
+    def get(self) -> Optional[Credentials]:
+        if self.anonymous:
+            return None
         if self._fixed is not None:
             return self._fixed
         f = self._boto.get_frozen_credentials()  # refreshes temporary credentials when due
         return Credentials(f.access_key, f.secret_key, f.token or None)
-
-
-def resolve_credentials(options: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> Optional[CredentialSource]:
-    """Where this store's credentials come from, the way botocore would choose;
-    ``None`` when there are none (the caller then keeps botocore's path, whose
-    error says so)."""
-    ak, sk = options.get("aws_access_key_id"), options.get("aws_secret_access_key")
-    profile = options.get("profile")
-    if ak and sk and profile is None:
-        return CredentialSource(Credentials(str(ak), str(sk), options.get("aws_session_token") or None))
-    if profile is None and not env.get("AWS_PROFILE") and not env.get("AWS_DEFAULT_PROFILE"):
-        eak, esk = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-        if eak and esk:
-            token = env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN") or None
-            return CredentialSource(Credentials(eak, esk, token))
-    import botocore.session  # the full provider chain (files, SSO, roles, IMDS)
-
-    session = botocore.session.get_session()
-    if profile is not None:
-        session.set_config_variable("profile", profile)
-        session.get_scoped_config()  # a profile that does not exist raises here, as botocore's client would
-    if ak and sk:
-        return CredentialSource(Credentials(str(ak), str(sk), options.get("aws_session_token") or None))
-    creds = session.get_credentials()
-    return None if creds is None else CredentialSource(botocore_creds=creds)
 
 
 def quote_path(path: str) -> str:
@@ -108,16 +87,19 @@ class Signer:
         return k
 
     def headers(self, method: str, path: str, query: str, host: str, creds: Credentials,
-                now: Optional[datetime.datetime] = None) -> dict[str, str]:
+                now: Optional[datetime.datetime] = None, *, extra: Mapping[str, str] = {}) -> dict[str, str]:
         """The headers that authenticate ``method path?query`` on ``host``.
 
         ``path`` is already URI-encoded (:func:`quote_path`) and ``query`` is the
         canonical query string (sorted, encoded; empty for plain GET/HEAD).
+        ``extra``: other headers the request carries; its ``x-amz-*`` ones are signed
+        too (S3 refuses unsigned ones, e.g. requester-pays or SSE-KMS headers).
         """
         t = now or datetime.datetime.now(datetime.timezone.utc)
         amz_date = t.strftime("%Y%m%dT%H%M%SZ")
         day = amz_date[:8]
-        hdrs = {"host": host, "x-amz-content-sha256": UNSIGNED_PAYLOAD, "x-amz-date": amz_date}
+        hdrs = {k.lower(): str(v) for k, v in extra.items() if k.lower().startswith("x-amz-")}
+        hdrs.update({"host": host, "x-amz-content-sha256": UNSIGNED_PAYLOAD, "x-amz-date": amz_date})
         if creds.token:
             hdrs["x-amz-security-token"] = creds.token
         names = sorted(hdrs)
@@ -128,7 +110,8 @@ class Signer:
         scope = f"{day}/{self.region}/{self.service}/aws4_request"
         to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
         sig = hmac.new(self._signing_key(creds.secret_key, day), to_sign.encode(), hashlib.sha256).hexdigest()
-        out = {k: v for k, v in hdrs.items() if k != "host"}
+        given = {k.lower() for k in extra}  # the caller sends those itself
+        out = {k: v for k, v in hdrs.items() if k != "host" and k not in given}
         out["authorization"] = (f"AWS4-HMAC-SHA256 Credential={creds.access_key}/{scope}, "
                                 f"SignedHeaders={';'.join(names)}, Signature={sig}")
         return out

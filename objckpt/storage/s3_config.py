@@ -1,0 +1,547 @@
+"""One frozen S3 configuration per store, resolved once, the way botocore resolves it.
+
+Both ways an :class:`~objckpt.storage.s3.S3Store` moves bytes (objckpt's own
+HTTP path, :mod:`.s3_direct`, and the aiobotocore client) take every setting
+from the one :class:`S3Config` built here when the store opens, so they cannot
+disagree on where requests go, which region signs them, which CA is trusted or
+which proxy is used.  This is the only module that reads ``storage_options``
+and the environment for S3.
+
+Nothing botocore already parses is parsed again: one ``botocore.session.Session``
+(with the store's profile) answers for the environment and the AWS config and
+credentials files (``get_config_variable``, ``get_scoped_config``,
+``ConfiguredEndpointProvider``, ``get_credentials``), and one botocore client
+built from the resolved values, never sending anything, says which URL a
+GetObject of the bucket goes to and which region signs it (its endpoint
+ruleset decides FIPS, dual-stack, acceleration, addressing and partitions).
+That costs ~30 ms per store (the service model is loaded once per process);
+requests never touch botocore on the own path.
+
+Where objckpt deliberately differs from botocore (each logged with its source,
+see README "Where requests go"): ``AWS_REGION`` is read after botocore's own
+region sources (the other AWS SDKs read it; botocore does not), ``SSL_CERT_FILE``
+is trusted after botocore's CA sources (botocore would use certifi), and a
+custom endpoint defaults to path-style addressing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import os
+import ssl
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+from urllib.parse import urlsplit
+
+from ..errors import ObjckptError, StorageError
+from ..logs import get_logger, register_secret
+from ..options import switch_word
+from .retry import RetryPolicy
+from .shape import parse_kind
+from .sigv4 import CredentialSource, Credentials
+
+log = get_logger("objckpt.storage")
+
+#: the S3 storage options besides the retry budgets (:class:`RetryPolicy`)
+OPTIONS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+           "profile", "addressing_style", "ca_bundle", "verify", "unsigned", "request_payer", "sse_kms_key_id",
+           "direct_http", "checksums", "adaptive", "concurrency", "endpoint_kind")
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+_STYLES = ("auto", "path", "virtual")
+#: operations whose request carries the SSE-KMS headers (the object is created by them)
+_SSE_OPS = ("PutObject", "CreateMultipartUpload")
+
+
+class S3ConfigError(ObjckptError, ValueError):
+    """An S3 setting is wrong; ``setting`` names it and ``source`` where it came from."""
+
+    def __init__(self, setting: str, source: str, message: str) -> None:
+        super().__init__(f"S3 setting {setting} ({source}): {message}")
+        self.setting = setting
+        self.source = source
+
+
+class NoCredentialsError(ObjckptError, PermissionError):
+    """No AWS credentials were found anywhere botocore looks for them."""
+
+
+class CertificateError(StorageError):
+    """The endpoint's TLS certificate is not trusted by the configured CA bundle."""
+
+
+class Transport(str, enum.Enum):
+    """How a store's requests travel; chosen once per store (:attr:`S3Config.transport`)."""
+
+    DIRECT = "direct"  #: objckpt's own HTTP path (:mod:`.s3_direct`)
+    BOTOCORE = "botocore"  #: every request through the aiobotocore client
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a bucket's requests go and how they are addressed (what botocore's
+    endpoint ruleset gives for a GetObject of the bucket)."""
+
+    scheme: str
+    host: str  # to connect to
+    port: int
+    host_header: str
+    prefix: str  # path before the key: "/bucket" (path style) or "" (virtual host)
+    region: str  # the region that signs
+    cafile: Optional[str] = None  # CA bundle (file or directory); None: the system's default
+    verify: bool = True
+    trust: str = ""  # where the CA bundle came from, for a failed verification's message
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A resolved value and where it came from (for logs and error messages)."""
+
+    value: Any
+    source: str
+
+
+def _switch(options: dict[str, Any], name: str, env: Optional[str] = None) -> bool:
+    """Pop the on/off option ``name`` (on when absent, or from ``env`` when that variable
+    is set); True/False or an on/off word, anything else a ValueError naming it."""
+    where = f"storage option {name!r}"
+    value: Any = True
+    if name in options:
+        value = options.pop(name)
+    elif env is not None and env in os.environ:
+        value, where = os.environ[env], f"environment variable {env}"
+    said = switch_word(value)
+    if said is None:
+        raise ValueError(f"{where}={value!r}: expected True/False or on/off (1/true/yes, 0/false/no)")
+    return said
+
+
+# -- botocore sessions, one per profile and state of the AWS environment and files ------
+_lock = threading.Lock()
+_sessions: dict[tuple[Any, ...], Any] = {}
+_loaders: dict[Any, Any] = {}  # the service models' JSON, read once per data path
+_KEPT = 32
+_creds_lock = threading.Lock()
+
+
+def _aws_state(profile: Optional[str]) -> tuple[Any, ...]:
+    """The profile, the AWS_* environment and the config files' identity: a session (or a
+    probe client) made under the same state resolves the same; any change makes a new one."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    files: list[Optional[str]] = []
+    for name, default in (("AWS_CONFIG_FILE", "~/.aws/config"), ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")):
+        try:  # the bytes, not the mtime: two quick writes of the same size share one
+            with open(os.path.expanduser(os.environ.get(name, default)), "rb") as f:
+                files.append(hashlib.sha1(f.read()).hexdigest())
+        except OSError:
+            files.append(None)
+    return profile, env, tuple(files)
+
+
+def _session(profile: Optional[str]) -> Any:
+    """The botocore session for ``profile`` in the current AWS environment: made once per
+    state (:func:`_aws_state`; a session costs ~30 ms of handler registration), sharing
+    the process's service-model loader with the others."""
+    import botocore.session
+
+    key = _aws_state(profile)
+    with _lock:
+        s = _sessions.get(key)
+    if s is not None:
+        return s
+    s = botocore.session.Session(profile=profile)
+    s.get_scoped_config()  # a missing profile raises here, before the session is kept
+    path = s.get_config_variable("data_path")
+    with _lock:
+        s.register_component("data_loader", _loaders.setdefault(path, s.get_component("data_loader")))
+        if len(_sessions) >= _KEPT:  # a process that keeps changing its environment (tests)
+            _sessions.clear()
+            _probes.clear()
+        _sessions[key] = s
+    return s
+
+
+def _env_source(value: Any, *names: str) -> Optional[str]:
+    for n in names:
+        if value and os.environ.get(n) == value:
+            return f"environment variable {n}"
+    return None
+
+
+class _Stop(Exception):
+    """Raised by the probe's before-sign hook: nothing is ever sent."""
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """Everything a store's requests depend on, resolved once (:meth:`resolve`)."""
+
+    bucket: str
+    profile: Optional[str]
+    region: Setting
+    endpoint_url: Setting  # the custom endpoint (value None: AWS's, from the ruleset)
+    client_endpoint: str  # botocore's ``meta.endpoint_url`` for these settings
+    addressing_style: Setting
+    use_fips: bool
+    use_dualstack: bool
+    use_accelerate: bool
+    verify: bool
+    ca_bundle: Setting  # a path (file or directory); the source says whose default it is
+    proxy: Setting  # the proxy botocore would use for this endpoint (NO_PROXY applied); value None: none
+    target: Target  # where a GetObject of the bucket goes
+    transport: Transport
+    transport_reason: str
+    unsigned: bool = False
+    request_payer: Optional[str] = None
+    sse_kms_key_id: Optional[str] = None
+    concurrency: int = 32
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    adaptive: bool = True
+    checksums: bool = True
+    endpoint_kind: str = "auto"
+    static_keys: Optional[Credentials] = field(default=None, repr=False, compare=False)
+    _creds: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # -- what requests carry ---------------------------------------------------
+    def extra_headers(self, op: str) -> dict[str, str]:
+        """Headers operation ``op`` (botocore's name: ``GetObject``, ``PutObject``...)
+        carries on either transport: requester-pays on every request, SSE-KMS on the
+        requests that create an object."""
+        out: dict[str, str] = {}
+        if self.request_payer:
+            out["x-amz-request-payer"] = self.request_payer
+        if self.sse_kms_key_id and op in _SSE_OPS:
+            out["x-amz-server-side-encryption"] = "aws:kms"
+            out["x-amz-server-side-encryption-aws-kms-key-id"] = self.sse_kms_key_id
+        return out
+
+    def client_args(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(``create_client`` keyword arguments, ``Config`` keyword arguments) that make a
+        botocore or aiobotocore client resolve exactly this configuration."""
+        kw: dict[str, Any] = {"region_name": self.region.value, "verify": self.ca_bundle.value if self.verify else False}
+        if self.endpoint_url.value:
+            kw["endpoint_url"] = self.endpoint_url.value
+        if self.static_keys is not None:
+            kw.update(aws_access_key_id=self.static_keys.access_key, aws_secret_access_key=self.static_keys.secret_key,
+                      aws_session_token=self.static_keys.token)
+        s3: dict[str, Any] = {"addressing_style": self.addressing_style.value, "payload_signing_enabled": False}
+        if self.use_accelerate:
+            s3["use_accelerate_endpoint"] = True
+        cfg: dict[str, Any] = {"s3": s3, "use_fips_endpoint": self.use_fips, "use_dualstack_endpoint": self.use_dualstack}
+        if self.unsigned:
+            from botocore import UNSIGNED
+
+            cfg["signature_version"] = UNSIGNED
+        return kw, cfg
+
+    def credentials(self) -> Optional[CredentialSource]:
+        """The credentials of the own path: the options' keys, else botocore's provider
+        chain for the profile (environment, files, SSO, roles, container, IMDS: may do
+        network calls, so call it off the event loop), resolved once per store.
+        ``CredentialSource(anonymous)`` when ``unsigned``; NoCredentialsError when none."""
+        if "src" in self._creds:
+            return self._creds["src"]  # type: ignore[no-any-return]
+        lock = self._creds.setdefault("lock", threading.Lock())
+        with lock:
+            if "src" not in self._creds:
+                self._creds["src"] = self._resolve_credentials()
+        return self._creds["src"]  # type: ignore[no-any-return]
+
+    def _resolve_credentials(self) -> CredentialSource:
+        if self.unsigned:
+            return CredentialSource(anonymous=True)
+        if self.static_keys is not None:
+            return CredentialSource(self.static_keys)
+        with _creds_lock:  # one chain walk at a time (sessions are shared by stores)
+            creds = _session(self.profile).get_credentials()
+        if creds is None:
+            raise NoCredentialsError(
+                f"no AWS credentials for s3://{self.bucket}: none in storage options (aws_access_key_id, "
+                f"aws_secret_access_key), the environment (AWS_ACCESS_KEY_ID...), the profile "
+                f"{self.profile or os.environ.get('AWS_PROFILE') or 'default'!r} of the AWS config and credentials "
+                "files, SSO, web identity, container or instance roles; for a public bucket pass "
+                "storage option unsigned=True")
+        log.debug("s3://%s: credentials from botocore's chain (%s)", self.bucket, getattr(creds, "method", "?"))
+        return CredentialSource(botocore_creds=creds)
+
+    # -- descriptions ------------------------------------------------------------
+    def endpoint(self) -> str:
+        """The endpoint requests go to, with the settings a failure there may come from."""
+        notes = []
+        if not self.endpoint_url.value:
+            notes.append(f"region {self.region.value} from {self.region.source}")
+        if self.target.scheme == "https":
+            if not self.verify:
+                notes.append("TLS verification off")
+            elif "botocore's default" not in self.ca_bundle.source:
+                notes.append(f"CA bundle {self.ca_bundle.value} from {self.ca_bundle.source}")
+        via = f" via proxy {self.proxy.value} ({self.proxy.source})" if self.proxy.value else ""
+        return f"{self.client_endpoint}{via}" + (f" ({'; '.join(notes)})" if notes else "")
+
+    def summary(self) -> str:
+        """One line for the store's INFO log: transport, why, and where each setting came from."""
+        return (f"s3://{self.bucket}: {self.transport.value} transport ({self.transport_reason}); "
+                f"endpoint {self.client_endpoint} ({self.endpoint_url.source}), region {self.region.value} "
+                f"({self.region.source}), {self.addressing_style.value} addressing ({self.addressing_style.source}), "
+                f"TLS {'CA ' + str(self.ca_bundle.value) + ' (' + self.ca_bundle.source + ')' if self.verify else 'unverified'}"
+                + (f", proxy {self.proxy.value} ({self.proxy.source})" if self.proxy.value else ""))
+
+    # -- resolution ----------------------------------------------------------------
+    @classmethod
+    def resolve(cls, bucket: str, options: Mapping[str, Any]) -> "S3Config":
+        """The configuration of a store of ``bucket`` with ``options``; bad input is an
+        :class:`S3ConfigError` (a ValueError) naming the setting and its source, at once."""
+        return _resolve(bucket, dict(options))
+
+
+def _opt(options: dict[str, Any], name: str) -> Any:
+    v = options.pop(name, None)
+    return None if v is None or v == "" else v
+
+
+def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
+    concurrency = int(options.pop("concurrency", 32))
+    policy = RetryPolicy.from_options(options)
+    adaptive = _switch(options, "adaptive")
+    checksums = _switch(options, "checksums")
+    kind = parse_kind(options.pop("endpoint_kind", None))
+    direct_wanted = _switch(options, "direct_http", env="OBJCKPT_S3_DIRECT_HTTP")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:  # said at once: a restore may never build the botocore client
+        raise ValueError(f"unknown S3 storage_options: {unknown} (known: {', '.join(sorted(OPTIONS))}; "
+                         f"and the retry budgets {', '.join(f.name for f in dataclasses.fields(RetryPolicy))})")
+    for k in ("aws_secret_access_key", "aws_session_token"):  # never logged, whatever error text carries them
+        register_secret(options.get(k))
+    for k in _SECRET_ENV:
+        register_secret(os.environ.get(k))
+    unsigned = _switch(options, "unsigned") if "unsigned" in options else False
+    said = options.get("verify")
+    if isinstance(said, str) and switch_word(said) is None:  # botocore's verify also takes a CA bundle path
+        options.setdefault("ca_bundle", options.pop("verify"))
+    verify_opt = _switch(options, "verify") if "verify" in options else None
+    payer = _opt(options, "request_payer")
+    if payer is not None and payer != "requester":
+        raise S3ConfigError("request_payer", "storage option", f"{payer!r}: the only value S3 takes is 'requester'")
+    kms = _opt(options, "sse_kms_key_id")
+    keys = _static_keys(options)
+
+    profile = _opt(options, "profile")
+    profile_src = "storage option profile" if profile else _env_source(
+        os.environ.get("AWS_PROFILE"), "AWS_PROFILE", "AWS_DEFAULT_PROFILE") or "the default profile"
+    try:
+        session = _session(profile)
+        scoped = session.get_scoped_config()
+    except Exception as e:  # ProfileNotFound
+        where = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"))
+        raise S3ConfigError("profile", profile_src, f"{e} (profiles are read from {where})") from None
+    in_file = f"profile {session.profile or 'default'!r} of {_config_file(session)}"
+
+    region = _region(options, session, scoped, in_file)
+    endpoint = _endpoint(options, session, scoped, in_file)
+    s3_section = session.get_config_variable("s3") or {}
+    style = _opt(options, "addressing_style")
+    if style is not None:
+        addressing = Setting(str(style), "storage option addressing_style")
+    elif s3_section.get("addressing_style"):
+        addressing = Setting(str(s3_section["addressing_style"]), f"s3 section of {in_file}")
+    elif endpoint.value:  # S3-compatible servers (MinIO, moto, on-prem) rarely do virtual-host buckets
+        addressing = Setting("path", "objckpt's default for a custom endpoint")
+    else:
+        addressing = Setting("auto", "botocore's default")
+    if addressing.value not in _STYLES:
+        raise S3ConfigError("addressing_style", addressing.source, f"{addressing.value!r} is not one of {_STYLES}")
+    fips = bool(session.get_config_variable("use_fips_endpoint"))
+    dual = bool(session.get_config_variable("use_dualstack_endpoint")) or switch_word(
+        s3_section.get("use_dualstack_endpoint", "")) is True
+    accel = switch_word(s3_section.get("use_accelerate_endpoint", "")) is True
+
+    probe = S3Config(bucket, profile, region, endpoint, "", addressing, fips, dual, accel, True,
+                     Setting(None, ""), Setting(None, ""), Target("", "", 0, "", "", ""), Transport.BOTOCORE, "",
+                     unsigned)
+    client_endpoint, url, signing = _probe(session, bucket, probe)
+    verify, ca = _trust(options, verify_opt, session, scoped, in_file, urlsplit(url).scheme == "https")
+    proxy = _proxy(client_endpoint)
+    target = _target(url, signing.get("region") or region.value, ca.value, verify, ca.source)
+    transport, why = _transport(direct_wanted, proxy, signing, url, client_endpoint)
+    cfg = S3Config(bucket, profile, region, endpoint, client_endpoint, addressing, fips, dual, accel, verify, ca, proxy,
+                   target, transport, why, unsigned, payer, kms, concurrency, policy, adaptive, checksums, kind, keys)
+    log.info("%s", cfg.summary())
+    return cfg
+
+
+def _config_file(session: Any) -> str:
+    return os.path.expanduser(str(session.get_config_variable("config_file")))
+
+
+def _static_keys(options: dict[str, Any]) -> Optional[Credentials]:
+    ak, sk = _opt(options, "aws_access_key_id"), _opt(options, "aws_secret_access_key")
+    token = _opt(options, "aws_session_token")
+    if (ak is None) != (sk is None):
+        missing = "aws_secret_access_key" if sk is None else "aws_access_key_id"
+        raise S3ConfigError(missing, "storage options", "one of the key pair is given without the other")
+    return None if ak is None else Credentials(str(ak), str(sk), token and str(token))
+
+
+def _region(options: dict[str, Any], session: Any, scoped: Mapping[str, Any], in_file: str) -> Setting:
+    """Option, botocore's (AWS_DEFAULT_REGION, the profile's ``region``), then AWS_REGION, then us-east-1."""
+    from botocore.exceptions import InvalidRegionError
+    from botocore.utils import validate_region_name
+
+    v = _opt(options, "region_name")
+    if v is not None:
+        r = Setting(str(v), "storage option region_name")
+    elif session.get_config_variable("region"):
+        v = session.get_config_variable("region")
+        r = Setting(v, _env_source(v, "AWS_DEFAULT_REGION") or in_file)
+    elif os.environ.get("AWS_REGION"):
+        r = Setting(os.environ["AWS_REGION"], "environment variable AWS_REGION (botocore reads only AWS_DEFAULT_REGION)")
+    else:
+        r = Setting("us-east-1", "botocore's default")
+    try:
+        validate_region_name(r.value)
+    except InvalidRegionError:
+        raise S3ConfigError("region", r.source, f"{r.value!r} is not a region name") from None
+    return r
+
+
+def _endpoint(options: dict[str, Any], session: Any, scoped: Mapping[str, Any], in_file: str) -> Setting:
+    """Option, else botocore's configured endpoint (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL,
+    the profile's ``services`` section, its ``endpoint_url``) unless configured endpoints are ignored."""
+    from botocore.configprovider import ConfiguredEndpointProvider
+
+    v = _opt(options, "endpoint_url")
+    if v is not None:
+        e = Setting(str(v), "storage option endpoint_url")
+    elif session.get_config_variable("ignore_configured_endpoint_urls"):
+        e = Setting(None, "AWS's endpoint (configured endpoint URLs are ignored)")
+    else:
+        v = ConfiguredEndpointProvider(full_config=session.full_config, scoped_config=scoped,
+                                       client_name="s3").provide()
+        src = _env_source(v, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+        if src is None and v:
+            src = in_file if scoped.get("endpoint_url") == v else f"services section of {in_file}"
+        e = Setting(v or None, src or "AWS's endpoint for the region")
+    if e.value:
+        u = urlsplit(e.value)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise S3ConfigError("endpoint_url", e.source, f"{e.value!r} is not an http(s) URL")
+    return e
+
+
+def _trust(options: dict[str, Any], verify_opt: Optional[bool], session: Any, scoped: Mapping[str, Any],
+           in_file: str, https: bool) -> tuple[bool, Setting]:
+    """(verify, CA bundle): option ``verify``/``ca_bundle``, AWS_CA_BUNDLE, the profile's
+    ``ca_bundle``, REQUESTS_CA_BUNDLE (botocore's order), then SSL_CERT_FILE (objckpt),
+    then botocore's default (certifi)."""
+    ca = _opt(options, "ca_bundle")
+    if verify_opt is False:
+        return False, Setting(None, "storage option verify=False")
+    if ca is not None:
+        s = Setting(os.path.expanduser(str(ca)), "storage option ca_bundle")
+    elif session.get_config_variable("ca_bundle"):
+        v = session.get_config_variable("ca_bundle")
+        s = Setting(os.path.expanduser(v), _env_source(v, "AWS_CA_BUNDLE") or in_file)
+    elif os.environ.get("REQUESTS_CA_BUNDLE"):
+        s = Setting(os.environ["REQUESTS_CA_BUNDLE"], "environment variable REQUESTS_CA_BUNDLE")
+    elif os.environ.get("SSL_CERT_FILE"):
+        s = Setting(os.environ["SSL_CERT_FILE"], "environment variable SSL_CERT_FILE (botocore alone would use certifi)")
+    else:
+        from botocore.httpsession import get_cert_path
+
+        return True, Setting(get_cert_path(True), "botocore's default (certifi)")
+    if https:
+        try:
+            if os.path.isdir(s.value):
+                ssl.create_default_context(capath=s.value)
+            else:
+                ssl.create_default_context(cafile=s.value)
+        except (OSError, ssl.SSLError) as e:
+            raise S3ConfigError("ca_bundle", s.source, f"{s.value!r} cannot be used as a CA bundle: {e}") from None
+    return True, s
+
+
+def _proxy(client_endpoint: str) -> Setting:
+    """The proxy botocore uses for this endpoint: ``get_environ_proxies`` (NO_PROXY
+    applied) looked up by the endpoint's scheme, as its HTTP session does."""
+    from botocore.utils import get_environ_proxies
+
+    scheme = urlsplit(client_endpoint).scheme
+    url = get_environ_proxies(client_endpoint).get(scheme)
+    if not url:
+        covered = [n for n in ("NO_PROXY", "no_proxy") if os.environ.get(n)]
+        set_ = [n for n in (f"{scheme.upper()}_PROXY", f"{scheme}_proxy") if os.environ.get(n)]
+        return Setting(None, f"{set_[0]} bypassed by {covered[0]}" if set_ and covered else "no proxy set")
+    return Setting(url, _env_source(url, f"{scheme}_proxy", f"{scheme.upper()}_PROXY") or "the system's proxy settings")
+
+
+#: probe clients by the settings they were made with and the AWS state (:func:`_aws_state`)
+_probes: dict[tuple[Any, ...], tuple[Any, threading.Lock]] = {}
+
+
+def _probe(session: Any, bucket: str, cfg: S3Config) -> tuple[str, str, dict[str, Any]]:
+    """(``meta.endpoint_url``, the URL a GetObject of ``bucket`` key ``k`` goes to, the
+    signing context) from a botocore client with these settings; nothing is sent.
+    The client is kept for later stores with the same settings (a new one costs ~25 ms,
+    a probe ~2 ms)."""
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    kw, ckw = cfg.client_args()
+    kw = {k: v for k, v in kw.items() if k not in ("verify",) and not k.startswith("aws_")}
+    ckw.update(signature_version=UNSIGNED, retries={"total_max_attempts": 1})
+    seen: dict[str, Any] = {}
+
+    def grab(request: Any, region_name: Optional[str] = None, **_: Any) -> None:
+        seen.update(url=request.url, signing={"region": region_name, **(request.context.get("signing") or {})})
+        raise _Stop
+
+    try:
+        key = (_aws_state(cfg.profile), repr(sorted(kw.items())), repr(sorted(ckw.items())))
+        with _lock:
+            made = _probes.get(key)
+        if made is None:
+            made = (session.create_client("s3", config=Config(**ckw), **kw), threading.Lock())
+            with _lock:
+                _probes[key] = made
+        client, lock = made
+        with lock:
+            client.meta.events.register_first("before-sign.s3.GetObject", grab, unique_id="objckpt-probe")
+            try:
+                client.get_object(Bucket=bucket, Key="k")
+            except _Stop:
+                pass
+            finally:
+                client.meta.events.unregister("before-sign.s3.GetObject", unique_id="objckpt-probe")
+    except Exception as e:
+        src = "; ".join(f"{n} from {s.source}" for n, s in (("endpoint", cfg.endpoint_url), ("region", cfg.region)))
+        raise S3ConfigError("endpoint", src, f"botocore cannot build a request for s3://{bucket}: "
+                                             f"{type(e).__name__}: {e}") from None
+    return str(client.meta.endpoint_url), str(seen["url"]), seen["signing"]
+
+
+def _target(url: str, region: str, ca: Optional[str], verify: bool, trust: str) -> Target:
+    u = urlsplit(url)
+    host = str(u.hostname)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    shown = f"[{host}]" if ":" in host else host
+    host_header = shown if port == (443 if u.scheme == "https" else 80) else f"{shown}:{port}"
+    return Target(u.scheme, host, port, host_header, u.path[:-2], region, ca, verify, trust)
+
+
+def _transport(wanted: bool, proxy: Setting, signing: Mapping[str, Any], url: str, endpoint: str) -> tuple[Transport, str]:
+    """Which transport serves the store, and why (logged at INFO once per store)."""
+    if not wanted:
+        return Transport.BOTOCORE, "direct_http is off"
+    if proxy.value:
+        return Transport.BOTOCORE, (f"requests go through proxy {proxy.value} ({proxy.source}); objckpt's own "
+                                    "HTTP path does not speak to proxies, botocore does")
+    if signing.get("signingRegionSet") or signing.get("region_set"):
+        return Transport.BOTOCORE, "the endpoint needs SigV4a signing"
+    u = urlsplit(url)
+    if u.query or not u.path.endswith("/k"):
+        return Transport.BOTOCORE, f"the request URL {url} has a shape the own path does not build"
+    why = "objckpt's own HTTP path"
+    if "bypassed" in proxy.source:
+        why += f" ({proxy.source} for {urlsplit(endpoint).hostname})"
+    return Transport.DIRECT, why
