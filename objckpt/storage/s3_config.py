@@ -454,13 +454,20 @@ def _trust(options: dict[str, Any], verify_opt: Optional[bool], session: Any, sc
         return True, Setting(get_cert_path(True), "botocore's default (certifi)")
     if https:
         try:
-            if os.path.isdir(s.value):
-                ssl.create_default_context(capath=s.value)
-            else:
-                ssl.create_default_context(cafile=s.value)
+            st = os.stat(s.value)
+            seen = (s.value, st.st_mtime_ns, st.st_size)
+            if seen not in _good_cas:  # loading a bundle costs ~30 ms: once per file version
+                if os.path.isdir(s.value):
+                    ssl.create_default_context(capath=s.value)
+                else:
+                    ssl.create_default_context(cafile=s.value)
+                _good_cas.add(seen)
         except (OSError, ssl.SSLError) as e:
             raise S3ConfigError("ca_bundle", s.source, f"{s.value!r} cannot be used as a CA bundle: {e}") from None
     return True, s
+
+
+_good_cas: set[tuple[str, int, int]] = set()
 
 
 def _proxy(client_endpoint: str) -> Setting:
