@@ -54,7 +54,7 @@ def test_load_from_checkpoint_on_s3_and_what_torch_load_says(moto_s3: tuple[str,
         Tiny.load_from_checkpoint(uri)
     assert TRAP in str(ei.value)
     with pytest.raises(NotATorchCheckpointError, match=r"objckpt\.lightning\.load_from_checkpoint\(MyModule, path\)"):
-        Tiny.load_from_checkpoint(uri, weights_only=False)  # the advice torch gives leads here, not to "invalid load key"
+        Tiny.load_from_checkpoint(uri, weights_only=False)  # torch's advice leads here, not to "invalid load key"
 
 
 def test_load_from_checkpoint_local_and_missing(tmp_path: pathlib.Path) -> None:

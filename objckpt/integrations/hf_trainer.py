@@ -251,7 +251,8 @@ class ObjckptTrainerMixin:
         r = self._objckpt_resuming(resume_from_checkpoint)
         if r is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
-        self._objckpt_load(r, {"model": model if model is not None else self.model}, "model")  # type: ignore[attr-defined]
+        target = model if model is not None else self.model  # type: ignore[attr-defined]
+        self._objckpt_load(r, {"model": target}, "model")
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         r = self._objckpt_resuming(checkpoint)

@@ -57,9 +57,10 @@ def restore_rng(state: Any, where: str = "rng") -> None:
     """Set every generator from :func:`capture_rng`'s values (a CUDA state is restored
     only where CUDA is available; a missing one is left as it is)."""
     if not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
+        shown = f" with keys {sorted(state)!r}" if isinstance(state, dict) else ""
         raise StateDictMismatchError(
             f"{where}: not a generator state saved by objckpt (expected a dict with 'python', 'numpy' and "
-            f"'cpu', got {type(state).__name__}{' with keys ' + repr(sorted(state)) if isinstance(state, dict) else ''})")
+            f"'cpu', got {type(state).__name__}{shown})")
     version, internal, gauss = state["python"]
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))
     n = state["numpy"]
