@@ -18,6 +18,7 @@ from .errors import (
     CorruptCheckpointError,
     MissingKeyError,
     NotFoundError,
+    NotS3EndpointError,
     ObjckptError,
     RanksDidNotJoinError,
     StateDictMismatchError,
@@ -60,5 +61,6 @@ __all__ = [
     "TensorChangedError",
     "BlobMissingError",
     "StorageError",
+    "NotS3EndpointError",
     "MissingKeyError",
 ]

@@ -80,6 +80,17 @@ class StorageTimeoutError(StorageError, TimeoutError):
     minimum rate (the per-request deadline, see docs/reliability.md)."""
 
 
+class NotS3EndpointError(ObjckptError, ConnectionError):
+    """The endpoint answers HTTP, but not as S3 does (a web page, a console port, a
+    proxy's own page): no S3 error XML, no S3 headers.  Raised at once, never
+    retried, and never read as "no checkpoint", "checkpoint exists" or corrupt
+    bytes.  ``endpoint`` holds the URL; the message names it and the answer."""
+
+    def __init__(self, endpoint: str, message: str = "") -> None:
+        super().__init__(message or f"{endpoint} is not an S3 endpoint")
+        self.endpoint = endpoint
+
+
 class CollectiveLoadError(ObjckptError):
     """A collective load failed on some rank; raised on every rank.
 

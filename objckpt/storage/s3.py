@@ -24,17 +24,24 @@ from typing import Any, Optional, Sequence
 from .. import _runtime
 from ..checksum import CellCrcs, crc32c, crc_header
 from ..logs import get_logger
-from ..errors import BucketNotFoundError, PreconditionFailed, StorageError
+from ..errors import BucketNotFoundError, NotS3EndpointError, PreconditionFailed, StorageError
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 from .limiter import AimdLimiter
 from .s3_writer import S3Writer
 from .s3_routes import NOT_DIRECT, DirectRoutes
 from .s3_config import S3Config, Transport
+from .s3_answers import botocore_not_s3, not_s3_error, botocore_answer
 from .s3_direct import DirectClient, Sink
 from .retry import (RetryPolicy, callers_map, classify, error_code, is_missing, is_no_bucket, is_precondition,
                     no_answer, retrying)
 
 log = get_logger("objckpt.storage")
+
+
+def _botocore_passes(e: BaseException) -> bool:
+    """Errors of botocore's side that go up unretried: what callers map, and an
+    endpoint that is not S3 (retrying cannot make it one)."""
+    return callers_map(e) or isinstance(e, NotS3EndpointError)
 
 
 class S3Store(DirectRoutes, ObjectStore):
@@ -201,15 +208,33 @@ class S3Store(DirectRoutes, ObjectStore):
     async def _send(self, fn: Any, kw: dict[str, Any], has_body: bool) -> Any:
         """One attempt.  Until the endpoint has answered once, a body-less request
         is bounded by ``first_answer_timeout`` (connect + first byte): a silent
-        endpoint is then reported in seconds; uploads keep the transfer budget."""
-        if self._answered or has_body:
-            return await fn(**kw)
+        endpoint is then reported in seconds; uploads keep the transfer budget.
+        An answer that is not S3's raises :class:`NotS3EndpointError` (s3_answers)."""
         try:
-            return await asyncio.wait_for(fn(**kw), self.policy.first_answer_timeout)
+            if self._answered or has_body:
+                r = await fn(**kw)
+            else:
+                r = await asyncio.wait_for(fn(**kw), self.policy.first_answer_timeout)
         except asyncio.TimeoutError as e:
             if type(e) not in (asyncio.TimeoutError, TimeoutError):
                 raise  # a client timeout (botocore's own), not wait_for's
             raise no_answer(self.endpoint(), self.policy.first_answer_timeout) from None
+        except Exception as e:
+            self._raise_if_not_s3(fn, kw, e)
+            raise
+        self._raise_if_not_s3(fn, kw, r)
+        return r
+
+    def _raise_if_not_s3(self, fn: Any, kw: dict[str, Any], answer: Any) -> None:
+        """NotS3EndpointError when botocore's response (or ClientError) is not S3's."""
+        op = str(getattr(fn, "__name__", ""))
+        reason = botocore_not_s3(answer, head=op.startswith("head_"),
+                                 object_answer=op in ("head_object", "get_object") and "Range" not in kw)
+        if reason is not None:
+            status, headers = botocore_answer(answer)
+            where = f"{op} s3://{self.bucket}/{kw.get('Key', '')}"
+            raise not_s3_error(self.endpoint(), where, status, headers, reason) from None
+
 
     async def _retrying(self, fn: Any, kw: dict[str, Any], extra: Any, has_body: bool = False) -> Any:
         """``fn(**kw, **extra())`` under the store's retry policy (:func:`.retry.retrying`).
@@ -217,7 +242,7 @@ class S3Store(DirectRoutes, ObjectStore):
         adds the first-answer bound), so the bound ``retrying`` offers goes unused."""
         what = f"{getattr(fn, '__name__', fn)} on s3://{self.bucket}/{kw.get('Key', kw.get('Prefix', ''))}"
         return await retrying(self, what, lambda _first_byte: self._send(fn, {**kw, **extra()}, has_body),
-                              has_body=has_body, passes=callers_map, name_type=False)
+                              has_body=has_body, passes=_botocore_passes, name_type=False)
 
     async def get(self, key: str) -> bytes:
         """A whole object.  A body that breaks mid-stream (cut, reset, stalled past

@@ -17,9 +17,12 @@ aborts (rare, off the hot path) stay on the botocore client.
 Where requests go (host, addressing, signing region, CA bundle, proxy) is
 resolved once per store by :mod:`.s3_config` from botocore's own resolution,
 which also decides whether this path serves the store at all (not through a
-proxy, for one).  An answer it does not handle (a redirect, a signature
-complaint) is reported as :class:`Unsupported`, and the store falls back to
-botocore for good.
+proxy, for one).  A refusal saying the bucket is in another region is a
+:class:`~.s3_answers.WrongRegion`, which the store follows on this path
+(:mod:`.s3_routes`); an answer that is not S3's is a
+:class:`~objckpt.errors.NotS3EndpointError`; another answer it does not handle
+(a redirect not about the region, a signature complaint) is reported as
+:class:`Unsupported`, and the store falls back to botocore for good.
 Integrity does not depend on this layer: every chunk's crc32c is checked above.
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ from urllib.parse import urlsplit
 from .. import _runtime
 from ..options import switch_word
 from . import s3_config
+from .s3_answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 from .http_answer import BadAnswer, Head, Reader, check_range, content_length
 from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
@@ -59,10 +63,12 @@ class S3HttpError(Exception):
     """An S3 error answer, shaped like botocore's ClientError (``response``) so the
     store's error mapping and retry classification treat both alike."""
 
-    def __init__(self, status: int, code: str, message: str, what: str, server: Optional[str] = None) -> None:
+    def __init__(self, status: int, code: str, message: str, what: str, server: Optional[str] = None,
+                 region: Optional[str] = None) -> None:
         super().__init__(f"{what}: HTTP {status} {code or ''} {message or ''}".strip())
         self.status = status
         self.server = server  # the answer's Server header
+        self.region = region  # the answer's x-amz-bucket-region (a HeadBucket's 403 carries it too)
         self.response = {"Error": {"Code": code or str(status), "Message": message},
                          "ResponseMetadata": {"HTTPStatusCode": status}}
 
@@ -151,6 +157,25 @@ class DirectClient:
         """After fork: the inherited sockets belong to the parent; drop them unclosed."""
         self._idle = []
 
+    def retarget(self, target: Target) -> None:
+        """Send to ``target`` from now on: the bucket's region (and, on AWS, its host),
+        learned from a redirect.  Idle connections to another host are closed."""
+        moved = (target.host, target.port) != (self.target.host, self.target.port)
+        self.target, self.signer = target, Signer(target.region)
+        if moved:
+            self.close()
+
+    def endpoint(self) -> str:
+        """The URL requests go to, for messages."""
+        return f"{self.target.scheme}://{self.target.host_header}"
+
+    def _check_s3(self, head: _Head, what: str) -> None:
+        """A 2xx answer to a HEAD or whole GET of an object must be S3's (see s3_answers)."""
+        reason = not_s3_reason(head.status, head.headers, object_answer=True)
+        if reason is not None:
+            raise not_s3_error(self.endpoint(), what, head.status, head.headers, reason)
+
+
     # -- one exchange -----------------------------------------------------
     def _request(self, conn: Conn, method: str, path: str, extra: dict[str, str], rd: Reader,
                  query: str = "", body: Sequence[memoryview] = ()) -> Head:
@@ -198,9 +223,16 @@ class DirectClient:
         text = sink.data().decode("utf-8", "replace")
         code = _xml_field(text, "Code")
         message = _xml_field(text, "Message")
+        reason = not_s3_reason(head.status, head.headers, text)
+        if reason is not None:
+            return not_s3_error(self.endpoint(), what, head.status, head.headers, reason)
+        region = region_of(head.headers, text)
+        if says_wrong_region(head.status, code, region, bare_head=not has_body):
+            return WrongRegion(f"{what}: HTTP {head.status} {code} {message}".strip(), status=head.status, code=code,
+                               region=region, signed_region=self.signer.region)
         if head.status in (301, 302, 307, 308) or code in _FALLBACK_CODES:
             return Unsupported(f"{what}: HTTP {head.status} {code} {message}".strip())
-        return S3HttpError(head.status, code, message, what, head.headers.get("server"))
+        return S3HttpError(head.status, code, message, what, head.headers.get("server"), region)
 
     def _deadline(self, sink: "Optional[Sink | Callable[[Head], Sink]]", body: Sequence[memoryview]) -> Deadline:
         """The deadline of one exchange: its body and the answer asked for into ``sink``
@@ -303,6 +335,7 @@ class DirectClient:
             return GrowingSink(n)  # memory follows the bytes that arrive, not the announcement
 
         head = self._exchange("GET", self._path(key), {}, first_byte, sized, what)
+        self._check_s3(head, what)
         body = head.body
         if body is None or body.got != body.total:
             got, total = (0, 0) if body is None else (body.got, body.total)
@@ -329,6 +362,8 @@ class DirectClient:
     def head(self, key: str, first_byte: float) -> Optional[tuple[int, Optional[str]]]:
         """(size, ETag) of ``key``; ``None`` if absent."""
         h = self._head_if_present(key, first_byte)
+        if h is not None:
+            self._check_s3(h, f"HEAD s3://{self.bucket}/{key}")
         return None if h is None else (int(h.headers.get("content-length", "0")), h.headers.get("etag"))
 
     # -- writes -------------------------------------------------------------
@@ -349,6 +384,9 @@ class DirectClient:
         what = f"PUT s3://{self.bucket}/{key}" + (f" part {query['partNumber']}" if query else "")
         h = self._exchange("PUT", self._path(key), headers, first_byte, self._small_body, what,
                            canonical_query(query or {}), [v if v.format == "B" else v.cast("B") for v in views])
+        reason = not_s3_reason(h.status, h.headers)
+        if reason is not None:
+            raise not_s3_error(self.endpoint(), what, h.status, h.headers, reason)
         out = {"ETag": h.headers.get("etag", "")}
         if "x-amz-checksum-crc32c" in h.headers:
             out["ChecksumCRC32C"] = h.headers["x-amz-checksum-crc32c"]
@@ -391,6 +429,19 @@ class DirectClient:
     def bucket_exists(self, first_byte: float) -> bool:
         """HeadBucket: tells a missing bucket from a missing key after a bodiless 404."""
         return self._head_if_present(None, first_byte) is not None
+
+    def bucket_region(self, first_byte: float) -> Optional[str]:
+        """The bucket's region from a HeadBucket's ``x-amz-bucket-region``, which S3 sends
+        whether it answers 200, 301, 400 or 403 (botocore's redirector asks the same);
+        None when the answer does not say.  A missing bucket raises (404)."""
+        try:
+            return self._head(None, first_byte).headers.get("x-amz-bucket-region") or None
+        except WrongRegion as e:
+            return e.region
+        except S3HttpError as e:
+            if e.status == 404:
+                raise
+            return e.region
 
 
 def _xml_field(text: str, name: str) -> str:
