@@ -402,25 +402,33 @@ def step_tests(run: Run, timeout: float) -> dict[str, Any]:
 # --------------------------------------------------------------------------- steps 2 and 3: probes
 
 
-def probe(run: Run, kind: str, cfg: dict[str, Any], timeout: float) -> tuple[dict[str, Any], str]:
-    """Run one :mod:`benchmarks.device_probes` probe; (its record, however far it got; status)."""
+def probe(run: Run, kind: str, cfg: dict[str, Any], timeout: float, into: dict[str, Any],
+          key: Optional[str] = None) -> str:
+    """Run one :mod:`benchmarks.device_probes` probe; its record, however far it got, goes to
+    ``into[key]`` (``key`` None: into ``into`` itself), even when this run is stopped
+    meanwhile. Returns the probe's status."""
     part = run.path(f".{kind}.probe.json")
     if os.path.exists(part):
         os.remove(part)
     cfg = dict(cfg, partial=part, until=time.time() + timeout - 3.0)
-    r = run_child(["-m", "benchmarks.device_probes", kind, json.dumps(cfg)], timeout)
-    rec: dict[str, Any] = {}
-    if os.path.exists(part):
-        with open(part) as f:
-            rec = json.load(f)
-        os.remove(part)
-    return rec, r["status"]
+    try:
+        return run_child(["-m", "benchmarks.device_probes", kind, json.dumps(cfg)], timeout)["status"]
+    finally:
+        if os.path.exists(part):
+            with open(part) as f:
+                rec = json.load(f)
+            if key is None:
+                into.update(rec)
+            else:
+                into[key] = rec
+            os.remove(part)
 
 
 def step_stall(run: Run, timeout: float) -> dict[str, Any]:
-    a = run.args
-    rec, status = probe(run, "stall", {"device": a.device, "bytes": int(a.gib * h.GiB), "repeat": a.repeat}, timeout)
-    return {"status": status, **rec}
+    a, box = run.args, {}  # type: argparse.Namespace, dict[str, Any]
+    run.results["stall"] = box  # kept if the run is stopped meanwhile
+    status = probe(run, "stall", {"device": a.device, "bytes": int(a.gib * h.GiB), "repeat": a.repeat}, timeout, box)
+    return {"status": status, **box}
 
 
 def step_restore(run: Run, timeout: float) -> dict[str, Any]:
@@ -430,11 +438,12 @@ def step_restore(run: Run, timeout: float) -> dict[str, Any]:
     out: dict[str, Any] = {"server": run.results.get("server")}
     run.put("restore", out, step_file=False)
     methods = a.restore_methods.split(",")
-    out["save"], save_status = probe(run, "restore-save", dict(base, methods=methods), 0.45 * timeout)
+    out["save"], out["load"] = {}, {}
+    save_status = probe(run, "restore-save", dict(base, methods=methods), 0.45 * timeout, out, "save")
     run.put("restore", out, step_file=False)
     saved = [m for m in methods if isinstance(out["save"].get(m), dict) and out["save"][m].get("status") == "ok"]
     load_cfg = dict(base, saved=saved, reps=a.restore_reps, get_threads=a.get_threads)
-    out["load"], load_status = probe(run, "restore-load", load_cfg, end - time.monotonic() - 2.0)
+    load_status = probe(run, "restore-load", load_cfg, end - time.monotonic() - 2.0, out, "load")
     try:
         h.delete_prefix(h.boto3_client(srv.url), BUCKET, base["prefix"])  # the server's memory, for multirank
     except Exception as e:  # noqa: BLE001

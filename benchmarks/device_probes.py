@@ -117,7 +117,7 @@ def timed_within(f: Callable[[], float], repeat: int, clock: Clock) -> dict[str,
     the figure (e.g. a stall), the wall of each call is what the deadline is planned with."""
     t = time.perf_counter()
     f()
-    walls, xs = [time.perf_counter() - t], []
+    walls, xs = [time.perf_counter() - t], []  # type: list[float], list[float]
     while len(xs) < repeat and (not xs or clock.fits(1.5 * max(walls))):
         t = time.perf_counter()
         xs.append(f())
@@ -253,6 +253,7 @@ def restore_save(cfg: dict[str, Any]) -> None:
             rec.set(name, {"status": "unavailable", "error": failure(e)})
             say(f"restore: {name} unavailable: {e}")
             continue
+        rec.set(name, {"status": "stopped while saving"})  # what a kill leaves
         t = time.perf_counter()
         try:
             method.save(state, target)
@@ -278,7 +279,7 @@ def raw_get_gbps(endpoint: str, bucket: str, objects: list[tuple[str, int]], thr
     lock = threading.Lock()
 
     def worker() -> int:
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
         mv, got_all = memoryview(bytearray(piece)), 0
         try:
             while True:
@@ -338,7 +339,7 @@ def reference_rates(cfg: dict[str, Any], rec: Record, nbytes: int) -> None:
     client = h.boto3_client(cfg["endpoint"])
     objects = [(o["Key"], o["Size"]) for page in client.get_paginator("list_objects_v2").paginate(
         Bucket=cfg["bucket"], Prefix=f"{cfg['prefix']}/{source}/") for o in page.get("Contents", [])]
-    rates = {}
+    rates: dict[str, Any] = {}
     for threads in cfg["get_threads"]:
         try:
             rates[str(threads)] = raw_get_gbps(cfg["endpoint"], cfg["bucket"], objects, threads)
@@ -376,6 +377,7 @@ def restore_load(cfg: dict[str, Any]) -> None:
                 r["note"] = f"{OUT_OF_TIME} after rep {rep - 1}"
                 break
             dest = {k: torch.empty(v.shape, dtype=v.dtype, device=dev) for k, v in ref.items()}
+            rec.set(name, dict(r, status=f"stopped while loading rep {rep}"))  # what a kill leaves
             t = time.perf_counter()
             try:
                 method.load(dest, target)

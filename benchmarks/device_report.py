@@ -85,7 +85,7 @@ def stall_md(s: dict[str, Any]) -> str:
 
 def restore_md(r: dict[str, Any]) -> str:
     load, save, srv = r.get("load") or {}, r.get("save") or {}, r.get("server") or {}
-    raw = load.get("raw_get") if isinstance(load.get("raw_get"), dict) else {}
+    raw: dict[str, Any] = load["raw_get"] if isinstance(load.get("raw_get"), dict) else {}
     copy_key = "h2d_gbps" if "h2d_gbps" in load else "host_copy_gbps"
     ceiling = _num(load.get("ceiling_gbps"))
     lines = [f"## 3. Restore into {load.get('device', '?')} tensors ({_gib(load.get('bytes') or save.get('bytes'))} "
@@ -103,8 +103,8 @@ def restore_md(r: dict[str, Any]) -> str:
         reps = ld.get("reps") or []
         cold, warm = (reps[0] if reps else {}), reps[1:]
         warm_gbps = h.median(x["gbps"] for x in warm)
-        why = sv.get("error") or ld.get("error") or ld.get("note") or (ld.get("status") if ld.get("status") != "ok" else "")
-        status = "ok" if sv.get("status") == "ok" and ld.get("status") == "ok" else (ld.get("status") or sv.get("status"))
+        why = sv.get("error") or ld.get("error") or ld.get("note") or ""
+        status = ld.get("status") or ("saved, not loaded" if sv.get("status") == "ok" else sv.get("status"))
         rows.append([m, _f(sv.get("save_s"), "{:.2f}"), _f(ld.get("cold_s"), "{:.3f}"), _f(cold.get("gbps"), "{:.2f}"),
                      h.ratio(_num(cold.get("gbps")), ceiling, "{:.0%}"), _f(ld.get("warm_s"), "{:.3f}"),
                      _f(warm_gbps, "{:.2f}"), h.ratio(warm_gbps, ceiling, "{:.0%}"),
