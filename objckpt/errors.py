@@ -114,6 +114,11 @@ class TensorChangedError(ObjckptError, RuntimeError):
     copies first."""
 
 
+class CollectiveError(ObjckptError, RuntimeError):
+    """A collective of the process group failed (another rank died, or the network
+    between ranks failed) in the middle of an objckpt operation, which did not complete."""
+
+
 class ForeignSaveError(ObjckptError, RuntimeError):
     """The outcome of an ``async_save`` was asked for in a process forked from the one
     that started it: the save runs (and commits) in its own process only."""

@@ -197,3 +197,35 @@ def test_refused_endpoint_fails_fast() -> None:
 def test_silent_endpoint_fails_fast() -> None:
     r = dead_endpoint_trial("silent", limit=12)
     assert r.outcome == "detected" and r.extra["detect_s"] < 10, r.to_json()
+
+
+# --------------------------------------------------------------------------- kills beyond one saving process
+
+
+@pytest.mark.parametrize("op,seed", [("cp", 1), ("rm", 5), ("prune", 2)])  # kills inside the operation
+def test_kill_during_cp_rm_prune(tmp_path: Any, op: str, seed: int) -> None:
+    from objckpt.testing.campaign_ops import op_kill_trial
+
+    r = op_kill_trial(Target("local", str(tmp_path)), seed, op)
+    assert r.outcome == OK and r.detail.startswith("killed"), r.to_json()
+
+
+def test_kill_one_rank_of_a_two_rank_save(tmp_path: Any) -> None:
+    """Rank 0 of a 2-rank gloo overwrite dies at its 2nd request: the survivor raises an
+    objckpt error (not gloo's bare RuntimeError), the old checkpoint reads bit-exact, gc cleans up."""
+    from objckpt.testing.campaign_ops import rank_kill_trial
+
+    r = rank_kill_trial(Target("local", str(tmp_path)), 2)
+    assert r.params["kill_rank"] == 0 and r.outcome == OK and r.detail.startswith("killed"), r.to_json()
+
+
+# --------------------------------------------------------------------------- local disk faults
+
+
+@pytest.mark.parametrize("fault", ["enospc-manifest", "enospc-blob", "erofs", "enotdir", "eisdir-manifest"])
+def test_local_disk_faults_are_named_and_harmless(fault: str) -> None:
+    from objckpt.testing.campaign_disk import OPS_FOR, disk_trial
+
+    for op in OPS_FOR[fault]:
+        r = disk_trial(11, fault, op, real=False)  # simulated: the same on every machine
+        assert r.outcome == "detected", r.to_json()

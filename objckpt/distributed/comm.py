@@ -108,6 +108,22 @@ def flag_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def _collective(fn: Callable[..., T]) -> Callable[..., T]:
+    """A failed collective (a peer killed mid-save: gloo's "Connection reset by peer")
+    is a :class:`~objckpt.errors.CollectiveError` naming the collective and the ranks,
+    not a bare ``RuntimeError``."""
+    def wrapped(self: "TorchComm", *a: Any, **kw: Any) -> T:
+        try:
+            return fn(self, *a, **kw)
+        except RuntimeError as e:
+            raise _errors.CollectiveError(
+                f"{fn.__name__} over the {self.world_size} ranks of the process group failed on rank {self.rank} "
+                f"(another rank died or the network failed; the operation did not complete): {e}") from e
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
 class TorchComm:
     """torch.distributed over ``group`` (None: the default group)."""
 
@@ -119,17 +135,20 @@ class TorchComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
+    @_collective
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    @_collective
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj if self.rank == src else None]
         global_src = self._dist.get_global_rank(self.group, src) if self.group is not None else src
         self._dist.broadcast_object_list(box, src=global_src, group=self.group)
         return box[0]
 
+    @_collective
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
 
@@ -161,6 +180,7 @@ class TorchComm:
         """The group's backend, e.g. "gloo", "nccl" or "cpu:gloo,cuda:nccl"."""
         return str(self._dist.get_backend(self.group))
 
+    @_collective
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any (one tiny all-reduce)."""
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=flag_device(self.group))

@@ -7,7 +7,10 @@ A subprocess because a trial must be able to SIGKILL a save, cap a hostile read'
 * ``save``: save ``make_state(seed)``; with ``kill_at`` the process SIGKILLs itself just
   before its ``kill_at``-th storage request (a crash at a random request count);
 * ``read``: read a checkpoint (dead-endpoint timing);
-* ``hostile``: run read / load / inspect / verify on a (hostile) checkpoint under a memory cap.
+* ``hostile``: run read / load / inspect / verify on a (hostile) checkpoint under a memory cap;
+* ``op``: ``cp``, ``rm`` or ``prune`` (the library calls behind the commands) with the
+  same ``kill_at`` (:mod:`objckpt.testing.campaign_ops`);
+* ``rank_save``: one rank of a gloo group saving sharded state, ``kill_at`` on ``kill_rank``.
 """
 from __future__ import annotations
 
@@ -159,9 +162,65 @@ def cmd_hostile(a: dict[str, Any]) -> dict[str, Any]:
     return {"ops": out, "peak_rss": _peak_rss()}
 
 
+def cmd_op(a: dict[str, Any]) -> dict[str, Any]:
+    """``cp`` SRC DST (overwrite), ``rm`` URI, or ``prune`` ROOT --keep-last K, killed before
+    the ``kill_at``-th request to the store they change."""
+    from .. import _runtime
+    from ..deletion import delete_checkpoint
+    from ..manager.index import StepIndex
+    from ..manager.retention import RetentionPolicy
+    from ..manager.worker import apply_retention
+    from ..storage import open_store
+    from ..transfer import copy
+
+    opts = a.get("opts") or {}
+    uri = a["dst"] if a["op"] == "cp" else a["uri"]
+    st, prefix = open_store(uri, opts)
+    store = KillStore(st, a["kill_at"]) if a.get("kill_at") else st
+    try:
+        if a["op"] == "cp":
+            copy(a["src"], a["dst"], storage_options=opts, overwrite=True, part_size=64 << 10, dst_store=store)
+        elif a["op"] == "rm":
+            _runtime.run(delete_checkpoint(store, prefix, uri))
+        else:
+            apply_retention(StepIndex(store, prefix), RetentionPolicy(keep_last=a["keep_last"]), uri, adopt=True)
+    except Exception as e:  # noqa: BLE001
+        return {"done": False, **_error(e)}
+    return {"done": True}
+
+
+def cmd_rank_save(a: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank`` of ``world`` (gloo, file rendezvous ``rdzv``) saves its shards of
+    ``rank_state(seed)`` over ``uri``; on ``kill_rank`` SIGKILLed before request ``kill_at``."""
+    import torch.distributed as dist
+
+    import objckpt
+    from objckpt.storage import open_store
+
+    from .campaign_ops import sharded_rank_state
+
+    rank, world = a["rank"], a["world"]
+    dist.init_process_group("gloo", init_method=a["rdzv"], rank=rank, world_size=world)
+    try:
+        st, _ = open_store(a["uri"], a.get("opts") or {})
+        store = KillStore(st, a["kill_at"]) if rank == a["kill_rank"] else None
+        objckpt.save(sharded_rank_state(a["seed"], world), a["uri"], storage_options=a.get("opts") or {},
+                     store=store, overwrite=a.get("overwrite", True), part_size=64 << 10, blob_size=96 << 10,
+                     collective_timeout=a.get("collective_timeout", 30.0))
+    except Exception as e:  # noqa: BLE001 - the survivor of a killed peer reports its error
+        return {"rank": rank, "saved": False, **_error(e)}
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    return {"rank": rank, "saved": True}
+
+
 def main(argv: Sequence[str]) -> None:
     command, args = argv[0], json.loads(argv[1])
-    fn = {"save": cmd_save, "read": cmd_read, "hostile": cmd_hostile}[command]
+    fn = {"save": cmd_save, "read": cmd_read, "hostile": cmd_hostile, "op": cmd_op,
+          "rank_save": cmd_rank_save}[command]
     print(json.dumps(fn(args), default=repr), flush=True)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown: a hostile input may have left threads behind
