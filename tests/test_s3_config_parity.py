@@ -268,7 +268,7 @@ def test_extra_headers_per_operation(aws: Path) -> None:
 
 
 @pytest.mark.parametrize("setup, options, setting, source", [
-    ({}, {"region": "eu-west-1"}, "", "unknown S3 storage_options: ['region']"),
+    ({}, {"region": "eu-west-1"}, "region", "storage_options"),
     ({"config": "[default]\nca_bundle = {dir}/missing.pem\n"}, {"endpoint_url": "https://h:1"}, "ca_bundle",
      "profile 'default' of {dir}/config"),
     ({"env": {"AWS_CA_BUNDLE": "{dir}/config"}}, {}, "ca_bundle", "environment variable AWS_CA_BUNDLE"),

@@ -311,8 +311,9 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
     direct_wanted = _switch(options, "direct_http", env="OBJCKPT_S3_DIRECT_HTTP")
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:  # said at once: a restore may never build the botocore client
-        raise ValueError(f"unknown S3 storage_options: {unknown} (known: {', '.join(sorted(OPTIONS))}; "
-                         f"and the retry budgets {', '.join(f.name for f in dataclasses.fields(RetryPolicy))})")
+        raise S3ConfigError(", ".join(unknown), "storage_options",
+                            f"unknown S3 storage_options: {unknown} (known: {', '.join(sorted(OPTIONS))}; and the "
+                            f"retry budgets {', '.join(f.name for f in dataclasses.fields(RetryPolicy))})")
     for k in ("aws_secret_access_key", "aws_session_token"):  # never logged, whatever error text carries them
         register_secret(options.get(k))
     for k in _SECRET_ENV:
