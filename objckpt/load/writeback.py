@@ -130,7 +130,8 @@ def raise_not_written_back(found: NotWrittenBack, uri: str) -> None:
         "Its state_dict() hands out fresh tensors (a state-dict hook, e.g. one that splits a fused weight), "
         "the load filled those, and load_state_dict() did not carry them back to the object, which keeps "
         "its old values. Give the object a load_state_dict() (or a load_state_dict pre-hook) that applies "
-        "the state dict it is given; the loaded values are in that state dict, not in the object")
+        "the state dict it is given. If it changes the values on purpose (e.g. it quantizes them), load "
+        "sd = obj.state_dict() as a plain dict and call obj.load_state_dict(sd) yourself")
 
 
 def check_written_back(sv: StatefulValue, loaded: Mapping[str, torch.Tensor], uri: str) -> None:
