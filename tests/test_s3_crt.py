@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def _views() -> tuple[list[memoryview], bytes]:
     a = torch.arange(1000, dtype=torch.float32)  # a float view: cast to bytes, not copied
     b = bytes(range(256)) * 2000  # larger than one write slice
     c = bytearray(b"tail")
-    views = [memoryview(a.numpy()), memoryview(b""), memoryview(b), memoryview(c)]
+    views = [memoryview(a.numpy()), memoryview(b""), memoryview(b), memoryview(c)]  # type: ignore[arg-type]
     return views, a.numpy().tobytes() + b + bytes(c)
 
 
@@ -59,7 +60,7 @@ def test_body_sends_whole_again_whatever_was_read() -> None:
     body = ViewsPayload(views)
     body.read()
     for _ in range(2):  # sent, then sent again after a redirect
-        w = _Writer()
+        w: Any = _Writer()
         asyncio.run(body.write(w))
         assert b"".join(w.pieces) == whole
 

@@ -47,7 +47,8 @@ class ViewsPayload(payload.Payload):
         vs = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views if len(v)]
         super().__init__(vs, content_type="application/octet-stream")
         self._views = vs
-        self._size = sum(len(v) for v in vs)
+        self._total = sum(len(v) for v in vs)  # aiohttp's _size is Optional; this one is not
+        self._size = self._total
         self._starts: list[int] = []  # offset of each view in the body, for seek/read
         at = 0
         for v in vs:
@@ -56,7 +57,7 @@ class ViewsPayload(payload.Payload):
         self._pos = 0
 
     def __len__(self) -> int:
-        return self._size
+        return self._total
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         return b"".join(self._views).decode(encoding, errors)
@@ -66,7 +67,7 @@ class ViewsPayload(payload.Payload):
         await self.write_with_length(writer, None)
 
     async def write_with_length(self, writer: AbstractStreamWriter, content_length: Optional[int]) -> None:
-        left = self._size if content_length is None else min(content_length, self._size)
+        left = self._total if content_length is None else min(content_length, self._total)
         for v in self._views:
             for i in range(0, len(v), SLICE):
                 if left <= 0:
@@ -86,7 +87,7 @@ class ViewsPayload(payload.Payload):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}.get(whence)
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._total}.get(whence)
         if base is None:
             raise ValueError(f"seek: invalid whence {whence!r}")
         pos = base + offset
@@ -100,7 +101,7 @@ class ViewsPayload(payload.Payload):
         dest = memoryview(out).cast("B")
         n = 0
         i = bisect.bisect_right(self._starts, self._pos) - 1
-        while n < len(dest) and 0 <= i < len(self._views) and self._pos < self._size:
+        while n < len(dest) and 0 <= i < len(self._views) and self._pos < self._total:
             v = self._views[i]
             within = self._pos - self._starts[i]
             take = min(len(v) - within, len(dest) - n)
@@ -114,7 +115,7 @@ class ViewsPayload(payload.Payload):
 
     def read(self, size: Optional[int] = -1) -> bytes:
         """The next ``size`` bytes (all that are left when ``size`` is None or negative)."""
-        left = max(0, self._size - self._pos)
+        left = max(0, self._total - self._pos)
         want = left if size is None or size < 0 else min(size, left)
         buf = bytearray(want)
         got = self.readinto(buf)

@@ -88,7 +88,8 @@ def not_s3_error(endpoint: str, what: str, status: int, headers: Mapping[str, An
     return NotS3EndpointError(
         endpoint,
         f"{endpoint} is not an S3 endpoint: {what} was answered HTTP {status} ({ctype}) with {reason} and no S3 "
-        "headers (is endpoint_url / AWS_ENDPOINT_URL the S3 API's address, not a console's or another service's?)")
+        "headers (is endpoint_url / AWS_ENDPOINT_URL the S3 API's address, not a console's or another service's, "
+        "with no proxy in between answering for it?)")
 
 
 def says_wrong_region(status: int, code: str, region: Optional[str], *, bare_head: bool) -> bool:

@@ -193,8 +193,8 @@ class DirectRoutes:
         requests refused at once: those signed before another one moved the client
         are simply sent again."""
         direct = self._direct_client
-        if direct is None:
-            raise e
+        if direct is None:  # another request turned the store to botocore meanwhile: so does this one
+            raise Unsupported(str(e))
         if self._direct_lock is None:
             self._direct_lock = asyncio.Lock()
         async with self._direct_lock:
