@@ -113,6 +113,13 @@ def ensure_deps(wheels: str, site: str) -> dict[str, Any]:
     os.environ["PYTHONPATH"] = os.pathsep.join([site, REPO_ROOT] + [x for x in [os.environ.get("PYTHONPATH")] if x])
     importlib.invalidate_caches()
     rec["missing_after"] = missing_modules()
+    rec["imports"] = {}
+    for mod in ("boto3", "aiobotocore", "s3fs", "crc32c", "zstandard", "moto.server", "jsonschema"):
+        try:  # what the steps and the test fixtures import; a version clash with the host shows here
+            importlib.import_module(mod)
+            rec["imports"][mod] = "ok"
+        except Exception as e:  # noqa: BLE001 - recorded; the steps report their own failures
+            rec["imports"][mod] = f"{type(e).__name__}: {e}"
     return rec
 
 
@@ -541,8 +548,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         run.say(f"device check{' (dry)' if args.dry else ''}: budget {args.budget_s:.0f} s, out {run.out}")
         deps = ensure_deps(args.wheels, args.site)
         run.say(f"dependencies: missing {deps['missing'] or 'none'}"
-                + (f"; installed {deps.get('wheels')} wheels, still missing {deps.get('missing_after')}"
-                   if deps["missing"] else ""))
+                + (f"; installed {deps.get('wheels')} wheels, still missing {deps.get('missing_after')}; "
+                   f"imports {deps.get('imports')}" if deps["missing"] else ""))
         import torch
 
         if args.device is None:

@@ -35,8 +35,11 @@ def header(r: dict[str, Any]) -> str:
         lines.append(f"**{r['stopped']}**")
     deps = (r.get("setup") or {}).get("dependencies") or {}
     if deps.get("missing"):
+        bad = {k: v for k, v in (deps.get("imports") or {}).items() if v != "ok"}
         lines.append(f"Installed from wheels: {deps.get('wheels')} files for {', '.join(deps['missing'])}; "
-                     f"still missing: {deps.get('missing_after') or 'none'}.")
+                     f"still missing: {deps.get('missing_after') or 'none'}; imports failing: {bad or 'none'}."
+                     + (f" pip: {deps['error'] if deps.get('error') else deps.get('pip_tail')}"
+                        if deps.get("error") or deps.get("pip_exit") else ""))
     steps = r.get("steps") or {}
     if steps:
         lines += ["", h.md_table(["step", "status", "seconds", "slice s", "CPU s"],
