@@ -66,6 +66,15 @@ def _remember_region(endpoint: str, bucket: str, region: str) -> None:
         _regions[(endpoint, bucket)] = region
 
 
+def _after_fork() -> None:
+    """A forked child keeps what was learned, with a lock no parent thread can be holding."""
+    global _regions_lock
+    _regions_lock = threading.Lock()
+
+
+_runtime.on_reset(_after_fork)
+
+
 def retargeted(target: Target, region: str) -> Target:
     """``target`` for a bucket in ``region``: signed for it, and on AWS sent to its
     regional host (``s3.<region>.amazonaws.com``, the bucket's virtual host under
