@@ -91,6 +91,22 @@ def test_trainer_resumes_from_latest_and_from_a_uri_bit_for_bit(moto_s3: tuple[s
     assert latest["steps"] == sorted({4, 6, best_step}) and latest["best"] == best.replace("straight", "run-1")
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trainer_on_cuda_resumes_bit_for_bit(tmp_path: pathlib.Path) -> None:
+    """The GPU mirror of the test above: dropout draws from the CUDA generator, which the
+    checkpoint must carry (``rng.cuda``) for the resumed run to match."""
+    recipe = _recipe()
+    straight = recipe.train(str(tmp_path / "straight"), use_cpu=False)
+    recipe.train(str(tmp_path / "run"), stop_at=4, use_cpu=False)
+    torch.cuda.manual_seed_all(12345)  # the resume must not depend on the generator it finds
+    resumed = recipe.train(str(tmp_path / "run"), resume="latest", use_cpu=False)
+    assert resumed["losses"] == straight["losses"]
+    assert {s: resumed["weights"][s] for s in (5, 6)} == {s: straight["weights"][s] for s in (5, 6)}
+    rng = objckpt.read(str(tmp_path / "run" / "step-0000000004"), "rng")["rng"]
+    assert isinstance(rng.get("cuda"), bytes) and len(rng["cuda"]) > 0
+
+
 def test_resume_from_a_missing_uri_or_true_without_checkpoints_names_it(moto_s3: tuple[str, dict[str, Any]]) -> None:
     bucket, opts = moto_s3
     recipe = _recipe()

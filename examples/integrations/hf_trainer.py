@@ -44,7 +44,7 @@ def dataset(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def digest(m: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for k, v in sorted(m.state_dict().items()):
-        h.update(k.encode() + v.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(k.encode() + v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -71,11 +71,12 @@ class StopAt(TrainerCallback):
 
 
 def train(root: str, *, resume: Optional[str] = None, stop_at: Optional[int] = None,
-          storage_options: Optional[dict[str, Any]] = None, async_save: bool = True) -> dict[str, Any]:
+          storage_options: Optional[dict[str, Any]] = None, async_save: bool = True,
+          use_cpu: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as logs:  # the Trainer's own output_dir: logs only, no checkpoint
         args = TrainingArguments(
             output_dir=logs, max_steps=MAX_STEPS, per_device_train_batch_size=4, learning_rate=3e-3,
-            lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, report_to=[], use_cpu=True, seed=7,
+            lr_scheduler_type="linear", warmup_steps=2, logging_steps=1, report_to=[], use_cpu=use_cpu, seed=7,
             save_strategy="steps", save_steps=2, save_total_limit=2,            # rotation: the 2 newest...
             eval_strategy="steps", eval_steps=2, metric_for_best_model="loss",  # ... plus the best
             greater_is_better=False, load_best_model_at_end=True, disable_tqdm=True,
