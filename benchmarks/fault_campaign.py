@@ -86,6 +86,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--hostile", action="store_true")
     ap.add_argument("--races", type=int, default=0)
     ap.add_argument("--dead", action="store_true", help="time to detect a refused and a silent endpoint")
+    ap.add_argument("--hostile-http", action="store_true",
+                    help="objckpt's S3 client against trickling, 1xx, huge-chunk, wrong-range answers")
     ap.add_argument("--dead-limit", type=float, default=120.0, help="seconds before a dead-endpoint trial counts as hung")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--out", default=harness.result_path("campaign"))
@@ -163,6 +165,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ["mode", "outcome", "time to detect s (default settings)", "detail"],
                 [[t.params["mode"], t.outcome, harness.fmt(t.extra.get("detect_s")) if t.extra.get("detect_s")
                   else f"> {a.dead_limit:.0f}", t.detail[:90]] for t in ds])
+        if a.hostile_http:
+            from benchmarks.hostile_http import MODES, hostile_http_trial
+
+            hh: list[Trial] = []
+            _run("hostile_http", len(MODES), lambda i: hostile_http_trial(list(MODES)[i], a.dead_limit), hh)
+            trials += hh
+            tables["hostile http"] = harness.md_table(
+                ["answer", "op", "outcome", "s", "peak RSS MiB", "detail"],
+                [[t.params["mode"], t.params["op"], t.outcome, harness.fmt(t.seconds),
+                  harness.fmt((t.extra.get("peak_rss") or 0) / 2 ** 20, "{:.0f}"),
+                  t.detail[:110].replace("|", "/")] for t in hh])
     finally:
         for s in servers:
             s.stop()

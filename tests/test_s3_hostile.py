@@ -18,9 +18,9 @@ from objckpt.errors import StorageError, StorageTimeoutError
 from objckpt.storage import open_store
 from objckpt.storage.http_answer import BadAnswer, WrongRange
 from objckpt.storage.retry import RetryPolicy
-from objckpt.storage.s3_direct import DirectClient, Sink, Target
+from objckpt.storage.s3_direct import DirectClient, Target
 from objckpt.storage.sigv4 import CredentialSource, Credentials
-from objckpt.storage.wire import SlowAnswer
+from objckpt.storage.wire import Sink, SlowAnswer
 
 from hostile_http import HostileServer, wait_for
 

@@ -45,7 +45,8 @@ from .s3_answers import WrongRegion, not_s3_error, not_s3_reason, region_of, say
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 from .http_answer import BadAnswer, Head, Reader, check_range, content_length
 from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
-from .wire import SlowAnswer as SlowAnswer  # re-exported: the store tells it from a silent endpoint
+from .wire import AnswerTimeout as AnswerTimeout  # re-exported: the store tells it from a silent endpoint
+from .wire import SlowAnswer as SlowAnswer
 
 _ERROR_BODY = 64 << 10
 #: the largest answer body to a PUT or POST (S3's are a few hundred bytes)
@@ -277,7 +278,10 @@ class DirectClient:
                 conn.close()
                 if rd.dl.passed():
                     raise rd.dl.error(f"{what} from {self.target.host_header}") from None
-                raise
+                if isinstance(e, AnswerTimeout):
+                    raise
+                raise AnswerTimeout(f"{what}: {self.target.host_header} answered HTTP {head.status}, then sent "
+                                    f"nothing for {self.read_timeout:g} s mid-body (read_timeout)") from None
             except BaseException:
                 conn.close()
                 raise

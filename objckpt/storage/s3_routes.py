@@ -172,7 +172,7 @@ class DirectRoutes:
             try:
                 return await loop.run_in_executor(s3_direct.pool(), fn, *args, first)
             except TimeoutError as e:
-                if self._answered or isinstance(e, s3_direct.SlowAnswer):  # it answered (slowly): as it says
+                if self._answered or isinstance(e, s3_direct.AnswerTimeout):  # it answered (slowly): as it says
                     raise
                 raise no_answer(self.endpoint(), first) from None
 
