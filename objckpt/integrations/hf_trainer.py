@@ -18,10 +18,10 @@ store.
 
 Why a mixin over private methods: the Trainer reads and writes checkpoints
 through local paths only (``os.path`` checks, ``torch.load`` of named files,
-``trainer_state.json`` opened from disk).  The overrides below are the five
+``trainer_state.json`` opened from disk).  The overrides below are the six
 places where it does: ``_save_checkpoint``, ``_load_from_checkpoint``,
-``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state`` (and
-``_load_best_model``).  The Trainer still opens ``trainer_state.json`` from the
+``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state`` and
+``_load_best_model``.  The Trainer still opens ``trainer_state.json`` from the
 path it resumes from, so :meth:`train` writes that one file into a private
 temporary directory and hands the Trainer that directory; everything else comes
 from the store.  Written against transformers 4.40-5.x (tested with 5.24).
