@@ -19,7 +19,10 @@ sends it:
 * botocore resends a request after a region redirect (``S3RegionRedirectorv2``)
   or a retry only after ``seek(0)``; a body without it is "unseekable" and the
   request fails ("Need to rewind the stream");
-* checksum and payload-hash code read file-like bodies in chunks and seek back.
+* checksum and payload-hash code read file-like bodies in chunks and seek back;
+* being file-like, the body is sent with ``Expect: 100-continue`` (botocore does
+  so for every file body, as boto3's uploads do): a refusal, such as a bucket in
+  another region, comes back before the part is sent, not after.
 
 Reading copies only what the reader asks for (the CRT reads into its own
 buffer through ``readinto``); sending never depends on the read position:
