@@ -186,3 +186,42 @@ def test_a_206_of_the_wrong_range_is_named_not_called_truncated(serve: Any) -> N
     e = _call(lambda: _runtime.run(store.get_range("ck/b", 10, 1000)))
     assert isinstance(e, StorageError) and "WrongRange" in str(e) and "truncated" not in str(e), repr(e)
     assert srv.endpoint in str(e) and "s3://b/ck/b" in str(e)
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 2x0 OK\r\n\r\n",  # a status that is not a number
+    b"HTTP/1.1 206 Partial Content\r\nContent-Length: 12abc\r\n\r\n",
+    b"HTTP/1.1 206 Partial Content\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # not a chunk size
+    b"HTTP/1.1 206 Partial Content\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcdefgh\r\n",  # longer than said
+    b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\n" * 20,
+])
+def test_malformed_answers_are_bad_answers_not_value_errors(answer: bytes) -> None:
+    """What a server sends is never trusted to parse: each is BadAnswer (a broken
+    connection for the retry budget), never a bare ValueError from int()."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+
+    def answer_once() -> None:
+        c, _ = srv.accept()
+        with c:
+            c.recv(65536)
+            c.sendall(answer)
+            c.recv(1)  # hold the connection until the client closes it
+
+    import threading
+
+    threading.Thread(target=answer_once, daemon=True).start()
+    target = Target("http", "127.0.0.1", port, f"127.0.0.1:{port}", "/b", "us-east-1")
+    client = DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2, read_timeout=5.0)
+    try:
+        e = _call(lambda: client.read_range("k", 0, Sink([memoryview(bytearray(100))]), 5.0))
+        assert isinstance(e, BadAnswer), repr(e)
+        assert "127.0.0.1" in str(e)
+    finally:
+        client.close()
+        srv.close()

@@ -309,7 +309,7 @@ class DirectClient:
         if rng is not None:
             lo, hi = (int(x) for x in rng[6:].split("-"))
             if head.status == 206:
-                check_range(head, lo, hi, what)
+                check_range(head, lo, hi, f"{what} from {self.target.host_header}")
             elif head.status == 200:  # the server ignored Range: skip to its start
                 skip = lo
                 rd.dl.cover(rd.dl.size + skip)
