@@ -249,7 +249,6 @@ class DirectRoutes:
                 return False, None
         return False, None
 
-
     async def _read_direct(self, reader: DirectClient, key: str, offset: int, sink: Sink, *,
                            allow_short: bool) -> int:
         where = f"GET s3://{self.bucket}/{key} at {offset}"
