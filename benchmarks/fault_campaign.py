@@ -4,6 +4,9 @@ a markdown table per kind and one JSON file of every trial.
     python -m benchmarks.fault_campaign --kills 100 --faults 1000 --corruptions 100 --hostile \\
         --races 50 --dead --out benchmarks/results/campaign.json
 
+    python -m benchmarks.fault_campaign --disk 200 --op-kills 90 --rank-kills 20 \\
+        --out benchmarks/results/campaign-disk-ops.json   # local disk faults, kills in cp/rm/prune and 2-rank saves
+
 The S3 targets run in their own processes (``harness.Server``): the in-memory server for
 kills and races, a second one for faults (reset before each fault trial), and moto for
 every tenth kill.  Outcomes: ok (bit-exact), detected (an ObjckptError, nothing committed
@@ -26,6 +29,7 @@ from benchmarks import harness
 from objckpt.testing.campaign import (
     Target, Trial, dead_endpoint_trial, kill_trial, make_bucket, make_state, race_trial, s3_options,
 )
+from objckpt.testing.campaign_disk import disk_trial
 from objckpt.testing.campaign_hostile import CASES, hostile_trial
 from objckpt.testing.campaign_io import FAULT_KINDS, corrupt_trial, fault_trial, make_v2_checkpoint
 
@@ -86,6 +90,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--hostile", action="store_true")
     ap.add_argument("--races", type=int, default=0)
     ap.add_argument("--dead", action="store_true", help="time to detect a refused and a silent endpoint")
+    ap.add_argument("--disk", type=int, default=0, help="local disk faults (full, read-only, file/dir in the way)")
+    ap.add_argument("--op-kills", type=int, default=0, help="SIGKILL during cp / rm / prune (local and S3)")
+    ap.add_argument("--rank-kills", type=int, default=0, help="SIGKILL of one rank during a 2-rank gloo save")
     ap.add_argument("--hostile-http", action="store_true",
                     help="objckpt's S3 client against trickling, 1xx, huge-chunk, wrong-range answers")
     ap.add_argument("--dead-limit", type=float, default=120.0, help="seconds before a dead-endpoint trial counts as hung")
@@ -108,7 +115,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         objckpt.save(states["v1"], bases["v1"], crc_block=4096)
         states["v2"] = make_v2_checkpoint(bases["v2"])
     try:
-        if a.kills or a.races:
+        if a.disk:
+            start = len(trials)
+            _run("disk", a.disk, lambda i: disk_trial(a.seed + i), trials)
+            tables["disk"] = _table(trials[start:], lambda t: f"{t.params['fault']} / {t.params['filesystem']}")
+        if a.kills or a.races or a.op_kills or a.rank_kills:
             fast = harness.Server("fast")
             servers.append(fast)
             moto = harness.Server("moto") if a.kills >= 10 else None
@@ -131,6 +142,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             _run("race", a.races, lambda i: race_trial(targets[i % 2], a.seed + i, overwrite=i % 3 != 0), trials)
             if a.races:
                 tables["race"] = _table(trials[start:], lambda t: f"{t.params['target']}, overwrite={t.params['overwrite']}")
+            from objckpt.testing.campaign_ops import OPS, op_kill_trial, rank_kill_trial
+
+            start = len(trials)
+            _run("op kill", a.op_kills, lambda i: op_kill_trial(targets[(i // 3) % 2], a.seed + i, OPS[i % 3]), trials)
+            if a.op_kills:
+                tables["kill during cp / rm / prune"] = _table(
+                    trials[start:], lambda t: f"{t.params['op']}, {t.params['target']}")
+            start = len(trials)
+            _run("rank kill", a.rank_kills, lambda i: rank_kill_trial(targets[i % 2], a.seed + i), trials)
+            if a.rank_kills:
+                tables["kill one rank of a 2-rank save"] = _table(
+                    trials[start:], lambda t: f"{t.params['target']}, rank {t.params['kill_rank']} killed")
         if a.faults:
             fsrv = harness.Server("fast")
             servers.append(fsrv)

@@ -154,7 +154,8 @@ def disk_trial(seed: int, fault: Optional[str] = None, op: Optional[str] = None,
         try:
             with mounted_tmpfs(os.path.join(work, "fs"), 8 << 20) as mnt:
                 use_real = real and mnt is not None and fault in ("enospc-manifest", "enospc-blob", "erofs")
-                params["filesystem"] = "tmpfs" if use_real else "simulated"
+                params["filesystem"] = ("tmpfs" if use_real else "simulated") if fault.startswith(("enospc", "erofs")) \
+                    else "real files"
                 return _disk_body(mnt or os.path.join(work, "fs"), fault, op, seed, use_real, params,
                                   os.path.join(work, "scratch"))
         finally:
