@@ -26,6 +26,9 @@ PUT_LIMIT = 3500  # PUT/COPY/POST/DELETE per second
 GET_LIMIT = 5500  # GET/HEAD per second
 MAX_READ_REQUEST = 16 * MiB  # objckpt.load.ranged_get.read_ranges: max_request
 THROTTLE_WAIT_S = (26.0, 53.0)  # RetryPolicy defaults: expected / worst total backoff of 12 attempts
+#: rank 0's requests for the manifest (objckpt.save.commit): a HEAD (is it committed already?),
+#: the create-only PUT and a GET reading it back (a store that ignores If-None-Match is caught)
+MANIFEST_REQUESTS = 3
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ def table(a: Assumptions) -> list[Row]:
     per_prefix = math.ceil(a.ranks / prefixes)  # ranks per spread prefix (buckets are filled evenly)
     save_window = a.rank_bytes / a.rank_write_bps + 3 * a.rtt_s  # create, parts, complete / index
     load_window = a.rank_bytes / a.rank_read_bps + 3 * a.rtt_s  # manifest, index, ranged GETs
-    save_total = a.ranks * r.writes + 2  # + rank 0's manifest HEAD-then-PUT (the HEAD counted here too)
+    save_total = a.ranks * r.writes + MANIFEST_REQUESTS  # + rank 0's at the checkpoint folder
     load_total = a.ranks * (r.reads + r.index_gets)
     hot = a.ranks / GET_LIMIT
     rows = []

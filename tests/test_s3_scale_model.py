@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def test_headline_numbers() -> None:
     r = model.rank_requests(a)
     assert (r.blobs, r.parts, r.writes, r.reads) == (1, 4, 7, 4)  # 57 MiB per rank
     rows = {(row.op, row.layout.split(",")[0]): row for row in model.table(a)}
-    assert rows[("save", "default")].requests == 16384 * 7 + 2
+    assert rows[("save", "default")].requests == 16384 * 7 + 3
     assert rows[("save", "default")].over > 100 and rows[("save", "default")].floor_s == pytest.approx(32.8, abs=0.1)
     assert rows[("save", "spread")].over < 1 and rows[("restore", "spread")].over < 1
     assert rows[("restore", "default")].over > 50
@@ -43,3 +44,27 @@ def test_markdown_table_prints(capsys: pytest.CaptureFixture[str]) -> None:
     model.main(["--ranks", "4096", "--digits", "1"])
     out = capsys.readouterr().out
     assert "| save | default |" in out and "spread, 16 prefixes" in out and out.count("\n| ") == 5
+
+
+def test_manifest_requests_match_a_real_save() -> None:
+    """The model's requests at the checkpoint folder are rank 0's requests for the manifest of a
+    real save: HEAD (committed already?), the create-only PUT and the GET that reads it back."""
+    seen: list[tuple[str, str]] = []
+
+    class Recording(CountingStore):
+        async def head(self, key: str) -> Any:
+            seen.append(("head", key))
+            return await super().head(key)
+
+        async def get(self, key: str) -> bytes:
+            seen.append(("get", key))
+            return await super().get(key)
+
+        async def put(self, key: str, data: Any, *, if_absent: bool = False) -> None:
+            seen.append(("put" + ("-if-absent" if if_absent else ""), key))
+            await super().put(key, data, if_absent=if_absent)
+
+    objckpt.save({"w": torch.zeros(64)}, "memory://model/ck", store=Recording(MemoryStore()))
+    at_manifest = [op for op, key in seen if key.endswith("/manifest.json")]
+    assert at_manifest == ["head", "put-if-absent", "get"]
+    assert len(at_manifest) == model.MANIFEST_REQUESTS

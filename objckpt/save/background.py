@@ -49,15 +49,35 @@ _lock = threading.Lock()
 _in_flight: list["SaveHandle"] = []
 
 
-class SaveHandle:
-    """The outcome of one :func:`async_save`."""
+class SaveHandle(concurrent.futures.Future[SaveResult]):
+    """The outcome of one :func:`async_save`: a :class:`concurrent.futures.Future` of its
+    :class:`SaveResult`, so it works wherever a future is expected
+    (``concurrent.futures.wait`` / ``as_completed``, ``add_done_callback``,
+    ``asyncio.wrap_future``).
+
+    A save cannot be called back once started (its staging and upload are under way
+    on other threads, and on other ranks): the handle is *running* from the start, so
+    :meth:`cancel` returns False and :meth:`cancelled` is False, as for any running
+    future; the save commits or fails, and a committed step is undone by deleting it.
+    ``result()`` / ``exception()`` raise :class:`~objckpt.errors.ForeignSaveError` in a
+    forked child (see the module docstring)."""
 
     def __init__(self, uri: str) -> None:
+        super().__init__()
         self.uri = uri
         self._staged = threading.Event()
-        self._future: "concurrent.futures.Future[SaveResult]" = concurrent.futures.Future()
         self._violation: Optional[str] = None
         self._pid = os.getpid()
+        self.set_running_or_notify_cancel()  # running: not cancellable, as the save is not
+
+    @property
+    def _future(self) -> "SaveHandle":
+        """The future that completes with the save (the handle itself; kept for the code
+        that waits on ``handle._future``)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"<SaveHandle {self.uri!r} {self._state.lower()}>"
 
     def _check_owner(self) -> None:
         """In a forked child the threads that would finish this save do not exist."""
@@ -76,17 +96,20 @@ class SaveHandle:
     def staged(self) -> bool:
         return self._staged.is_set()
 
-    def done(self) -> bool:
-        return self._future.done()
+    def cancel(self) -> bool:
+        """Always False: a save that started cannot be recalled (it commits or fails)."""
+        return False
 
     def result(self, timeout: Optional[float] = None) -> SaveResult:
-        """The :class:`SaveResult` once committed, or the background error."""
+        """The :class:`SaveResult` once committed, or the background error
+        (``TimeoutError`` when ``timeout`` seconds pass first)."""
         self._check_owner()
-        return self._future.result(timeout)
+        return super().result(timeout)
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """The background error once finished, None once committed."""
         self._check_owner()
-        return self._future.exception(timeout)
+        return super().exception(timeout)
 
 
 def wait_all(timeout: Optional[float] = None) -> None:
