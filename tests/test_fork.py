@@ -7,8 +7,10 @@ never finish it), printing "waiting for 1 checkpoint save(s) in flight" and
 holding the epoch up until the DataLoader killed it (about 10 s per epoch).
 
 Each scenario runs in a fresh interpreter (pytest's own process must not fork
-with objckpt's threads running), against a store whose manifest write is held
-until the parent releases it, so the save is certainly in flight at every fork.
+with objckpt's threads running) with two saves in flight, a plain async_save and
+a CheckpointManager's (whose worker waits for it to index the step), their
+manifest writes held until the parent releases them, so both are certainly in
+flight at every fork.
 The checks are outcomes, not times: the children exit on their own with status
 0, print nothing about saves in flight, start with a fresh objckpt runtime, and
 the parent's save still commits and loads bit-exact afterwards.
