@@ -28,7 +28,7 @@ from ..planning.boxes import Box, intersect
 from ..planning.pack import PackLimits
 from ..planning.read_plan import ChunkIndex, Overlap
 from ..planning.tiling import describe, tiling_defect
-from ..planning.symbolic import Intervals, StoredPiece, SymbolicDescription, overlapping_pieces, plan_rank_writes_symbolic
+from ..planning.symbolic import StoredPiece, SymbolicDescription, overlapping_pieces, plan_rank_writes_symbolic
 from ..results import IOStats
 from ..storage import ObjectStore
 from .base import PLAN_CACHE, WRITER, ManifestCommon, RankOutcome, SaveLayout
@@ -99,7 +99,6 @@ class RankIndexResolver(InlineResolver):
         self._blob_sizes: list[int] = []
         self._pieces: dict[tuple[str, Box], list[StoredPiece]] = {}
         self._rank_idx: dict[tuple[int, str], ChunkIndex] = {}
-        self._intervals: Intervals = {}
 
     def _layout_pieces(self, key: str, box: Box) -> list[StoredPiece]:
         hit = self._pieces.get((key, box))
@@ -107,7 +106,7 @@ class RankIndexResolver(InlineResolver):
             e = self.m.tensors[key]
             if e.layout is None:
                 raise CorruptCheckpointError(f"tensor {key!r} has no layout in a format v2 manifest")
-            hit = overlapping_pieces(e.shape, self.m.meshes[e.layout.mesh], e.layout, box, self._intervals)
+            hit = overlapping_pieces(e.shape, self.m.meshes[e.layout.mesh], e.layout, box)
             self._pieces[(key, box)] = hit
         return hit
 

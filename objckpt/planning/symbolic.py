@@ -24,7 +24,6 @@ Rules (normative for format v2):
 """
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
@@ -147,14 +146,74 @@ def cell_pieces(box: Box, split: int) -> Iterator[tuple[int, Box]]:
 
 
 def my_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, rank: int) -> list[Box]:
-    """The pieces ``rank`` writes of a tensor (possibly none)."""
+    """The pieces ``rank`` writes of a tensor (possibly none).
+
+    Only the pieces of this rank's slot are visited (i = slot - rot mod g, then
+    every g-th), not all ``split`` pieces of the cell: a tensor split over a
+    replica group of thousands costs each rank O(1), not O(group)."""
     coord = mesh.coordinate(rank)
     if coord is None:
         return []
     g = group_size(mesh.shape, lay.placements)
     slot = slot_of(mesh.shape, lay.placements, coord)
-    box = cell_box(shape, mesh.shape, lay.placements, coord)
-    return [p for i, p in cell_pieces(box, lay.split) if (i + lay.rot) % g == slot]
+    offs, shp = cell_box(shape, mesh.shape, lay.placements, coord)
+    if any(n == 0 for n in shp):
+        return []
+    if not shp:
+        return [(offs, shp)] if (lay.rot % g) == slot else []
+    out = []
+    for i in range((slot - lay.rot) % g, lay.split, g):
+        a, b = piece_rows(shp[0], lay.split, i)
+        if b > a:
+            out.append(((offs[0] + a,) + offs[1:], (b - a,) + shp[1:]))
+    return out
+
+
+def pieces_overlapping_rows(box: Box, split: int, lo: int, hi: int) -> Iterator[tuple[int, Box]]:
+    """(piece index, piece box) of the stored pieces of the cell ``box`` whose rows meet
+    the global rows [lo, hi): the first candidate is computed, not searched for, so the
+    cost is the number of pieces returned, not ``split``."""
+    offs, shp = box
+    if any(n == 0 for n in shp):
+        return
+    if not shp:
+        yield 0, box
+        return
+    rows = shp[0]
+    a = max(0, lo - offs[0])
+    # piece i holds rows [rows*i // split, rows*(i+1) // split): the piece holding row a is >= a*split // rows
+    for i in range(a * split // rows, split):
+        r0, r1 = piece_rows(rows, split, i)
+        if offs[0] + r0 >= hi:
+            break
+        if r1 > r0 and r1 > a:
+            yield i, ((offs[0] + r0,) + offs[1:], (r1 - r0,) + shp[1:])
+
+
+def dim_overlaps(n: int, ks: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], int, int]]:
+    """(coordinates on the sharding mesh dims, start, length) of the non-empty pieces of a
+    dim of size ``n``, split by nested ``torch.chunk`` levels of sizes ``ks``, that meet
+    [lo, hi), in row-major order.  Each level's candidates are found by division, so
+    the cost is (levels x pieces returned), whatever the mesh size: what
+    :func:`dim_intervals` would list in full."""
+    out: list[tuple[tuple[int, ...], int, int]] = []
+
+    def walk(level: int, coord: tuple[int, ...], start: int, size: int) -> None:
+        if level == len(ks):
+            out.append((coord, start, size))
+            return
+        k = ks[level]
+        full = -(-size // k)
+        for i in range(max(0, (lo - start) // full), k):
+            a, ln = chunk_piece(size, k, i)
+            if ln == 0 or start + a >= hi:
+                break  # the rest are empty or past the range
+            if start + a + ln > lo:
+                walk(level + 1, coord + (i,), start + a, ln)
+
+    if n > 0 and hi > lo:
+        walk(0, (), 0, n)
+    return out
 
 
 class StoredPiece(NamedTuple):
@@ -171,9 +230,10 @@ Intervals = dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, 
 def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box: Box,
                        memo: Optional[Intervals] = None) -> list[StoredPiece]:
     """(writer rank, stored piece box, intersection with ``box``) of every stored
-    piece overlapping ``box``: per dim a binary search over the cut points, so
-    the cost is the number of overlapping pieces, not of ranks.  ``memo``: the
-    caller's store of :func:`dim_intervals` results (many tensors share dims)."""
+    piece overlapping ``box``: per dim the overlapping cells by division
+    (:func:`dim_overlaps`), then the overlapping pieces of each cell, so the cost
+    is the number of overlapping pieces, not of ranks or of pieces per cell.
+    ``memo`` is accepted for older callers and not needed."""
     ndim = len(shape)
     per_dim, rep = _sharding(ndim, lay.placements)
     mshape = mesh.shape
@@ -182,27 +242,12 @@ def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box:
         return []
     choices: list[list[tuple[tuple[int, ...], int, int]]] = []  # per dim: (coords on its mesh dims, start, len)
     for d in range(ndim):
-        mds = per_dim[d]
-        ks = tuple(mshape[md] for md in mds)
-        if memo is None:
-            starts, lens = dim_intervals(shape[d], ks)
-        else:
-            hit = memo.get((shape[d], ks))
-            if hit is None:
-                hit = memo[(shape[d], ks)] = dim_intervals(shape[d], ks)
-            starts, lens = hit
-        a, b = box[0][d], box[0][d] + box[1][d]
-        j = bisect.bisect_right(starts, a) - 1
-        opts = []
-        j = max(j, 0)
-        while j < len(starts) and starts[j] < b:
-            if lens[j] and starts[j] + lens[j] > a:
-                opts.append((unravel(j, ks), starts[j], lens[j]))
-            j += 1
+        opts = dim_overlaps(shape[d], tuple(mshape[md] for md in per_dim[d]), box[0][d], box[0][d] + box[1][d])
         if not opts:
             return []
         choices.append(opts)
     rep_shape = [mshape[md] for md in rep]
+    lo, hi = (box[0][0], box[0][0] + box[1][0]) if ndim else (0, 1)
     out: list[StoredPiece] = []
     for combo in itertools.product(*choices):
         coord = [0] * len(mshape)
@@ -210,7 +255,7 @@ def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box:
             for md, c in zip(per_dim[d], sub):
                 coord[md] = c
         cell = (tuple(c[1] for c in combo), tuple(c[2] for c in combo))
-        for i, piece in cell_pieces(cell, lay.split):
+        for i, piece in pieces_overlapping_rows(cell, lay.split, lo, hi):
             inter = intersect(piece, box) if ndim else ((), ())
             if inter is None:
                 continue
