@@ -11,7 +11,8 @@ S3 refuses it, and never reaches moto:
   endpoint) with ``x-amz-bucket-region``; ``mode="400"``: ``400
   AuthorizationHeaderMalformed`` whose XML names the expected ``<Region>``.
 
-A request with a body sent with ``Expect: 100-continue`` is refused before its
+It also serves as an HTTP proxy (``HTTP_PROXY``) in front of moto: requests in
+absolute form are handled alike.  A request with a body sent with ``Expect: 100-continue`` is refused before its
 body is read (the connection is then closed); one sent without reads the body
 first.  Requests signed for ``bucket_region`` are forwarded to moto, and
 HeadBucket answers carry ``x-amz-bucket-region: bucket_region``.  ``refused``
@@ -91,7 +92,8 @@ class RegionProxy:
         headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
         conn = http.client.HTTPConnection(*self.upstream, timeout=30)
         try:
-            conn.request(h.command, h.path, body=body, headers=headers)
+            u = urlsplit(h.path)  # origin-form, also when asked as an HTTP proxy (absolute-form)
+            conn.request(h.command, u.path + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
             r = conn.getresponse()
             data = r.read()
         finally:

@@ -32,14 +32,22 @@ CHILD = textwrap.dedent("""
     import sys
     if sys.argv[1] == "nocrt":
         sys.modules["awscrt"] = None  # as if boto3[crt] were not installed
-    import json, torch, objckpt
+    import json, os, torch, objckpt
+    for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY"):
+        os.environ.pop(k, None)
     from objckpt import _runtime
     from objckpt.storage import open_store
 
     out = []
     for spec in json.loads(sys.argv[2]):
         opts = {"endpoint_url": spec["endpoint"], "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
-                "region_name": "us-east-1", "direct_http": spec["direct"]}
+                "region_name": "us-east-1"}
+        if spec["via"] == "proxy":  # botocore's transport because a proxy applies (direct_http left on)
+            opts["endpoint_url"] = spec["upstream"]
+            os.environ["HTTP_PROXY"] = spec["endpoint"]
+        else:
+            opts["direct_http"] = spec["direct"]
+            os.environ.pop("HTTP_PROXY", None)
         # a body refused as sent to the wrong region goes out again (the first request of its bucket)
         store = open_store("s3://" + spec["put_bucket"], opts)[0]
         _runtime.run(store.put("first.bin", bytes(range(256)) * 400))
@@ -60,12 +68,15 @@ CHILD = textwrap.dedent("""
 
 def _check(result: dict[str, Any], proxies: list[RegionProxy], specs: list[dict[str, Any]], client: Any) -> None:
     for p, spec, run in zip(proxies, specs, result["runs"]):
-        what = (p.mode, "direct" if spec["direct"] else "botocore", "awscrt" if result["crt"] else "no awscrt")
+        what = (p.mode, "direct" if spec["direct"] else "botocore", spec["via"],
+                "awscrt" if result["crt"] else "no awscrt")
         assert run["same"], what
         # the redirects happened: a HEAD refused bare, a body refused (301 or 400) and sent again
         assert p.refused["HEAD"] >= 1 and p.refused["PUT"] >= 1, (what, p.log)
         if spec["direct"]:  # followed on the direct path, never handed to botocore mid-flight
             assert run["direct_kept"], what
+        if spec["via"] == "proxy":  # the proxy saw the requests only as HTTP_PROXY: botocore's transport
+            assert not run["direct_kept"], what
         body = client.get_object(Bucket=spec["put_bucket"], Key="first.bin")["Body"].read()
         assert body == bytes(range(256)) * 400, what
         # delete went through as well: nothing of the checkpoint is left
@@ -77,10 +88,14 @@ def test_wrong_region_round_trips_in_new_processes(moto_endpoint: str) -> None:
     proxy answering 301 and one answering 400, and botocore's behind one answering 400;
     botocore then signs through the CRT, which must take the zero-copy body as a stream
     (every save failed: "a bytes-like object is required, not 'ViewsPayload'"), and
-    its redirector must rewind the body ("Need to rewind the stream").  The other
-    with awscrt unimportable: botocore's path behind a 301 proxy, signing in Python."""
+    its redirector must rewind the body ("Need to rewind the stream"); and botocore's
+    again because ``HTTP_PROXY`` is set (the proxy redirecting, direct_http left on).
+    The other with awscrt unimportable: botocore's path behind a 301 proxy, signing
+    in Python."""
     client = boto3.client("s3", **s3_options(moto_endpoint))
-    runs = {"crt": [(True, "301"), (True, "400"), (False, "400")], "nocrt": [(False, "301")]}
+    # (transport, the proxy's answer): True direct, False botocore (direct_http=False), "proxy" botocore (HTTP_PROXY)
+    runs: dict[str, list[tuple[Any, str]]] = {
+        "crt": [(True, "301"), (True, "400"), (False, "400"), ("proxy", "301")], "nocrt": [(False, "301")]}
     proxies = {name: [RegionProxy(moto_endpoint, mode=mode) for _, mode in which] for name, which in runs.items()}
     with contextlib.ExitStack() as stack:
         specs: dict[str, list[dict[str, Any]]] = {}
@@ -88,7 +103,8 @@ def test_wrong_region_round_trips_in_new_processes(moto_endpoint: str) -> None:
         for name, which in runs.items():
             for p in proxies[name]:
                 stack.enter_context(p)
-            specs[name] = [{"endpoint": p.endpoint_url, "direct": direct, "bucket": make_bucket(moto_endpoint),
+            specs[name] = [{"endpoint": p.endpoint_url, "upstream": moto_endpoint, "direct": direct is True,
+                            "via": "proxy" if direct == "proxy" else "option", "bucket": make_bucket(moto_endpoint),
                             "put_bucket": make_bucket(moto_endpoint)} for p, (direct, _) in zip(proxies[name], which)]
             children[name] = subprocess.Popen([sys.executable, "-c", CHILD, name, json.dumps(specs[name])],
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
