@@ -173,8 +173,9 @@ def test_retention_never_deletes_a_step_another_manager_is_writing(moto_s3: tupl
     big = {"w": torch.randn(1 << 21)}  # 8 MiB: the upload takes a while on moto
     slow = objckpt.CheckpointManager(root, async_save=True, storage_options=opts)
     fast = objckpt.CheckpointManager(root, keep_last=1, storage_options=opts)
+    fast.save(1, _state(1))  # before slow's step 50 exists: fast knows step 1 as the newest
     slow.save(50, big)
-    for step in (1, 2, 3):
+    for step in (2, 3):
         fast.save(step, _state(step))
     fast.wait()
     slow.wait()

@@ -99,12 +99,15 @@ def test_retention_removes_killed_saves_leftovers_with_the_step(local_or_s3: tup
     assert 2 in careful._worker.pending  # type: ignore[union-attr]
     careful.close()
 
+    # step 2 exists again (the leftovers still beside it), saved by a manager without retention
+    # (one with keep_last=1 refuses a step that retention would delete at once)
+    with objckpt.CheckpointManager(root, storage_options=opts) as keeps_all:
+        keeps_all.save(2, _state(2))
     m = objckpt.CheckpointManager(root, keep_last=1, storage_options=opts, leftover_grace=0)
-    m.save(4, _state(4))
-    m.save(2, _state(2))  # step 2 exists again (the leftovers still beside it), then retention drops it
+    m.save(4, _state(4))  # then retention drops 2 and 3
     m.wait()
     assert m.steps() == [4]
-    assert m._worker.last_retention.deleted == [2]  # type: ignore[union-attr]
+    assert m._worker.last_retention.deleted == [2, 3]  # type: ignore[union-attr]
     assert m._worker.last_retention.leftovers >= len(killed)  # type: ignore[union-attr]
     assert _under(root, opts, 2) == ([], [])  # nothing of the deleted step is left
     if not opts:

@@ -7,7 +7,8 @@ must answer "which step?" with a GET or two.
 
 Layout under the root (``<root>/``)::
 
-    step-0000000100/manifest.json     a checkpoint (see STEP_FORMAT: zero-padded, so listings sort)
+    step-0000000100/manifest.json     a checkpoint (the default step format: zero-padded, so listings
+                                      sort; :mod:`objckpt.manager.naming` for others)
     _objckpt_index/v-000000000042.json  index version 42: immutable, written with If-None-Match: *
     _objckpt_index/head.json            a copy of the newest version (a hint, plain PUT)
 
@@ -46,11 +47,10 @@ manifests), so a damaged one is detected rather than trusted.
 """
 from __future__ import annotations
 
-import operator
 import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..errors import (ConditionalWriteIgnoredError, CorruptCheckpointError, NotFoundError, ObjckptError,
                       PreconditionFailed)
@@ -58,11 +58,12 @@ from ..format import keys
 from ..format.manifest import decode
 from ..format.sealed_json import load_json, seal, verify
 from ..storage import ObjectInfo, ObjectStore
+from .naming import (DEFAULT_STEP_FORMAT, InvalidStepError, StepFormatError, StepNaming,  # noqa: F401
+                     parse_step_name, step_name)  # re-exported: their home was this module
 
 INDEX_DIR = "_objckpt_index"
 HEAD_NAME = "head.json"
-STEP_FORMAT = "step-{:010d}"
-_STEP_RE = re.compile(r"step-(\d+)")
+STEP_FORMAT = DEFAULT_STEP_FORMAT
 _VERSION_RE = re.compile(r"v-(\d+)\.json")
 KIND = "objckpt-step-index"
 #: versions kept behind the newest (older ones are deleted by the writer)
@@ -73,28 +74,6 @@ MAX_CAS_ATTEMPTS = 50
 
 class IndexContentionError(ObjckptError, TimeoutError):
     """The step index could not be updated: every conditional write lost to another writer."""
-
-
-class InvalidStepError(ObjckptError, ValueError):
-    """A step that cannot name a checkpoint (negative, not an integer)."""
-
-
-def step_name(step: int) -> str:
-    """The folder of ``step`` under the root: ``step-`` and 10 digits, so raw listings sort
-    (up to step 9,999,999,999; larger steps get more digits and sort after them by length only)."""
-    try:
-        n = operator.index(step)  # ints, numpy and 0-d integer torch values; not floats or bools
-    except TypeError:
-        n = -1
-    if isinstance(step, bool) or n < 0:
-        raise InvalidStepError(f"a checkpoint step must be a non-negative integer, got {step!r}")
-    return STEP_FORMAT.format(n)
-
-
-def parse_step_name(name: str) -> Optional[int]:
-    """The step of a folder named by :func:`step_name` (exactly: ``step-1`` is not one)."""
-    m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m and step_name(int(m.group(1))) == name else None
 
 
 @dataclass(frozen=True)
@@ -116,6 +95,15 @@ class IndexDoc:
 
     seq: int = -1  # -1: no version exists yet
     steps: tuple[StepEntry, ...] = ()
+    #: how the steps' folders are named (:mod:`objckpt.manager.naming`)
+    step_format: str = DEFAULT_STEP_FORMAT
+
+    def __iter__(self) -> Iterator[StepEntry]:
+        """The entries, oldest step first."""
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
 
     def step_numbers(self) -> list[int]:
         return sorted(e.step for e in self.steps)
@@ -137,8 +125,11 @@ class IndexDoc:
         return replace(self, steps=tuple(e for e in self.steps if e.step not in steps))
 
     def encode(self) -> bytes:
-        return seal({"kind": KIND, "version": 1, "seq": self.seq, "updated": time.time(),
-                     "steps": [e.to_json() for e in self.steps]})
+        obj: dict[str, Any] = {"kind": KIND, "version": 1, "seq": self.seq, "updated": time.time(),
+                               "steps": [e.to_json() for e in self.steps]}
+        if self.step_format != DEFAULT_STEP_FORMAT:  # only then: older readers stay right for the default
+            obj["step_format"] = self.step_format
+        return seal(obj)
 
 
 def decode_doc(data: bytes, where: str) -> IndexDoc:
@@ -158,7 +149,12 @@ def decode_doc(data: bytes, where: str) -> IndexDoc:
         raise bad(f"malformed entry ({type(e).__name__}: {e})") from None
     if type(seq) is not int or seq < 0:
         raise bad(f"bad sequence number {seq!r}")
-    return IndexDoc(seq, tuple(sorted(entries, key=lambda e: e.step)))
+    fmt = obj.get("step_format", DEFAULT_STEP_FORMAT)
+    try:
+        StepNaming(fmt)
+    except StepFormatError as e:
+        raise bad(f"bad step_format ({e})") from None
+    return IndexDoc(seq, tuple(sorted(entries, key=lambda e: e.step)), fmt)
 
 
 @dataclass
@@ -170,15 +166,34 @@ class ReadStats:
 
 
 class StepIndex:
-    """The index of one root inside one store; all methods are coroutines for the background loop."""
+    """The index of one root inside one store; all methods are coroutines for the background loop.
 
-    def __init__(self, store: ObjectStore, root: str) -> None:
+    ``naming``: the step folder format (a manager's ``step_format``); an index written
+    with another one (and holding steps) is a :class:`StepFormatError` at the first
+    read.  None (the command line): whatever format the index records, the default
+    when there is no index."""
+
+    def __init__(self, store: ObjectStore, root: str, naming: Optional[StepNaming] = None) -> None:
         self.store = store
         self.root = root.strip("/")
+        self.naming = naming if naming is not None else StepNaming()
+        self._fixed = naming is not None
 
     # -- keys ---------------------------------------------------------------------------------
     def step_prefix(self, step: int) -> str:
-        return keys.join(self.root, step_name(step))
+        return keys.join(self.root, self.naming.name(step))
+
+    def _check_format(self, doc: IndexDoc) -> IndexDoc:
+        """Follow (command line) or insist on (manager) the format ``doc`` was written with."""
+        if doc.step_format == self.naming.fmt:
+            return doc
+        if not self._fixed:
+            self.naming = StepNaming(doc.step_format)
+        elif doc.steps:
+            raise StepFormatError(
+                f"the steps under {self.root or '/'!r} are named {doc.step_format!r} (their index says so), not "
+                f"{self.naming.fmt!r}: pass step_format={doc.step_format!r} to manage them")
+        return doc
 
     def _version_key(self, seq: int) -> str:
         return keys.join(self.root, INDEX_DIR, f"v-{seq:012d}.json")
@@ -223,12 +238,15 @@ class StepIndex:
             except CorruptCheckpointError:
                 head = None  # a damaged version after the hint: repair from the listing
             if head is not None:
+                self._check_format(head)
                 if head.seq != hint.seq and repair:
                     await self._put_hint(head)
                 return head
         stats.listed = True
         listing = await self.store.list(self.root + "/" if self.root else "")
         head = await self._newest_listed(listing)
+        if head is not None:
+            self._check_format(head)
         if head is None:
             head = await self._from_manifests(listing)
             if head.steps and repair:
@@ -264,21 +282,22 @@ class StepIndex:
             parts = o.key[len(base):].split("/")
             if not o.key.startswith(base) or len(parts) != 2 or parts[1] != keys.MANIFEST_NAME:
                 continue
-            step = parse_step_name(parts[0])
+            step = self.naming.parse(parts[0])
             if step is not None:
                 entries.append(await self.describe_step(step, fallback_time=o.mtime or 0.0))
-        return IndexDoc(-1, tuple(sorted(entries, key=lambda e: e.step)))
+        return IndexDoc(-1, tuple(sorted(entries, key=lambda e: e.step)), self.naming.fmt)
 
     async def describe_step(self, step: int, metadata: Optional[dict[str, Any]] = None,
-                            fallback_time: float = 0.0) -> StepEntry:
-        """The entry for a committed step, from its manifest (size, time, metadata)."""
+                            fallback_time: float = 0.0, saved_at: Optional[float] = None) -> StepEntry:
+        """The entry for a committed step, from its manifest (size, time, metadata);
+        ``saved_at``: the save time the manager recorded (its clock), instead of the manifest's."""
         mkey = keys.manifest_key(self.step_prefix(step))
         try:
             m = decode(await self.store.get(mkey), mkey)
         except CorruptCheckpointError:
-            return StepEntry(step, fallback_time, 0, dict(metadata or {}))
-        return StepEntry(step, m.created or fallback_time, sum(b.size for b in m.blobs),
-                         dict(m.metadata if metadata is None else metadata))
+            return StepEntry(step, saved_at if saved_at is not None else fallback_time, 0, dict(metadata or {}))
+        when = saved_at if saved_at is not None else (m.created or fallback_time)
+        return StepEntry(step, when, sum(b.size for b in m.blobs), dict(m.metadata if metadata is None else metadata))
 
     # -- writing ------------------------------------------------------------------------------
     async def _put_hint(self, doc: IndexDoc) -> None:
@@ -289,7 +308,7 @@ class StepIndex:
         """Create version ``base.seq + 1`` = ``change(base)``; on losing the race, move forward and retry."""
         doc = base
         for _ in range(MAX_CAS_ATTEMPTS):
-            new = replace(change(doc), seq=doc.seq + 1)
+            new = replace(change(doc), seq=doc.seq + 1, step_format=self.naming.fmt)
             data, key = new.encode(), self._version_key(new.seq)
             try:
                 await self.store.put(key, data, if_absent=True)
@@ -358,7 +377,7 @@ class StepIndex:
         for o in listing:
             parts = o.key[len(base):].split("/")
             if len(parts) == 2 and parts[1] == keys.MANIFEST_NAME:
-                step = parse_step_name(parts[0])
+                step = self.naming.parse(parts[0])
                 if step is not None and step not in have:
                     extra.append(await self.describe_step(step, fallback_time=o.mtime or 0.0))
         return current.adopt(tuple(extra))

@@ -10,8 +10,8 @@
     m.wait()
 
 Each step is one ordinary objckpt checkpoint at ``<root>/step-<10 digits>``
-(:func:`objckpt.manager.index.step_name`), committed by its manifest as any
-other; the manager adds the step index (:mod:`objckpt.manager.index`) and the
+(or under the names ``step_format`` gives: :mod:`objckpt.manager.naming`),
+committed by its manifest as any other; the manager adds the step index (:mod:`objckpt.manager.index`) and the
 retention policy (:mod:`objckpt.manager.retention`), both handled by rank 0 in
 a background worker (:mod:`objckpt.manager.worker`).
 
@@ -21,13 +21,20 @@ Multi-rank: every rank calls every method (they are collectives, like
 rank gets the same answer.  Errors of the index update or of retention are
 raised by :meth:`wait` on rank 0 only (the checkpoint itself committed); a
 failed save raises on every rank.
+
+What the manager knows of the run's steps (for :meth:`should_save` and for
+refusing a save that retention would delete at once) is read from the index once,
+at the first :meth:`save` / :meth:`should_save` (rank 0, broadcast), then kept up to
+date with its own saves, so neither costs a request per step.  A step another
+writer saved meanwhile is not in it: if that makes retention drop a step this
+manager just saved, the worker says so (a warning naming the step and why).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import operator
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 from .. import _runtime
 from ..api import async_save as _async_save
@@ -40,10 +47,12 @@ from ..format import keys
 from ..results import LoadResult
 from ..save.background import SaveHandle
 from ..storage import open_store
-from .index import IndexDoc, StepIndex, step_name
+from .index import IndexDoc, StepIndex
 from .leftovers import LEFTOVER_GRACE
-from .retention import RetentionPolicy
-from .worker import CommitJob, RetentionReport, Worker, apply_retention, sweep_into
+from .naming import (DEFAULT_STEP_FORMAT, InvalidStepError, StepNaming, SwappedArgumentsError, check_step, describe,
+                     looks_like_step)
+from .retention import Candidate, RetentionPolicy, RetentionPolicyError, StepOrderError, best_step, steps_to_keep
+from .worker import CommitJob, RetentionReport, Worker, apply_retention, candidates, sweep_into
 
 log = logging.getLogger("objckpt.manager")
 
@@ -53,26 +62,43 @@ class CheckpointManager:
 
     def __init__(self, root: str, *, keep_last: Optional[int] = None, keep_every: Optional[int] = None,
                  keep_best: Optional[int] = None, best_key: Optional[str] = None, best_mode: str = "max",
-                 async_save: bool = False, storage_options: Optional[dict[str, Any]] = None,
-                 process_group: Any = None, no_dist: bool = False, leftover_grace: float = LEFTOVER_GRACE) -> None:
+                 keep_every_seconds: Optional[float] = None, save_every: Optional[int] = None,
+                 step_format: str = DEFAULT_STEP_FORMAT, async_save: bool = False,
+                 storage_options: Optional[dict[str, Any]] = None, process_group: Any = None,
+                 no_dist: bool = False, leftover_grace: float = LEFTOVER_GRACE,
+                 clock: Callable[[], float] = time.time) -> None:
         """``root``: where the run's steps go (``s3://bucket/run``, a path, ...).
         Retention (see :mod:`objckpt.manager.retention`): ``keep_last``, ``keep_every``,
         ``keep_best`` ranked by ``metadata[best_key]`` (``best_mode="max"``: higher is
-        better, ``"min"``: lower); no rule keeps everything.  ``async_save``: :meth:`save`
-        returns once the state is staged, one save in flight at a time.  ``leftover_grace``:
-        seconds after which what killed saves left under a step that retention deletes
-        is removed with it (the rule and default of ``objckpt gc``; see
-        :mod:`objckpt.manager.leftovers`)."""
+        better, ``"min"``: lower), ``keep_every_seconds`` (one step per that many seconds
+        of save time, kept for ever); no rule keeps everything.  ``save_every``: the
+        save interval in steps (:meth:`should_save`; :meth:`save` skips other steps
+        unless ``force=True``).  ``step_format``: the step folders' names
+        (:mod:`objckpt.manager.naming`, e.g. ``"step_{step}"``).  ``async_save``:
+        :meth:`save` returns once the state is staged, one save in flight at a time.
+        ``leftover_grace``: seconds after which what killed saves left under a step
+        that retention deletes is removed with it (the rule and default of ``objckpt
+        gc``; see :mod:`objckpt.manager.leftovers`).  ``clock``: the save times the
+        index records (``time.time``; tests pass their own to exercise
+        ``keep_every_seconds`` without waiting)."""
         self.root = root.rstrip("/")
-        self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_key, best_mode)
+        self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_key, best_mode, keep_every_seconds)
+        if save_every is not None and (not looks_like_step(save_every) or check_step(save_every) < 1):
+            raise RetentionPolicyError(f"save_every must be a positive int or None, got {describe(save_every)}")
+        self.save_every = save_every
+        self.naming = StepNaming(step_format)
+        self.clock = clock
         self.async_save = async_save
         self.storage_options = storage_options
         self.process_group = process_group
         self.no_dist = no_dist
         self._comm: Comm = LocalComm() if no_dist else get_comm(process_group)
         store, prefix = open_store(self.root, storage_options)
-        self.index = StepIndex(store, prefix)
+        self.index = StepIndex(store, prefix, self.naming)
         self._handles: list[SaveHandle] = []
+        #: the run's steps as this manager knows them (see the module docstring); None: not read yet
+        self._known: Optional[dict[int, Candidate]] = None
+        self._jobs: list[CommitJob] = []  # rank 0: submitted, maybe not indexed yet
         self.leftover_grace = float(leftover_grace)
         self._worker: Optional[Worker] = (Worker(self.index, self.policy, self.root, self.leftover_grace)
                                           if self.is_root else None)
@@ -84,23 +110,33 @@ class CheckpointManager:
         return self._comm.rank == 0
 
     def step_uri(self, step: int) -> str:
-        """The checkpoint URI of ``step`` (``<root>/step-0000000100``)."""
-        return f"{self.root}/{step_name(step)}"
+        """The checkpoint URI of ``step`` (``<root>/step-0000000100`` by default)."""
+        return f"{self.root}/{self.naming.name(step)}"
 
     def _dist_kwargs(self) -> dict[str, Any]:
         return {"storage_options": self.storage_options, "process_group": self.process_group,
                 "no_dist": self.no_dist}
 
     # -- saving -----------------------------------------------------------------------------
-    def save(self, step: int, state: Any, *, metadata: Optional[dict[str, Any]] = None) -> Optional[SaveHandle]:
+    def save(self, step: int, state: Any, *, metadata: Optional[dict[str, Any]] = None,
+             force: bool = False) -> Optional[SaveHandle]:
         """Save ``state`` as ``step`` (every rank calls it).  Returns the :class:`SaveHandle`
-        with ``async_save`` (at most one in flight: the previous save is waited for first),
-        else None once committed and indexed.  A step already committed raises
-        :class:`CheckpointExistsError`."""
-        uri = self.step_uri(step)  # validates step
-        step = operator.index(step)
+        (a ``concurrent.futures.Future``) with ``async_save`` (at most one in flight: the
+        previous save is waited for first), else None once committed and indexed.
+
+        With ``save_every``, a step off the interval is skipped (None, nothing written)
+        unless ``force=True``.  A step already committed raises :class:`CheckpointExistsError`;
+        a step older than the newest that retention would delete as soon as it is indexed
+        raises :class:`StepOrderError`, before anything is uploaded."""
+        step = _step_arg("save(step, state)", step, state, "save(step=..., state=...)")
         md = dict(metadata or {})
+        if self.save_every is not None and not force and step % self.save_every:
+            log.debug("objckpt: step %d is off the save interval (save_every=%d): not saved", step, self.save_every)
+            return None
+        uri = self.step_uri(step)
+        self._check_order(step, md)
         self._settle_handles()
+        saved_at = self.clock()
         try:
             handle = self._start(state, uri, md)
         except CheckpointExistsError as e:
@@ -110,18 +146,79 @@ class CheckpointManager:
             # stored can prove which.  A prefix with no manifest never gets here: the save just
             # goes on beside the leftover (blob keys are unique per attempt).
             raise self._exists_error(step, uri, e) from None
+        self._learn(step, md, saved_at)
         if handle is not None:
             self._handles.append(handle)
-            if self._worker is not None:
-                self._worker.submit(CommitJob(step, md, handle))
+            self._submit(CommitJob(step, md, handle, saved_at=saved_at))
             return handle
-        if self._worker is not None:
-            job = CommitJob(step, md)
-            self._worker.submit(job)
+        job = self._submit(CommitJob(step, md, saved_at=saved_at))
+        if job is not None:
             job.indexed.wait()
             if job.error is not None:
                 raise job.error
         return None
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is one to save: on the ``save_every`` interval (any step without
+        one) and newer than every step this manager knows of.  Every rank calls it (the
+        first call reads the index on rank 0, no request after that)."""
+        step = _step_arg("should_save(step)", step)
+        if self.save_every is not None and step % self.save_every:
+            return False
+        known = self._known_steps()
+        return not known or step > max(known)
+
+    def _submit(self, job: CommitJob) -> Optional[CommitJob]:
+        if self._worker is None:
+            return None
+        self._jobs = [j for j in self._jobs if not j.indexed.is_set()]
+        self._jobs.append(job)
+        self._worker.submit(job)
+        return job
+
+    # -- what the manager knows of the run's steps -------------------------------------------
+    def _known_steps(self) -> dict[int, Candidate]:
+        """The run's steps (see the module docstring): read once (rank 0, broadcast)."""
+        if self._known is None:
+            entries = self._on_root(lambda: candidates(_runtime.run(self.index.read())))
+            self._known = {c[0]: c for c in entries}
+        return self._known
+
+    def _learn(self, step: int, md: dict[str, Any], saved_at: float) -> None:
+        """Add a step this manager saved; drop what the policy drops, as the worker will."""
+        known = self._known_steps()
+        known[step] = (step, md, saved_at)
+        if self.policy.deletes:
+            keep = steps_to_keep(self.policy, known.values())
+            for s in [s for s in known if s not in keep]:
+                del known[s]
+
+    def _check_order(self, step: int, md: dict[str, Any]) -> None:
+        """Refuse a step older than the newest known one that retention would delete at
+        once (it would be uploaded and deleted, silently).  Rank 0 decides, as it alone
+        has the clock the index records."""
+        known = self._known_steps()
+        if not self.policy.deletes or not known or step >= max(known) or step in known:
+            return
+
+        def verdict() -> str:
+            keep = steps_to_keep(self.policy, [*known.values(), (step, md, self.clock())])
+            return "" if step in keep else f"{max(known)}"
+
+        newest = self._on_root(verdict)
+        if newest:
+            raise StepOrderError(
+                f"step {step} is older than the latest step {newest} under {self.root!r}, and the retention policy "
+                f"({self._policy_text()}) would delete it as soon as it is saved: not saved.  Save a newer step, "
+                f"delete the newer steps first (CheckpointManager.delete), or use a root without those steps")
+
+    def _policy_text(self) -> str:
+        p = self.policy
+        rules = [f"{k}={getattr(p, k)!r}" for k in ("keep_last", "keep_every", "keep_best", "keep_every_seconds")
+                 if getattr(p, k) is not None]
+        if p.keep_best is not None:
+            rules.append(f"best_key={p.best_key!r}, best_mode={p.best_mode!r}")
+        return ", ".join(rules)
 
     def _start(self, state: Any, uri: str, md: dict[str, Any]) -> Optional[SaveHandle]:
         """The async save's handle, or None once a synchronous save committed (never an overwrite)."""
@@ -198,22 +295,34 @@ class CheckpointManager:
             return fn()
         return decide_on_root(self._comm, None, lambda _: fn())
 
+    def _flush(self) -> None:
+        """Rank 0: wait until the saves that already committed are indexed too, so a reader
+        after ``concurrent.futures.wait([handle])`` sees the step."""
+        for job in self._jobs:
+            if job.handle is None or job.handle.done():
+                job.indexed.wait()
+
+    def _read(self) -> IndexDoc:
+        self._flush()
+        return _runtime.run(self.index.read())
+
     def steps(self) -> list[int]:
         """Committed (and indexed) steps, ascending: a GET or two on rank 0, no LIST."""
-        return self._on_root(lambda: _runtime.run(self.index.read()).step_numbers())
+        return self._on_root(lambda: self._read().step_numbers())
 
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None; the same value on every rank.  The index's newest
         step is checked (a HEAD of its manifest): a step deleted behind the manager's back
         (its folder removed by hand) is dropped from the index, with a warning, and the
         newest step that exists is the answer."""
+        self._known = None  # steps deleted by hand leave the index here: read it again at the next save
         return self._on_root(self._newest_existing)
 
     def _newest_existing(self) -> Optional[int]:
         """Rank 0: the newest indexed step whose manifest exists; indexed steps above it
         whose manifest is gone leave the index (re-checked after, so a step committed
         again meanwhile is put back)."""
-        steps = _runtime.run(self.index.read()).step_numbers()
+        steps = self._read().step_numbers()
         gone: list[int] = []
         found: Optional[int] = None
         for s in reversed(steps):
@@ -237,18 +346,38 @@ class CheckpointManager:
         return _runtime.run(self.index.store.head(keys.manifest_key(self.index.step_prefix(step)))) is not None
 
     def entries(self) -> IndexDoc:
-        """The index document (steps with time, size and metadata); rank 0's, broadcast."""
-        return self._on_root(lambda: _runtime.run(self.index.read()))
+        """The indexed steps: iterate it for :class:`~objckpt.manager.index.StepEntry` s
+        (``step``, ``time`` saved, ``bytes`` stored, ``metadata``), oldest first; ``len()``,
+        ``.get(step)`` and ``.step_numbers()`` too.  Rank 0's read, broadcast."""
+        doc: IndexDoc = self._on_root(self._read)
+        self._known = {c[0]: c for c in candidates(doc)}
+        return doc
+
+    def best_step(self, key: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
+        """The best indexed step by ``metadata[key]`` (default: ``best_key``; ``mode`` default
+        ``best_mode``, "max" or "min"); None when no step has a number there."""
+        key = key if key is not None else self.policy.best_key
+        if not key:
+            raise RetentionPolicyError("best_step() needs a metadata key: pass best_step(key=...) or best_key= "
+                                       "to the CheckpointManager")
+        return best_step(candidates(self.entries()), key, mode if mode is not None else self.policy.best_mode)
 
     def reindex(self) -> list[int]:
         """Rebuild the index from the committed manifests (LIST + GETs): adopts a step whose
         save was killed after its commit but before its index update."""
+        self._known = None
         return self._on_root(lambda: _runtime.run(self.index.rebuild()).step_numbers())
 
     # -- loading and deleting ---------------------------------------------------------------
     def load(self, state: Any, step: Optional[int] = None, **load_kwargs: Any) -> LoadResult:
         """Load ``step`` (the latest when None) into ``state`` in place, any world size;
         ``load_kwargs`` go to :func:`objckpt.load`.  :class:`NotFoundError` when there is none."""
+        if step is not None:
+            step = _step_arg("load(state, step)", step, state, "load(state, step=...)", state_first=True)
+        elif looks_like_step(state):
+            raise SwappedArgumentsError(
+                f"CheckpointManager.load(state, step=None): got {describe(state)} as state, which looks like a "
+                "step; pass the state to fill and the step by keyword: load(state, step=N)")
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -260,7 +389,9 @@ class CheckpointManager:
         """Delete ``step``: out of the index first, then its manifest, then its objects, then what
         killed saves left under it past ``leftover_grace`` (rank 0; every rank calls it).
         :class:`NotFoundError` when it is neither indexed nor committed."""
+        step = _step_arg("delete(step)", step)
         uri = self.step_uri(step)
+        self._known = None
 
         def run() -> DeleteReport:
             _runtime.run(self.index.remove({step}))
@@ -272,8 +403,25 @@ class CheckpointManager:
 
     def prune(self, dry_run: bool = False) -> RetentionReport:
         """Apply the retention policy now (normally done after each save); rank 0 deletes."""
+        self._known = None
         return self._on_root(lambda: apply_retention(self.index, self.policy, self.root, dry_run,
                                                      grace=self.leftover_grace))
 
 
-__all__ = ["CheckpointManager"]
+def _step_arg(call: str, step: Any, other: Any = None, keywords: str = "", state_first: bool = False) -> int:
+    """``step`` checked; a short error saying which argument is which when it and the state
+    look swapped (never the repr of a whole state: thousands of characters for a model)."""
+    if looks_like_step(step):
+        return check_step(step)
+    if keywords and looks_like_step(other):
+        order = "the state first, then the step" if state_first else "the step first, then the state"
+        raise SwappedArgumentsError(
+            f"CheckpointManager.{call}: the arguments look swapped: {describe(other)} was passed as the state "
+            f"and {describe(step)} as the step; it takes {order} (or by keyword: {keywords})")
+    try:
+        return check_step(step)
+    except InvalidStepError as e:
+        raise InvalidStepError(f"CheckpointManager.{call}: {e}") from None
+
+
+__all__ = ["CheckpointManager", "StepOrderError"]

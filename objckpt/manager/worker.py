@@ -41,7 +41,7 @@ from ..save.background import SaveHandle
 from .index import IndexDoc, StepIndex
 from .leftovers import LEFTOVER_GRACE, sweep_step
 from .store_check import ConditionalWriteCheck, check_conditional_writes
-from .retention import RetentionPolicy, steps_to_delete
+from .retention import Candidate, RetentionPolicy, retention_verdicts
 
 log = logging.getLogger("objckpt.manager")
 
@@ -53,6 +53,8 @@ class CommitJob:
     step: int
     metadata: dict[str, Any]
     handle: Optional[SaveHandle] = None
+    #: the save time the manager's clock gave (time-based retention); None: the manifest's
+    saved_at: Optional[float] = None
     indexed: threading.Event = field(default_factory=threading.Event)
     error: Optional[BaseException] = None
 
@@ -79,31 +81,42 @@ def apply_retention(index: StepIndex, policy: RetentionPolicy, root_uri: str, dr
         _runtime.run(index.rebuild())
     if dry_run:
         doc = _runtime.run(index.survey() if adopt else index.read(repair=False))
-        return RetentionReport(deleted=steps_to_delete(policy, [(e.step, e.metadata) for e in doc.steps]))
-    doomed: list[int] = []
+        return RetentionReport(deleted=sorted(retention_verdicts(policy, candidates(doc))))
+    doomed: dict[int, str] = {}
 
     def change(d: IndexDoc) -> IndexDoc:
-        doomed[:] = steps_to_delete(policy, [(e.step, e.metadata) for e in d.steps])
+        doomed.clear()
+        doomed.update(retention_verdicts(policy, candidates(d)))
         return d.without(set(doomed))
 
     _runtime.run(index.update(change))
-    return delete_steps(index, doomed, root_uri, grace)
+    return delete_steps(index, sorted(doomed), root_uri, grace, doomed)
 
 
-def delete_steps(index: StepIndex, steps: list[int], root_uri: str, grace: float = LEFTOVER_GRACE) -> RetentionReport:
+def candidates(doc: IndexDoc) -> list[Candidate]:
+    """What retention sees of an index version: (step, metadata, save time) per entry."""
+    return [(e.step, e.metadata, e.time) for e in doc.steps]
+
+
+def delete_steps(index: StepIndex, steps: list[int], root_uri: str, grace: float = LEFTOVER_GRACE,
+                 reasons: Optional[dict[int, str]] = None) -> RetentionReport:
     """``objckpt.delete`` each step (already out of the index): manifest first, then its objects,
-    then what killed saves of that step left under its prefix (:mod:`~objckpt.manager.leftovers`)."""
+    then what killed saves of that step left under its prefix (:mod:`~objckpt.manager.leftovers`).
+    Each deletion is logged at INFO with its step and ``reasons[step]`` (why retention dropped it)."""
     report = RetentionReport()
     for step in steps:
         prefix = index.step_prefix(step)
+        uri = f"{root_uri}/{prefix.rsplit('/', 1)[-1]}"
         try:
-            _runtime.run(delete_checkpoint(index.store, prefix, f"{root_uri}/{prefix.rsplit('/', 1)[-1]}"))
+            _runtime.run(delete_checkpoint(index.store, prefix, uri))
         except NotFoundError:
             pass  # another manager deleted it first
         except Exception as e:  # noqa: BLE001 - reported; the step is out of the index, gc cleans the rest
             report.failed[step] = f"{type(e).__name__}: {e}"
             continue
         report.deleted.append(step)
+        if reasons is not None:
+            log.info("objckpt: retention deleted step %d (%s): %s", step, uri, reasons.get(step, "out of policy"))
         sweep_into(report, index, step, grace)
     return report
 
@@ -198,20 +211,21 @@ class Worker:
     def _commit(self, job: CommitJob) -> None:
         """Index the step and drop what falls out of the policy in ONE conditional update
         (the policy is evaluated on the version the update is based on), then delete those."""
-        doomed: list[int] = []
+        doomed: dict[int, str] = {}
 
         def change(d: IndexDoc) -> IndexDoc:
             d = d.with_step(entry)
+            doomed.clear()
             if not self.policy.deletes:
                 return d
-            doomed[:] = steps_to_delete(self.policy, [(e.step, e.metadata) for e in d.steps])
+            doomed.update(retention_verdicts(self.policy, candidates(d)))
             return d.without(set(doomed))
 
         try:
             if job.handle is not None:
                 job.handle.result()  # the save's own error is raised to every rank by the manager
             self._check_store_once()
-            entry = _runtime.run(self.index.describe_step(job.step, job.metadata))
+            entry = _runtime.run(self.index.describe_step(job.step, job.metadata, saved_at=job.saved_at))
             _runtime.run(self.index.update(change))
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             job.error = e
@@ -221,8 +235,11 @@ class Worker:
             return
         finally:
             job.indexed.set()
+        if job.step in doomed:  # another writer's newer steps, which this manager did not know of
+            log.warning("objckpt: step %d under %s committed, then retention dropped it at once: %s",
+                        job.step, self.root_uri, doomed[job.step])
         try:
-            self.last_retention = delete_steps(self.index, doomed, self.root_uri, self.grace)
+            self.last_retention = delete_steps(self.index, sorted(doomed), self.root_uri, self.grace, doomed)
             if self.last_retention.failed:
                 log.warning("objckpt: retention could not delete %s", self.last_retention.failed)
             self._sweep_due(self.last_retention, set(doomed))
