@@ -1,10 +1,22 @@
-"""The model and the objckpt internals that both planning benchmarks use (no I/O).
+"""The models and the objckpt internals that the planning benchmarks use (no I/O).
 
-A 70B Llama-like state (80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256;
+``70b`` (the default, :func:`llama_defs`): a 70B Llama-like state (80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256;
 bf16 params + fp32 Adam ``exp_avg``/``exp_avg_sq`` + a 0-d ``step``: 2892 tensors, 706 GB) laid
 out FSDP x TP on a (dp, tp) mesh: column-parallel weights and the vocab-parallel embedding
 ``[Shard(0), Shard(0)]``, row-parallel (o, down) ``[Shard(0), Shard(1)]``, norms
 ``[Shard(0), Replicate()]``, ``step`` a plain tensor on every rank.
+
+``dense-1t``: the same architecture at about 1T parameters (128 layers, hidden 16384,
+128 heads, 16 KV heads, FFN 147456: 4,620 tensors, 10.1 TB with Adam state).
+
+``moe-1t`` (:func:`moe_defs`): a 1T mixture-of-experts state shaped like Kimi K2 / DeepSeek-V3
+(61 layers, the first dense, hidden 7168, 384 routed experts of FFN 2048 and one shared expert,
+vocab 163840; GQA attention instead of MLA: 3,168 tensors, 10.3 TB with Adam state).  Dense
+parameters are laid out like the 70B's on (world/tp, tp); the routed experts are stacked per
+layer as torchtitan's ``GroupedExperts`` (``w1``/``w3`` (E, ffn, hidden), ``w2`` (E, hidden, ffn))
+on a (dp, ep, tp) mesh: experts ``Shard(0)`` over ep, FSDP ``Shard(1)`` over dp (what
+torchtitan picks when dp x ep exceeds the experts), expert-TP ``Shard(1)`` (``w1``/``w3``) or
+``Shard(2)`` (``w2``) over tp.  The router's gate (E, hidden) is FSDP x TP-replicated ``[S0, R]``.
 
 **Library internals**: planning has no public API, so these benchmarks call objckpt's
 internal functions. Every one of them is imported in :func:`internals` and nowhere else, so a
@@ -18,14 +30,27 @@ import sys
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 MiB, GiB = 1 << 20, 1 << 30
 BLOB_SIZE, PART_SIZE, CRC_BLOCK = 1 << 30, 16 * MiB, 1 * MiB  # objckpt's S3 defaults
 MIN_PART, MAX_PART = 5 * MiB, 5 * GiB
 ATTEMPT = "20261122T000000-000000000000"
 S0, S1, R = ("S", 0), ("S", 1), ("R",)
-PLACEMENTS: dict[str, Optional[tuple]] = {"col": (S0, S0), "row": (S0, S1), "norm": (S0, R), "plain": None}
+S2 = ("S", 2)
+#: per kind: its placements on its mesh (None: a plain tensor, replicated on every rank)
+PLACEMENTS: dict[str, Optional[tuple]] = {"col": (S0, S0), "row": (S0, S1), "norm": (S0, R), "plain": None,
+                                          "ecol": (S1, S0, S1), "erow": (S1, S0, S2)}
+#: per kind: which of :func:`mesh_shapes`' meshes it lies on (0: every rank, 1: (dp, tp), 2: (dp, ep, tp))
+KIND_MESH: dict[str, int] = {"plain": 0, "col": 1, "row": 1, "norm": 1, "ecol": 2, "erow": 2}
+MESH_DIM_NAMES: tuple[tuple[str, ...], ...] = (("world",), ("dp", "tp"), ("dp", "ep", "tp"))
+
+
+def mesh_shapes(world: int, tp: int, ep: int) -> list[tuple[int, ...]]:
+    """The shapes of the three meshes the models' tensors lie on, for ``world`` ranks."""
+    if world % (tp * ep):
+        raise ValueError(f"{world} ranks do not divide into tp {tp} x ep {ep}")
+    return [(world,), (world // tp, tp), (world // (tp * ep), ep, tp)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,6 +62,7 @@ def internals() -> types.SimpleNamespace:
     from objckpt.format import keys, rank_index
     from objckpt.format.manifest import (Blob, Chunk, ChunkRecord, Mesh, RankIndexRef, _chunk_to_json, decode, encode,
                                          to_json_obj)
+    from objckpt.format.spread import Placement
     from objckpt.format.tree import encode_tree
     from objckpt.layout.base import PLAN_CACHE, ManifestCommon, RankOutcome
     from objckpt.layout.gathered import GatheredLayout, RankReport, check_coverage
@@ -84,18 +110,67 @@ def llama_defs(layers: int = 80, hidden: int = 8192, heads: int = 64, kv_heads: 
                    (p + "post_attention_layernorm.weight", (hidden,), "norm")]
     params += [("model.norm.weight", (hidden,), "norm"), ("lm_head.weight", (vocab, hidden), "col")]
     defs = [TDef(f"model.{fqn}", shape, "bfloat16", 2, kind) for fqn, shape, kind in params]
-    for fqn, shape, kind in params:  # optimizer keys in the order get_state_dict gives them
+    return defs, _optim(params, defs)
+
+
+def _optim(params: list[tuple[str, tuple[int, ...], str]], defs: list[TDef]) -> dict[str, Any]:
+    """Adam's state keys (in get_state_dict's order) appended to ``defs``; the state skeleton."""
+    for fqn, shape, kind in params:
         defs += [TDef(f"optim.state.{fqn}.step", (), "float32", 4, "plain"),
                  TDef(f"optim.state.{fqn}.exp_avg", shape, "float32", 4, kind),
                  TDef(f"optim.state.{fqn}.exp_avg_sq", shape, "float32", 4, kind)]
     group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False, "foreach": None,
              "maximize": False, "capturable": False, "differentiable": False, "fused": None,
              "decoupled_weight_decay": False, "params": [fqn for fqn, _, _ in params]}
-    state = {"model": {fqn: TENSOR for fqn, _, _ in params},
-             "optim": {"state": {fqn: {"step": TENSOR, "exp_avg": TENSOR, "exp_avg_sq": TENSOR}
-                                 for fqn, _, _ in params},
-                       "param_groups": [group]}}
-    return defs, state
+    return {"model": {fqn: TENSOR for fqn, _, _ in params},
+            "optim": {"state": {fqn: {"step": TENSOR, "exp_avg": TENSOR, "exp_avg_sq": TENSOR}
+                                for fqn, _, _ in params},
+                      "param_groups": [group]}}
+
+
+def moe_defs(layers: int = 61, dense_layers: int = 1, hidden: int = 7168, heads: int = 64, kv_heads: int = 8,
+             ffn: int = 18432, experts: int = 384, expert_ffn: int = 2048, vocab: int = 163840
+             ) -> tuple[list[TDef], dict[str, Any]]:
+    """A mixture-of-experts state (see the module docstring), as :func:`llama_defs` gives it."""
+    kv = kv_heads * (hidden // heads)
+    params: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "col")]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        params += [(p + "self_attn.q_proj.weight", (hidden, hidden), "col"),
+                   (p + "self_attn.k_proj.weight", (kv, hidden), "col"),
+                   (p + "self_attn.v_proj.weight", (kv, hidden), "col"),
+                   (p + "self_attn.o_proj.weight", (hidden, hidden), "row")]
+        if i < dense_layers:
+            params += [(p + "mlp.gate_proj.weight", (ffn, hidden), "col"), (p + "mlp.up_proj.weight", (ffn, hidden), "col"),
+                       (p + "mlp.down_proj.weight", (hidden, ffn), "row")]
+        else:
+            params += [(p + "moe.router.gate.weight", (experts, hidden), "norm"),
+                       (p + "moe.experts.w1", (experts, expert_ffn, hidden), "ecol"),
+                       (p + "moe.experts.w2", (experts, hidden, expert_ffn), "erow"),
+                       (p + "moe.experts.w3", (experts, expert_ffn, hidden), "ecol"),
+                       (p + "moe.shared_experts.w1.weight", (expert_ffn, hidden), "col"),
+                       (p + "moe.shared_experts.w2.weight", (hidden, expert_ffn), "row"),
+                       (p + "moe.shared_experts.w3.weight", (expert_ffn, hidden), "col")]
+        params += [(p + "input_layernorm.weight", (hidden,), "norm"),
+                   (p + "post_attention_layernorm.weight", (hidden,), "norm")]
+    params += [("model.norm.weight", (hidden,), "norm"), ("lm_head.weight", (vocab, hidden), "col")]
+    defs = [TDef(f"model.{fqn}", shape, "bfloat16", 2, kind) for fqn, shape, kind in params]
+    return defs, _optim(params, defs)
+
+
+#: the ``--model`` choices: name -> (tensor definitions, state skeleton)
+MODELS: dict[str, Callable[..., tuple[list[TDef], dict[str, Any]]]] = {
+    "70b": llama_defs,
+    "dense-1t": functools.partial(llama_defs, layers=128, hidden=16384, heads=128, kv_heads=16, ffn=147456),
+    "moe-1t": moe_defs,
+}
+
+
+def model_defs(name: str, layers: Optional[int] = None) -> tuple[list[TDef], dict[str, Any]]:
+    """A model of :data:`MODELS`; ``layers``: fewer layers, for quick runs and tests."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r} (choose from {', '.join(MODELS)})")
+    return MODELS[name]() if layers is None else MODELS[name](layers=layers)
 
 
 def encoded_tree(state: dict[str, Any]) -> Any:
@@ -133,18 +208,22 @@ def local_box(global_shape: Sequence[int], mesh_shape: Sequence[int], coord: Seq
     return tuple(offs.get(d, 0) for d in range(len(global_shape))), tuple(local)
 
 
-def torch_boxes(defs: list[TDef], mesh: tuple[int, int], rank: int) -> tuple[dict[str, tuple], float]:
+def torch_boxes(defs: list[TDef], mesh: tuple[int, int], rank: int, ep: int = 1) -> tuple[dict[str, tuple], float]:
     """Every tensor's box from torch's own function on a DeviceMesh over the ``fake`` process
-    group (what a real rank runs), and the seconds that took (mesh set-up excluded)."""
+    group (what a real rank runs), and the seconds that took (mesh set-up excluded).
+    ``mesh``: the (dp, tp) mesh; expert tensors lie on (dp / ep, ep, tp)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", rank=rank, world_size=mesh[0] * mesh[1], store=FakeStore())
+    world = mesh[0] * mesh[1]
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        dm = init_device_mesh("cpu", mesh, mesh_dim_names=("dp", "tp"))
+        shapes = mesh_shapes(world, mesh[1], ep)
+        dms = {i: init_device_mesh("cpu", shapes[i], mesh_dim_names=MESH_DIM_NAMES[i])
+               for i in sorted({KIND_MESH[d.kind] for d in defs} - {0})}
         tpl = {k: v and [Shard(p[1]) if p[0] == "S" else Replicate() for p in v] for k, v in PLACEMENTS.items()}
         out = {}
         t0 = clock()
@@ -152,7 +231,7 @@ def torch_boxes(defs: list[TDef], mesh: tuple[int, int], rank: int) -> tuple[dic
             if tpl[d.kind] is None:
                 out[d.key] = (tuple(0 for _ in d.shape), tuple(d.shape))
             else:
-                shape, offs = compute_local_shape_and_global_offset(d.shape, dm, tpl[d.kind])
+                shape, offs = compute_local_shape_and_global_offset(d.shape, dms[KIND_MESH[d.kind]], tpl[d.kind])
                 out[d.key] = (tuple(int(o) for o in offs), tuple(int(s) for s in shape))
         return out, clock() - t0
     finally:
