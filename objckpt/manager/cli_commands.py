@@ -7,7 +7,7 @@
 * ``rm URI``: :func:`objckpt.delete` (manifest first, then its objects); when
   URI is a step of a manager root, the step leaves the index first.
 * ``prune ROOT --keep-last M --keep-every K [--keep-best N --best-key KEY]
-  [--dry-run]``: apply a retention policy once (same rules and order as the
+  [--keep-every-seconds T] [--dry-run]``: apply a retention policy once (same rules and order as the
   manager's background retention), over every committed step: steps missing
   from the index (saves killed before their index update, plain ``objckpt.save``
   into ``step-<10 digits>``) are adopted first (one LIST).
@@ -23,7 +23,7 @@ from .. import _runtime
 from ..deletion import delete_checkpoint
 from ..format import keys
 from ..storage import open_store, split_uri
-from .index import INDEX_DIR, HEAD_NAME, StepIndex, parse_step_name, step_name
+from .index import INDEX_DIR, HEAD_NAME, StepIndex
 from .retention import RetentionPolicy, RetentionPolicyError
 from .worker import apply_retention
 
@@ -74,10 +74,11 @@ def cmd_ls(args: argparse.Namespace, opts: Opts) -> int:
 def cmd_rm(args: argparse.Namespace, opts: Opts) -> int:
     store, prefix = open_store(args.uri, opts(args))
     parent, _, last = prefix.rpartition("/")
-    step = parse_step_name(last)
-    if step is not None and _runtime.run(store.head(keys.join(parent, INDEX_DIR, HEAD_NAME))) is not None:
-        index = StepIndex(store, parent)
-        if step in _runtime.run(index.read()).step_numbers():
+    if _runtime.run(store.head(keys.join(parent, INDEX_DIR, HEAD_NAME))) is not None:
+        index = StepIndex(store, parent)  # the index says how its steps' folders are named
+        doc = _runtime.run(index.read())
+        step = index.naming.parse(last)
+        if step is not None and step in doc.step_numbers():
             _runtime.run(index.remove({step}))
             print(f"removed step {step} from the index of {parent or '/'}")
     report = _runtime.run(delete_checkpoint(store, prefix, args.uri))
@@ -87,9 +88,11 @@ def cmd_rm(args: argparse.Namespace, opts: Opts) -> int:
 
 
 def cmd_prune(args: argparse.Namespace, opts: Opts) -> int:
-    policy = RetentionPolicy(args.keep_last, args.keep_every, args.keep_best, args.best_key, args.best_mode)
+    policy = RetentionPolicy(args.keep_last, args.keep_every, args.keep_best, args.best_key, args.best_mode,
+                             getattr(args, "keep_every_seconds", None))
     if not policy.deletes:
-        raise RetentionPolicyError("prune: give at least one of --keep-last, --keep-every, --keep-best")
+        raise RetentionPolicyError("prune: give at least one of --keep-last, --keep-every, --keep-best, "
+                                   "--keep-every-seconds")
     root = args.uri.rstrip("/")
     store, prefix = open_store(root, opts(args))
     index = StepIndex(store, prefix)
@@ -97,7 +100,7 @@ def cmd_prune(args: argparse.Namespace, opts: Opts) -> int:
     report = apply_retention(index, policy, root, dry_run=args.dry_run, adopt=True)
     verb = "would delete" if args.dry_run else "deleted"
     for s in report.deleted:
-        print(f"  {verb} step {s} ({root}/{step_name(s)})")
+        print(f"  {verb} step {s} ({root}/{index.naming.name(s)})")
     for s, why in report.failed.items():
         print(f"  could not delete step {s}: {why}")
     kept = [s for s in before if s not in report.deleted and s not in report.failed]
@@ -118,6 +121,8 @@ def register(sub: Any, opts: Opts, common: Any) -> None:
     p.add_argument("--keep-best", type=int, help="also keep the N best steps by --best-key")
     p.add_argument("--best-key", help="metadata key ranking steps for --keep-best")
     p.add_argument("--best-mode", choices=("max", "min"), default="max", help="higher (max) or lower is better")
+    p.add_argument("--keep-every-seconds", type=float,
+                   help="also keep one step per this many seconds of save time (e.g. 3600: one an hour)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     p.set_defaults(fn=lambda a: cmd_prune(a, opts))
 
