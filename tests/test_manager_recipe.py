@@ -31,3 +31,4 @@ def test_manager_loop_resumes_bit_for_bit(moto_s3: tuple[str, dict[str, Any]]) -
         assert torch.equal(v, second["model"][k]), k
     # saves at even steps; kept: the last two (10, 12), every 10th (10), the lowest loss (any)
     assert {10, 12} <= set(second["steps"]) and len(second["steps"]) <= 3
+    assert second["best"] in second["steps"]  # the lowest loss is kept, and named by best_step()

@@ -27,20 +27,6 @@ def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def materialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """AdamW creates its state on the first step; a load needs it present to fill in place.
-    One step with lr=0 and zero grads creates it without changing a weight."""
-    lrs = [g["lr"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    for g, lr in zip(opt.param_groups, lrs):
-        g["lr"] = lr
-
-
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -50,35 +36,34 @@ def train(root: str, total_steps: int, *, save_every: int = 2, stop_at: Optional
           storage_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Train steps 1..total_steps, resuming from the latest checkpoint under ``root``."""
     model, opt = make_model()
+    # Stateful values: objckpt calls state_dict() on save and load_state_dict() on load, and
+    # creates the optimizer's per-parameter state a fresh AdamW does not have yet
+    state: dict[str, Any] = {"model": model, "optim": opt, "step": 0}
     manager = objckpt.CheckpointManager(
         root, keep_last=2, keep_every=10,            # the 2 newest, plus every 10th step
         keep_best=1, best_key="loss", best_mode="min",  # plus the lowest loss so far
+        save_every=save_every,                       # save() skips the steps in between
         async_save=True, storage_options=storage_options,
     )
-    start = 1
-    latest = manager.latest_step()                   # 1-2 GETs, no LIST
+    latest = manager.latest_step()                   # 1-2 GETs and a HEAD, no LIST
     if latest is not None:
-        materialize_optimizer_state(opt)
-        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}
-        manager.load(state)                           # the latest step, in place
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])          # param_groups (lr...) from the checkpoint too
-        start = state["step"] + 1
+        manager.load(state)                           # the latest step: model, optimizer and state["step"]
     loss = torch.tensor(0.0)
-    for step in range(start, total_steps + 1):
+    for step in range(state["step"] + 1, total_steps + 1):
         x, y = batch(step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if step % save_every == 0 or step == total_steps:
-            # returns once the state is staged; upload, commit, index and retention run in the background
-            manager.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step},
-                         metadata={"loss": loss.item()})
+        state["step"] = step
+        # every save_every steps (manager.should_save(step) says which), and the last step (force=True);
+        # returns once the state is staged; upload, commit, index and retention run in the background
+        manager.save(step, state, metadata={"loss": loss.item()}, force=step == total_steps)
         if step == stop_at:
             break
     manager.wait()                                   # every save committed (or its error raised)
-    out = {"resumed_from": latest, "steps": manager.steps(), "model": model.state_dict()}
+    out = {"resumed_from": latest, "steps": manager.steps(), "best": manager.best_step(),
+           "model": {k: v.clone() for k, v in model.state_dict().items()}}
     manager.close()
     return out
 
