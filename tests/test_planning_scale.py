@@ -129,3 +129,29 @@ def test_my_pieces_of_a_tensor_split_over_65536_replicas_visits_only_its_own(mon
     got = overlapping_pieces(shape, world, lay, ((1000, 0), (5, 16)))
     assert calls[0] < 10 and sum(math.prod(i[1]) for _, _, i in got) == 80
     assert [w for w, _, _ in got] == [(i + lay.rot) % 65536 for i in (500, 501, 502)]
+
+
+def test_rank_outcomes_pickle_as_tuples_and_round_trip() -> None:
+    """Every rank unpickles every rank's outcome in the commit's all-gather: they travel
+    as plain tuples (200 bytes for a rank of one blob and an index, 343 as pickled
+    dataclasses) and come back equal, building their objects only when read."""
+    import pickle
+
+    from objckpt.format.manifest import Blob, Chunk, ChunkRecord, RankIndexRef
+    from objckpt.layout.base import RankOutcome
+
+    attempt = "20261122T000000-000000000000"
+    sym = RankOutcome(blobs=[Blob(f"blobs/{attempt}/r65535-0000.bin", 182219524, 65535)],
+                      index=RankIndexRef(f"blobs/{attempt}/r65535.index.json", 52972, 4023233417))
+    spread = RankOutcome(blobs=[Blob(f"spread/{attempt}/r00001-0000.bin", 7, 1, "80")],
+                         index=RankIndexRef(f"spread/{attempt}/r00001.index.json", 9, 3, "80"))
+    gathered = RankOutcome(blobs=[Blob("blobs/a/r00000-0000.bin", 4, 0)],
+                           records=[ChunkRecord("w", Chunk((0,), (1,), 0, 0, 4, 7, (1, 2)))])
+    failed = RankOutcome(error="OSError: disk full")
+    for o in (sym, spread, gathered, failed):
+        back = pickle.loads(pickle.dumps(o))
+        assert back == o and o == back and isinstance(back, RankOutcome)
+        assert (back.blobs, back.records, back.index, back.error) == (o.blobs, o.records, o.index, o.error)
+        assert pickle.loads(pickle.dumps(back)) == o  # rank 0 may pass one on
+    assert len(pickle.dumps(sym)) <= 220
+    assert sym != failed and back.blobs is back.blobs
