@@ -150,7 +150,7 @@ def disk_trial(seed: int, fault: Optional[str] = None, op: Optional[str] = None,
     params: dict[str, Any] = {"fault": fault, "op": op, "seed": seed}
 
     def body() -> Trial:
-        work = tempfile.mkdtemp(prefix="objckpt-campaign-disk-")
+        work = tempfile.mkdtemp(prefix="objckpt-campaign-")
         try:
             with mounted_tmpfs(os.path.join(work, "fs"), 8 << 20) as mnt:
                 use_real = real and mnt is not None and fault in ("enospc-manifest", "enospc-blob", "erofs")
