@@ -155,3 +155,22 @@ def test_rank_outcomes_pickle_as_tuples_and_round_trip() -> None:
         assert pickle.loads(pickle.dumps(back)) == o  # rank 0 may pass one on
     assert len(pickle.dumps(sym)) <= 220
     assert sym != failed and back.blobs is back.blobs
+
+
+def test_strided_mesh_description_lists_the_permuted_ranks_once_per_mesh() -> None:
+    """FSDP2 x TP (``_StridedShard``) tensors are described on the mesh with its dims
+    permuted; listing that mesh's ranks costs O(ranks) (4 ms at 65,536), so it is done
+    once per mesh and order, not once per tensor (thousands of tensors)."""
+    from objckpt.distributed.placements import _unstride
+
+    class FakeDeviceMesh:  # what _unstride reads of a DeviceMesh: its rank tensor
+        def __init__(self, ranks: torch.Tensor) -> None:
+            self.mesh = ranks
+
+    mesh = FakeDeviceMesh(torch.arange(64).reshape(8, 8))
+    first = _unstride((64, 4), mesh, ("S0/8", "S0"), id(mesh))
+    second = _unstride((128, 16), mesh, ("S0/8", "S0"), id(mesh))
+    assert first is not None and second is not None
+    assert first.shape == (8, 8) and first.placements == ("S0", "S0")
+    assert first.ranks == tuple(torch.arange(64).reshape(8, 8).t().flatten().tolist())  # "tp" outer, "dp" inner
+    assert second.ranks is first.ranks and second.ident == first.ident

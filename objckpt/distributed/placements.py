@@ -259,6 +259,11 @@ _MESHES: "weakref.WeakKeyDictionary[Any, tuple[Any, tuple[int, ...], tuple[int, 
     weakref.WeakKeyDictionary()
 
 
+#: per DeviceMesh, dropped with it: by permutation of its dims, the permuted shape and row-major ranks
+_PERMUTED: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def _mesh_ranks(mesh: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
     """(rank tensor, shape, row-major ranks) of ``mesh``, computed once per mesh.
 
@@ -289,10 +294,18 @@ def _unstride(shape: tuple[int, ...], mesh: Any, placements: tuple[str, ...],
     perm = nested_order(shape, mshape, [_parse(p) for p in placements])
     if perm is None:
         return None
-    m = mesh_t.permute(*perm) if len(perm) > 1 else mesh_t
+    # the permuted rank list once per mesh and order, not per tensor: at 65,536 ranks
+    # listing it costs ~4 ms, and FSDP2 x TP describes thousands of tensors this way
+    try:
+        per = _PERMUTED.setdefault(mesh, {})
+    except TypeError:
+        per = {}
+    hit = per.get(perm)
+    if hit is None:
+        m = mesh_t.permute(*perm) if len(perm) > 1 else mesh_t
+        hit = per[perm] = (tuple(mshape[i] for i in perm), tuple(int(r) for r in m.flatten().tolist()))
     plain = tuple("R" if p == "R" else p.partition("/")[0] for p in placements)
-    return MeshDescription((ident, perm), tuple(mshape[i] for i in perm),
-                           tuple(int(r) for r in m.flatten().tolist()), tuple(plain[i] for i in perm))
+    return MeshDescription((ident, perm), hit[0], hit[1], tuple(plain[i] for i in perm))
 
 
 def mesh_description(x: Any, placements: tuple[str, ...]) -> Optional[MeshDescription]:
