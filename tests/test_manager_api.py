@@ -42,7 +42,7 @@ def test_swapped_arguments_are_a_short_error_and_step_is_a_keyword(tmp_path: Any
         assert "swapped" in msg and "5 (int) was passed as the state" in msg and "step first" in msg
         assert isinstance(ei.value, TypeError) and isinstance(ei.value, InvalidStepError)
         with pytest.raises(SwappedArgumentsError, match="state first, then the step") as ei:
-            m.load(5, state)
+            m.load(5, state)  # type: ignore[arg-type]
         assert len(str(ei.value)) < 300
         with pytest.raises(SwappedArgumentsError, match=r"load\(state, step=N\)"):
             m.load(5)
@@ -53,9 +53,9 @@ def test_swapped_arguments_are_a_short_error_and_step_is_a_keyword(tmp_path: Any
         # by keyword, in any order
         m.save(state=state, step=5)
         assert m.should_save(step=6) and m.step_uri(step=5).endswith("step-0000000005")
-        st = {"model": torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)]), "step": 0}
+        st: dict[str, Any] = {"model": torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(50)]), "step": 0}
         m.load(step=5, state=st)
-        assert st["step"] == 3 and torch.equal(st["model"][49].weight, model[49].weight)
+        assert st["step"] == 3 and torch.equal(st["model"][49].weight, model[49].weight)  # type: ignore[arg-type]
         m.delete(step=5)
         assert m.steps() == []
 
@@ -105,9 +105,9 @@ def test_retention_deletes_are_logged_at_info_with_the_step_and_why(
                 m.save(step, _state(step), metadata={"loss": loss})
             m.wait()
             assert m.steps() == [2, 4, 5]
-    deletes = {int(m.group(1)): r.getMessage() for r in caplog.records
+    deletes = {int(found.group(1)): r.getMessage() for r in caplog.records
                if r.name == "objckpt.manager" and r.levelno == logging.INFO
-               and (m := re.search(r"retention deleted step (\d+) ", r.getMessage()))}
+               and (found := re.search(r"retention deleted step (\d+) ", r.getMessage()))}
     assert sorted(deletes) == [1, 3], caplog.text
     assert "step-0000000003" in deletes[3]
     assert "not among the 2 newest (keep_last=2: 4, 5)" in deletes[3]
@@ -177,7 +177,7 @@ def test_keep_every_seconds_keeps_one_step_per_interval_for_ever(moto_s3: tuple[
     with pytest.raises(RetentionPolicyError, match="keep_every_seconds"):
         RetentionPolicy(keep_every_seconds=0)
     # pure: a step kept by the time rule stays kept as later steps arrive
-    entries = [(s, {}, 100.0 * s) for s in range(40)]
+    entries: list[tuple[int, dict[str, Any], float]] = [(s, {}, 100.0 * s) for s in range(40)]
     kept = steps_to_keep(RetentionPolicy(keep_every_seconds=250), entries[:20])
     assert {0, 3, 6, 9, 12, 15, 18} <= kept and kept <= steps_to_keep(RetentionPolicy(keep_every_seconds=250),
                                                                       entries) | {19}
