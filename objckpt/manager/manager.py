@@ -258,10 +258,11 @@ class CheckpointManager:
         """Wait for the async save in flight (one at most) and raise its error, on every rank."""
         handles, self._handles = self._handles, []
         if handles:
-            concurrent.futures.wait([h._future for h in handles])
+            concurrent.futures.wait(handles)
         for h in handles:
             err = h.exception()
             if err is not None:
+                self._known = None  # that step does not exist: read the run's steps again when needed
                 raise err
 
     def wait(self) -> None:
