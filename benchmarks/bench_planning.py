@@ -10,8 +10,9 @@ a symbolic multi-rank save and load take, for two sample ranks (rank 0 and a mid
 in CPU seconds:
 
 save: torch's ``compute_local_shape_and_global_offset`` for every tensor (what a real rank runs,
-on a fake process group; objckpt's boxes are checked against it); the description (placements,
-meshes, ``cell_box``, digest); the tree digest; unpickling every rank's first-round payload;
+on a fake process group; objckpt's boxes are checked against it); objckpt's ``describe_symbolic``
+of the rank's DTensors (meta tensors: placements, meshes, the ``cell_box`` check, digest; with
+``--fsdp2`` FSDP2 x TP's ``_StridedShard`` placements, described on permuted meshes); the tree digest; unpickling every rank's first-round payload;
 ``SymbolicLayout.plan`` on a cache miss and a hit; this rank's index object (``rank_index.encode``,
 random crcs) and its size.  Every rank also unpickles every rank's outcome (the commit's
 ``all_gather_object``: ``outcomes_unpickle_s``).
@@ -37,7 +38,7 @@ from typing import Any, Optional
 
 from . import harness as h
 from .planning_model import (ATTEMPT, CRC_BLOCK, KIND_MESH, MODELS, PLACEMENTS, Timer, chunk_records, encoded_tree,
-                             internals, log, mesh_shapes, model_defs, set_clock, torch_boxes)
+                             internals, log, mesh_shapes, model_defs, set_clock, torch_session)
 
 
 def mesh_list(world: int, tp: int, ep: int, kinds: set[str]) -> tuple[list[tuple[int, ...]], dict[int, int]]:
@@ -84,14 +85,18 @@ def layout(defs: list, tree: Any, descs: list, meshes: list, digest: bytes) -> A
                               None)
 
 
-def save_side(defs: list, tree: Any, world: int, tp: int, ep: int, rank: int, rng: random.Random) -> dict[str, Any]:
+def save_side(defs: list, tree: Any, world: int, tp: int, ep: int, rank: int, rng: random.Random,
+              strided: bool = False) -> dict[str, Any]:
     ock = internals()
-    tboxes, t_torch = torch_boxes(defs, (world // tp, tp), rank, ep)
-    r: dict[str, Any] = {"torch_local_boxes_s": t_torch}
-    with Timer() as t:
-        descs, meshes, digest, boxes = describe(defs, world, tp, ep, rank)
-    r["describe_s"] = t.t
-    wrong = [k for k, (offs, shape) in tboxes.items() if boxes[k] != (offs, shape) and math.prod(shape)]
+    sess = torch_session(defs, (world // tp, tp), rank, ep, strided=strided)
+    r: dict[str, Any] = {"torch_local_boxes_s": sess.boxes_s, "describe_s": sess.describe_s}
+    if sess.description is None:
+        raise AssertionError(f"rank {rank}: objckpt found no symbolic description (the save would gather boxes)")
+    descs, meshes, digest, boxes = describe(defs, world, tp, ep, rank)
+    if not strided and (sess.description.descs, sess.description.meshes, sess.description.digest) != (descs, meshes,
+                                                                                                      digest):
+        raise AssertionError(f"rank {rank}: objckpt's description differs from the benchmark's")
+    wrong = [k for k, (offs, shape) in sess.boxes.items() if boxes[k] != (offs, shape) and math.prod(shape)]
     if wrong:  # the placement rule objckpt computes must be torch's
         raise AssertionError(f"rank {rank}: objckpt's boxes differ from torch's for {wrong[:3]}")
     with Timer() as t:
@@ -132,7 +137,8 @@ def writers_needed(defs: list, descs: list, meshes: list, layouts: dict, lmeshes
 
 
 def run(world: int, tp: int, load_ratio: float, seed: int = 0, model: str = "70b", ep: int = 1,
-        spread_digits: int = 0, fetch_samples: int = 16, layers: Optional[int] = None) -> dict[str, Any]:
+        spread_digits: int = 0, fetch_samples: int = 16, layers: Optional[int] = None,
+        strided: bool = False) -> dict[str, Any]:
     """One world size: two sample save ranks, rank 0's commit, two sample load ranks
     (``fetch_samples`` more load ranks only count the rank indexes they would fetch)."""
     ock = internals()
@@ -146,7 +152,8 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0, model: str = "70b
     out: dict[str, Any] = {"world": world, "model": model, "tp": tp, "ep": ep, "spread_digits": spread_digits,
                            "tensors": len(defs), "bytes": sum(math.prod(d.shape) * d.itemsize for d in defs),
                            "meshes": mesh_list(world, tp, ep, {d.kind for d in defs})[0], "load": {},
-                           "save": {rank: save_side(defs, tree, world, tp, ep, rank, rng) for rank in (0, mid)}}
+                           "strided": strided,
+                           "save": {rank: save_side(defs, tree, world, tp, ep, rank, rng, strided) for rank in (0, mid)}}
     # the load's target layout, and the ranks whose index objects its sample ranks need
     lw = int(world * load_ratio)
     descs, meshes, digest, _ = describe(defs, world, tp, ep, 0)
@@ -238,7 +245,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     return h.md_table(["model", "ranks (load ranks)", "save s/rank", "plan miss s", "plan hit s", "index KB",
                        "rank 0 commit s", "manifest JSON / stored MB", "load s/rank", "rank indexes fetched (max %)"], ([
-        r["model"], f"{r['world']} ({r['load_world']})", f"{worst(r, 'save', 'per_rank_s'):.2f}",
+        r["model"] + (" (FSDP2)" if r.get("strided") else ""), f"{r['world']} ({r['load_world']})", f"{worst(r, 'save', 'per_rank_s'):.2f}",
         f"{worst(r, 'save', 'plan_miss_s'):.2f}", f"{worst(r, 'save', 'plan_hit_s'):.4f}",
         f"{min(x['index_bytes'] for x in r['save'].values()) / 1e3:.0f}–{worst(r, 'save', 'index_bytes') / 1e3:.0f}",
         f"{r['save'][0]['commit_s']:.2f}", f"{r['manifest_json_bytes'] / 1e6:.2f} / {r['manifest_stored_bytes'] / 1e6:.3f}",
@@ -256,13 +263,15 @@ def main(argv: Any = None) -> None:
     ap.add_argument("--load-ratio", type=float, default=0.5)
     ap.add_argument("--spread-digits", type=int, default=0, help="key_layout='spread' with these digits (0: default)")
     ap.add_argument("--fetch-samples", type=int, default=16, help="more load ranks whose fetches are counted")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="describe FSDP2 x TP's placements (_StridedShard on dp where tp shards the same dim)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model has (quick runs)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     set_clock(args.clock)
     rows = [run(int(w), args.tp, args.load_ratio, model=args.model, ep=args.ep, spread_digits=args.spread_digits,
-                fetch_samples=args.fetch_samples, layers=args.layers) for w in args.worlds.split(",")]
+                fetch_samples=args.fetch_samples, layers=args.layers, strided=args.fsdp2) for w in args.worlds.split(",")]
     print(table(rows))
     if args.out:
         h.write_results(args.out, {"meta": {"clock": args.clock, "argv": sys.argv[1:] if argv is None else argv,

@@ -25,6 +25,7 @@ restructure of the library is repointed here.
 from __future__ import annotations
 
 import functools
+import math
 import random
 import sys
 import time
@@ -212,10 +213,33 @@ def torch_boxes(defs: list[TDef], mesh: tuple[int, int], rank: int, ep: int = 1)
     """Every tensor's box from torch's own function on a DeviceMesh over the ``fake`` process
     group (what a real rank runs), and the seconds that took (mesh set-up excluded).
     ``mesh``: the (dp, tp) mesh; expert tensors lie on (dp / ep, ep, tp)."""
+    s = torch_session(defs, mesh, rank, ep, describe=False)
+    return s.boxes, s.boxes_s
+
+
+@dataclass
+class Session:
+    """What one simulated rank measured with torch on the ``fake`` process group."""
+
+    boxes: dict[str, tuple]
+    boxes_s: float
+    #: objckpt's own description of a state of (meta) DTensors, and its seconds
+    description: Any = None
+    describe_s: float = 0.0
+
+
+def torch_session(defs: list[TDef], mesh: tuple[int, int], rank: int, ep: int = 1, *, describe: bool = True,
+                  strided: bool = False) -> Session:
+    """:func:`torch_boxes`, then (``describe``) objckpt's ``describe_local`` of this rank's
+    state as DTensors on the meta device (no memory), what a save describes first.
+    ``strided``: the placements FSDP2 x TP gives (``_StridedShard(d, tp)`` on dp where tp
+    shards the same dim), which objckpt describes on the mesh with its dims permuted."""
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     world = mesh[0] * mesh[1]
@@ -224,7 +248,17 @@ def torch_boxes(defs: list[TDef], mesh: tuple[int, int], rank: int, ep: int = 1)
         shapes = mesh_shapes(world, mesh[1], ep)
         dms = {i: init_device_mesh("cpu", shapes[i], mesh_dim_names=MESH_DIM_NAMES[i])
                for i in sorted({KIND_MESH[d.kind] for d in defs} - {0})}
-        tpl = {k: v and [Shard(p[1]) if p[0] == "S" else Replicate() for p in v] for k, v in PLACEMENTS.items()}
+
+        def torch_placements(kind: str, fsdp2: bool) -> Any:
+            pl = PLACEMENTS[kind]
+            if pl is None:
+                return None
+            out = [Shard(p[1]) if p[0] == "S" else Replicate() for p in pl]
+            if fsdp2 and pl[0][0] == "S" and pl[-1] == pl[0]:  # FSDP (first dim) and TP (last) shard one dim
+                out[0] = _StridedShard(pl[0][1], split_factor=shapes[KIND_MESH[kind]][-1])
+            return out
+
+        tpl = {k: torch_placements(k, False) for k in PLACEMENTS}
         out = {}
         t0 = clock()
         for d in defs:
@@ -233,7 +267,35 @@ def torch_boxes(defs: list[TDef], mesh: tuple[int, int], rank: int, ep: int = 1)
             else:
                 shape, offs = compute_local_shape_and_global_offset(d.shape, dms[KIND_MESH[d.kind]], tpl[d.kind])
                 out[d.key] = (tuple(int(o) for o in offs), tuple(int(s) for s in shape))
-        return out, clock() - t0
+        session = Session(out, clock() - t0)
+        if not describe:
+            return session
+        from objckpt.distributed.comm import TorchComm
+        from objckpt.planning.assign import TensorMeta
+        from objckpt.save.describe import LocalState, describe_symbolic
+
+        dpl = {k: torch_placements(k, strided) for k in PLACEMENTS}
+        values: dict[str, Any] = {}
+        metas: dict[str, Any] = {}
+        for d in defs:  # meta tensors: what describe_local finds, without the memory (it refuses meta tensors)
+            dtype = getattr(torch, d.dtype)
+            if dpl[d.kind] is None:
+                values[d.key] = torch.empty(d.shape, dtype=dtype, device="meta")
+            else:
+                dm = dms[KIND_MESH[d.kind]]
+                local, offs = compute_local_shape_and_global_offset(d.shape, dm, dpl[d.kind])
+                box = (tuple(int(o) for o in offs), tuple(int(n) for n in local))
+                stride = tuple(math.prod(d.shape[i + 1:]) for i in range(len(d.shape)))
+                values[d.key] = DTensor.from_local(torch.empty(tuple(local), dtype=dtype, device="meta"), dm,
+                                                   dpl[d.kind], run_check=False, shape=torch.Size(d.shape),
+                                                   stride=stride)
+            metas[d.key] = TensorMeta(d.dtype, tuple(d.shape), d.itemsize, (box if dpl[d.kind] else out[d.key],))
+        local_state = LocalState(None, metas, {}, {}, {d.key: d.dtype for d in defs})
+        comm = TorchComm()
+        t0 = clock()
+        session.description = describe_symbolic(local_state, values, comm)
+        session.describe_s = clock() - t0
+        return session
     finally:
         dist.destroy_process_group()
 
