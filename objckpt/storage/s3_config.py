@@ -10,14 +10,15 @@ and the environment for S3.
 Nothing botocore already parses is parsed again: one ``botocore.session.Session``
 (with the store's profile) answers for the environment and the AWS config and
 credentials files (``get_config_variable``, ``get_scoped_config``,
-``ConfiguredEndpointProvider``, ``get_credentials``), and one botocore client
-built from the resolved values, never sending anything, says which URL a
-GetObject of the bucket goes to and which region signs it (its endpoint
-ruleset decides FIPS, dual-stack, acceleration, addressing and partitions).
-That costs ~0.3 s once per process (importing botocore and reading its S3
-model: a small restore in a new process took 0.39 s instead of 0.09 s) and a few
-ms per later store (sessions and probe clients are kept per state of the AWS
-environment and files); requests never touch botocore on the own path.
+``ConfiguredEndpointProvider``, ``get_credentials``), and botocore's endpoint
+code, run as a client would run it but without building one (:mod:`.s3_rules`),
+says which URL a GetObject of the bucket goes to and which region signs it (S3's
+endpoint ruleset decides FIPS, dual-stack, acceleration, addressing and
+partitions).  The first store of a process pays for importing botocore and
+reading its endpoint data (~0.1 s; a client, which also reads S3's 185 KB API
+model, cost ~0.1 s more), later ones ~2 ms (sessions and answers are kept per
+state of the AWS environment and files); requests never touch botocore on the
+own path.
 
 Where objckpt deliberately differs from botocore (each logged with its source,
 see README "Where requests go"): ``AWS_REGION`` is read after botocore's own
@@ -41,6 +42,8 @@ from ..errors import ObjckptError, StorageError
 from ..logs import get_logger, register_secret
 from ..options import switch_word
 from .retry import RetryPolicy
+from . import s3_rules
+from .s3_rules import Resolved
 from .shape import parse_kind
 from .sigv4 import CredentialSource, Credentials
 
@@ -169,10 +172,6 @@ def _env_source(value: Any, *names: str) -> Optional[str]:
         if value and os.environ.get(n) == value:
             return f"environment variable {n}"
     return None
-
-
-class _Stop(Exception):
-    """Raised by the probe's before-sign hook: nothing is ever sent."""
 
 
 @dataclass(frozen=True)
@@ -485,49 +484,31 @@ def _proxy(client_endpoint: str) -> Setting:
     return Setting(url, _env_source(url, f"{scheme}_proxy", f"{scheme.upper()}_PROXY") or "the system's proxy settings")
 
 
-#: probe clients by the settings they were made with and the AWS state (:func:`_aws_state`)
-_probes: dict[tuple[Any, ...], tuple[Any, threading.Lock]] = {}
+#: what botocore's endpoint rules said, by the settings and the AWS state (:func:`_aws_state`)
+_probes: dict[tuple[Any, ...], Resolved] = {}
 
 
 def _probe(session: Any, bucket: str, cfg: S3Config) -> tuple[str, str, dict[str, Any]]:
     """(``meta.endpoint_url``, the URL a GetObject of ``bucket`` key ``k`` goes to, the
-    signing context) from a botocore client with these settings; nothing is sent.
-    The client is kept for later stores with the same settings (a new one costs ~25 ms,
-    a probe ~2 ms)."""
-    from botocore import UNSIGNED
-    from botocore.config import Config
-
+    signing context) of a botocore client with these settings (:mod:`.s3_rules`: botocore's
+    endpoint code without a client, ~10 ms once per process and <1 ms after; nothing is sent),
+    kept for later stores with the same settings."""
     kw, ckw = cfg.client_args()
     kw = {k: v for k, v in kw.items() if k not in ("verify",) and not k.startswith("aws_")}
-    ckw.update(signature_version=UNSIGNED, retries={"total_max_attempts": 1})
-    seen: dict[str, Any] = {}
-
-    def grab(request: Any, region_name: Optional[str] = None, **_: Any) -> None:
-        seen.update(url=request.url, signing={"region": region_name, **(request.context.get("signing") or {})})
-        raise _Stop
-
+    ckw.update(retries={"total_max_attempts": 1})
     try:
-        key = (_aws_state(cfg.profile), repr(sorted(kw.items())), repr(sorted(ckw.items())))
+        key = (_aws_state(cfg.profile), bucket, repr(sorted(kw.items())), repr(sorted(ckw.items())))
         with _lock:
-            made = _probes.get(key)
-        if made is None:
-            made = (session.create_client("s3", config=Config(**ckw), **kw), threading.Lock())
+            got = _probes.get(key)
+        if got is None:
+            got = s3_rules.where(session, bucket, kw, ckw)
             with _lock:
-                _probes[key] = made
-        client, lock = made
-        with lock:
-            client.meta.events.register_first("before-sign.s3.GetObject", grab, unique_id="objckpt-probe")
-            try:
-                client.get_object(Bucket=bucket, Key="k")
-            except _Stop:
-                pass
-            finally:
-                client.meta.events.unregister("before-sign.s3.GetObject", unique_id="objckpt-probe")
+                _probes[key] = got
     except Exception as e:
         src = "; ".join(f"{n} from {s.source}" for n, s in (("endpoint", cfg.endpoint_url), ("region", cfg.region)))
         raise S3ConfigError("endpoint", src, f"botocore cannot build a request for s3://{bucket}: "
                                              f"{type(e).__name__}: {e}") from None
-    return str(client.meta.endpoint_url), str(seen["url"]), seen["signing"]
+    return got.client_endpoint, got.url, got.signing
 
 
 def _target(url: str, region: str, ca: Optional[str], verify: bool, trust: str) -> Target:
@@ -546,8 +527,8 @@ def _transport(wanted: bool, proxy: Setting, signing: Mapping[str, Any], url: st
     if proxy.value:
         return Transport.BOTOCORE, (f"requests go through proxy {proxy.value} ({proxy.source}); objckpt's own "
                                     "HTTP path does not speak to proxies, botocore does")
-    if signing.get("signingRegionSet") or signing.get("region_set"):
-        return Transport.BOTOCORE, "the endpoint needs SigV4a signing"
+    if signing.get("auth_type") not in (None, "v4"):
+        return Transport.BOTOCORE, f"the endpoint needs {signing['auth_type']} signing (the own path signs SigV4)"
     u = urlsplit(url)
     if u.query or not u.path.endswith("/k"):
         return Transport.BOTOCORE, f"the request URL {url} has a shape the own path does not build"

@@ -1,0 +1,147 @@
+"""The first call in a new process: a small restore's wall time, cold against warm.
+
+    python -m benchmarks.bench_first_call                          # 6 rounds, this tree
+    python -m benchmarks.bench_first_call --baseline 1d0cc9d        # and the objckpt of a commit, alternated
+    python -m benchmarks.bench_first_call --profile                 # one cold load under cProfile (top 25)
+
+One in-memory S3 server process (``objckpt.testing.s3server``) holds a small checkpoint
+(``--mib``, default 4 MiB in 8 tensors). Each round starts a new Python process per
+variant (alternating their order) that imports torch (untimed), then times
+``import objckpt``, the first ``objckpt.load`` (**cold**: store opening, S3
+configuration, credentials, threads, connections, all of it) and the median of three more
+loads (**warm**). What bench_cold_warm leaves out of its timed op (the store's opening
+in ``setup``) is inside the cold figure here: this is what a restarting job waits on.
+Medians (min–max) over rounds; the ratio cold / warm is the figure issue 26 targets.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+from . import harness as h
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One new process: import, one cold load, three warm ones (run with ``--one``)."""
+    import torch
+
+    root = os.environ.get("OBJCKPT_BASELINE") if args.variant == "base" else None
+    if root:
+        sys.path.insert(0, root)
+    t0 = time.perf_counter()
+    import objckpt
+
+    imported = time.perf_counter() - t0
+    if root and not os.path.abspath(objckpt.__file__).startswith(os.path.abspath(root)):
+        raise RuntimeError("the baseline objckpt was not the one imported")
+    template = {f"t{i}": torch.empty(args.mib * (1 << 20) // 4 // 8) for i in range(8)}
+    opts = h.s3_options(args.endpoint_url)
+    uri = f"s3://{args.bucket}/first-call"
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t1 = time.perf_counter()
+    cpu1 = time.process_time()
+    objckpt.load(template, uri, storage_options=opts)
+    cold, cold_cpu = time.perf_counter() - t1, time.process_time() - cpu1
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+        print(out.getvalue(), file=sys.stderr)
+    warm = []
+    for _ in range(3):
+        t = time.perf_counter()
+        objckpt.load(template, uri, storage_options=opts)
+        warm.append(time.perf_counter() - t)
+    mods = sorted(m for m in ("botocore", "aiobotocore", "aiohttp", "boto3") if m in sys.modules)
+    return {"import_s": imported, "cold_s": cold, "cold_cpu_s": cold_cpu, "warm_s": statistics.median(warm),
+            "modules": mods}
+
+
+def _export(ref: str) -> str:
+    from .bench_cold_warm import _export_baseline
+
+    return _export_baseline(ref)
+
+
+def _fmt(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}–{max(xs):.3f})" if xs else "–"
+
+
+def drive(args: argparse.Namespace) -> int:
+    variants = ["new"]
+    if args.baseline:
+        h.log(f"baseline: objckpt at {_export(args.baseline)}")
+        variants.append("base")
+    with h.Server("fast", args.bucket) as server:
+        import torch
+
+        sys.path.insert(0, h.REPO_ROOT)
+        import objckpt
+
+        state = {f"t{i}": torch.randn(args.mib * (1 << 20) // 4 // 8) for i in range(8)}
+        objckpt.save(state, f"s3://{args.bucket}/first-call", storage_options=h.s3_options(server.url))
+        results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+        for rnd in range(args.rounds):
+            for v in (variants if rnd % 2 == 0 else variants[::-1]):
+                r = h.run_json(["-m", "benchmarks.bench_first_call", "--one", "--variant", v, "--endpoint-url",
+                                server.url, "--bucket", args.bucket, "--mib", str(args.mib)]
+                               + (["--profile"] if args.profile else []), 300, show_stderr=args.profile)
+                if "cold_s" not in r:
+                    h.log(f"round {rnd} {v}: {r.get('error')}")
+                    continue
+                results[v].append(r)
+                h.log(f"round {rnd} {v}: import {r['import_s']:.3f} s, cold {r['cold_s']:.3f} s "
+                      f"(CPU {r['cold_cpu_s']:.3f}), warm {r['warm_s']:.3f} s; loaded {r['modules']}")
+    if os.environ.get("OBJCKPT_BASELINE"):
+        shutil.rmtree(os.environ.pop("OBJCKPT_BASELINE"), ignore_errors=True)
+    print(f"\n{args.mib} MiB in 8 tensors, fast in-memory server, {args.rounds} new processes per variant; "
+          "median (min–max) s:\n")
+    rows = []
+    for v, rs in results.items():
+        ratio = [r["cold_s"] / r["warm_s"] for r in rs]
+        rows.append([v if v == "new" else f"{args.baseline}", _fmt([r["import_s"] for r in rs]),
+                     _fmt([r["cold_s"] for r in rs]), _fmt([r["cold_cpu_s"] for r in rs]),
+                     _fmt([r["warm_s"] for r in rs]), _fmt(ratio)])
+    print(h.md_table(["objckpt", "import objckpt s", "cold load s", "cold load CPU s", "warm load s", "cold / warm"],
+                     rows))
+    if args.name:
+        path = h.write_results(h.result_path(args.name), {"name": args.name, "config": vars(args),
+                                                          "results": results})
+        print(f"\nresults: {path}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--mib", type=int, default=4, help="checkpoint size in MiB (8 tensors)")
+    ap.add_argument("--baseline", default=None, metavar="REF", help="also run the objckpt of git REF, alternated")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of each cold load (stderr)")
+    ap.add_argument("--bucket", default="bench")
+    ap.add_argument("--name", default=None, help="benchmarks/results/<name>.json")
+    ap.add_argument("--one", action="store_true", help="internal: one new process")
+    ap.add_argument("--variant", default="new")
+    ap.add_argument("--endpoint-url", default=None)
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
