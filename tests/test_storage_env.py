@@ -101,7 +101,7 @@ state = {"w": torch.arange(3000.0)}
 objckpt.save(state, uri + "/a", storage_options=opts, part_size=5 << 20)
 same = torch.equal(objckpt.read(uri + "/a", storage_options=opts)["w"], state["w"])
 objckpt.save(state, uri + "/b", storage_options=opts)
-objckpt.delete(uri + "/b", storage_options=opts)  # listing + DeleteObjects: botocore
+objckpt.delete(uri + "/b", storage_options=opts)  # listing + DeleteObjects
 store, prefix = open_store(uri, opts)
 _runtime.run(collect_garbage(store, prefix, grace=0))
 print(json.dumps({"same": same, "transport": store.config.transport.value}))
@@ -124,8 +124,11 @@ def _run_child(uri: str, env: dict[str, str], opts: dict[str, Any] | None = None
 
 
 def _both_transports(seen: list[Seen]) -> tuple[list[Seen], list[Seen]]:
+    """The requests of the own path and of botocore; both did a whole round trip, deletes included."""
     own, boto = [s for s in seen if not s.botocore], [s for s in seen if s.botocore]
     assert own and boto, [(s.method, s.path, s.headers.get("user-agent")) for s in seen]
+    for one in (own, boto):
+        assert any(s.method == "POST" and "delete" in s.query for s in one)  # the delete reached it
     return own, boto
 
 
@@ -153,11 +156,15 @@ def test_new_process_takes_region_endpoint_and_ca_from_the_config_file(private_c
         out, err = _run_child("s3://cfg-file/run", _child_env(
             AWS_CONFIG_FILE=str(tmp_path / "config"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"),
             AWS_PROFILE="lab"))
-    assert out == {"same": True, "transport": "direct"}
+        assert out == {"same": True, "transport": "direct"}
+        # the same through botocore (on the direct transport no request goes through it)
+        out2, _ = _run_child("s3://cfg-file/boto", _child_env(
+            AWS_CONFIG_FILE=str(tmp_path / "config"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"),
+            AWS_PROFILE="lab"), {"direct_http": False})
+    assert out2 == {"same": True, "transport": "botocore"}
     own, boto = _both_transports(srv.seen)
     assert {s.scheme for s in srv.seen} == {"https"}
     assert {s.signed_region for s in srv.seen} == {"eu-west-1"}
-    assert any(s.method == "POST" and "delete" in s.query for s in boto)  # the delete reached it too
     assert f"endpoint {srv.url} (profile 'lab' of {tmp_path / 'config'})" in err
 
 
@@ -172,11 +179,13 @@ def test_new_process_with_ssl_cert_file_and_no_proxy(private_ca: Any, tmp_path: 
         boto3.client("s3", endpoint_url=srv.url, region_name="us-east-1", verify=str(private_ca.ca),
                      aws_access_key_id="k", aws_secret_access_key="s").create_bucket(Bucket="certfile")
         srv.seen.clear()
-        out, err = _run_child("s3://certfile/run", _child_env(
+        env = _child_env(
             SSL_CERT_FILE=str(private_ca.ca), AWS_ENDPOINT_URL=srv.url, HTTPS_PROXY="http://127.0.0.1:9",
             NO_PROXY="localhost,127.0.0.1", AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
-            AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none")))
-    assert out == {"same": True, "transport": "direct"}
+            AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+        out, err = _run_child("s3://certfile/run", env)
+        out2, _ = _run_child("s3://certfile/boto", env, {"direct_http": False})
+    assert out == {"same": True, "transport": "direct"} and out2 == {"same": True, "transport": "botocore"}
     _both_transports(srv.seen)
     assert {s.scheme for s in srv.seen} == {"https"}
     assert "s3://certfile: direct transport (objckpt's own HTTP path (HTTPS_PROXY bypassed by NO_PROXY" in err
@@ -225,7 +234,7 @@ def test_request_payer_and_sse_kms_reach_s3_on_either_transport(recording: tuple
                            s.headers.get("x-amz-server-side-encryption-aws-kms-key-id") == "alias/ckpt" for s in creates)
     assert not any("x-amz-server-side-encryption" in s.headers for s in others)
     assert all("x-amz-request-payer" in s.headers["authorization"] for s in seen)  # signed, as S3 requires
-    assert any(s.botocore for s in seen) and any(not s.botocore for s in seen) is direct
+    assert {s.botocore for s in seen} == {not direct}  # one transport serves the store, listings and deletes too
     objckpt.save(state, f"s3://{b}/kept", storage_options=opts)
     c = boto3.client("s3", **{k: v for k, v in _opts(srv.url).items()})
     key = next(o["Key"] for o in c.list_objects_v2(Bucket=b, Prefix="kept/")["Contents"])

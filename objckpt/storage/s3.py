@@ -29,9 +29,10 @@ from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 from .limiter import AimdLimiter
 from .s3_writer import S3Writer
 from .s3_routes import NOT_DIRECT, DirectRoutes
-from .s3_config import S3Config, Transport
 from .s3_answers import botocore_not_s3, not_s3_error, botocore_answer
+from .s3_config import S3Config, Transport
 from .s3_direct import DirectClient, Sink
+from .s3_request import DeleteError
 from .retry import (RetryPolicy, callers_map, classify, error_code, is_missing, is_no_bucket, is_precondition,
                     no_answer, retrying)
 
@@ -52,6 +53,9 @@ class S3Store(DirectRoutes, ObjectStore):
     endpoint_kind (``auto``, ``s3``, ``moto``: the upload and read shape, see
     :mod:`objckpt.storage.shape`).  All of them, and the environment and AWS
     config files, are resolved once here into :attr:`config` (see :mod:`.s3_config`)."""
+
+    page_size = 1000  #: keys per listing page (S3's most; smaller in tests of the pagination)
+    delete_batch = 1000  #: keys per DeleteObjects (S3's most)
 
     def __init__(self, bucket: str, **options: Any) -> None:
         self.bucket = bucket
@@ -235,7 +239,6 @@ class S3Store(DirectRoutes, ObjectStore):
             where = f"{op} s3://{self.bucket}/{kw.get('Key', '')}"
             raise not_s3_error(self.endpoint(), where, status, headers, reason) from None
 
-
     async def _retrying(self, fn: Any, kw: dict[str, Any], extra: Any, has_body: bool = False) -> Any:
         """``fn(**kw, **extra())`` under the store's retry policy (:func:`.retry.retrying`).
         botocore's client bounds the first byte itself (``read_timeout``; ``_send``
@@ -382,11 +385,24 @@ class S3Store(DirectRoutes, ObjectStore):
         return ObjectInfo(key, int(r["ContentLength"]), r.get("ETag"))
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
+        out: list[ObjectInfo] = []
+        token: Optional[str] = None
+        while True:
+            page = await self._try_direct(lambda d: self._direct_call(
+                d.list_page, prefix, token, self.page_size, where=f"ListObjectsV2 s3://{self.bucket}/{prefix}"))
+            if page is NOT_DIRECT:
+                return await self._list_botocore(prefix)
+            out.extend(ObjectInfo(o.key, o.size, o.etag, o.mtime) for o in page.objects)
+            if page.next_token is None:
+                return out
+            token = page.next_token
+
+    async def _list_botocore(self, prefix: str) -> list[ObjectInfo]:
         client = await self.client()
         out: list[ObjectInfo] = []
         token: Optional[str] = None
         while True:
-            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": self.page_size}
             if token:
                 kw["ContinuationToken"] = token
             r = await self.call(client.list_objects_v2, **kw)
@@ -398,22 +414,48 @@ class S3Store(DirectRoutes, ObjectStore):
             token = r["NextContinuationToken"]
 
     async def delete(self, keys: Sequence[str]) -> None:
-        client = await self.client()
         keys = list(keys)
-        for i in range(0, len(keys), 1000):
-            batch = [{"Key": k} for k in keys[i : i + 1000]]
-            r = await self.call(client.delete_objects, Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
-            errs = [e for e in r.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-            if errs:
-                raise StorageError(f"deleting from s3://{self.bucket}: {errs[:3]}")
+        for i in range(0, len(keys), self.delete_batch):
+            batch = keys[i : i + self.delete_batch]
+            where = f"DeleteObjects s3://{self.bucket} ({len(batch)} keys from {batch[0]!r})"
+            errs = await self._try_direct(lambda d: self._direct_call(d.delete_objects, batch, where=where))
+            if errs is NOT_DIRECT:
+                client = await self.client()
+                r = await self.call(client.delete_objects, Bucket=self.bucket,
+                                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+                errs = [DeleteError(e.get("Key", ""), e.get("Code", ""), e.get("Message", ""))
+                        for e in r.get("Errors", [])]
+            self._raise_delete_errors(errs)
+
+    def _raise_delete_errors(self, errs: list[DeleteError]) -> None:
+        """The keys DeleteObjects refused (an already missing key is deleted), named."""
+        errs = [e for e in errs if e.code != "NoSuchKey"]
+        if errs:
+            shown = "; ".join(f"{e.key!r}: {e.code} {e.message}".strip() for e in errs[:3])
+            more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+            raise StorageError(f"deleting from s3://{self.bucket} at {self.endpoint()}: S3 did not delete "
+                               f"{len(errs)} key{'s' if len(errs) > 1 else ''}: {shown}{more}")
 
     def open_writer(self, key: str, size: int, num_parts: int = 1) -> BlobWriter:
         return S3Writer(self, key, size, num_parts)
 
     async def list_uploads(self, prefix: str) -> list[UploadInfo]:
+        out: list[UploadInfo] = []
+        markers: tuple[Optional[str], Optional[str]] = (None, None)
+        while True:
+            page = await self._try_direct(lambda d: self._direct_call(
+                d.list_uploads_page, prefix, *markers, self.page_size, where=f"ListMultipartUploads s3://{self.bucket}/{prefix}"))
+            if page is NOT_DIRECT:
+                return await self._list_uploads_botocore(prefix)
+            out.extend(UploadInfo(u.key, u.upload_id, u.initiated) for u in page.uploads)
+            if page.next_key_marker is None:
+                return out
+            markers = (page.next_key_marker, page.next_upload_id_marker)
+
+    async def _list_uploads_botocore(self, prefix: str) -> list[UploadInfo]:
         client = await self.client()
         out: list[UploadInfo] = []
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "MaxUploads": self.page_size}
         while True:
             r = await self.call(client.list_multipart_uploads, **kw)
             for u in r.get("Uploads", []):
@@ -425,9 +467,14 @@ class S3Store(DirectRoutes, ObjectStore):
             kw["UploadIdMarker"] = r.get("NextUploadIdMarker")
 
     async def abort_upload(self, upload: UploadInfo) -> None:
-        client = await self.client()
         try:
-            await self.call(client.abort_multipart_upload, Bucket=self.bucket, Key=upload.key, UploadId=upload.upload_id)
+            r = await self._try_direct(lambda d: self._direct_call(
+                d.abort_upload, upload.key, upload.upload_id,
+                where=f"AbortMultipartUpload s3://{self.bucket}/{upload.key}"))
+            if r is NOT_DIRECT:
+                client = await self.client()
+                await self.call(client.abort_multipart_upload, Bucket=self.bucket, Key=upload.key,
+                                UploadId=upload.upload_id)
         except Exception as e:
             if error_code(e) != "NoSuchUpload" and not is_missing(e):
                 raise

@@ -11,8 +11,10 @@ as many responses are received in parallel as threads run.
 
 Writes go the same way: PutObject, UploadPart and the multipart calls send the
 caller's buffers with ``sendall`` (no copy, no aiohttp writer), so a first save
-in a new process does not wait for aiobotocore either.  Listings, deletes and
-aborts (rare, off the hot path) stay on the botocore client.
+in a new process does not wait for aiobotocore either.  Listings (ListObjectsV2,
+ListMultipartUploads), DeleteObjects and AbortMultipartUpload go the same way,
+their XML answers read by :mod:`.s3_request`: on this transport no request goes
+through botocore.
 
 Where requests go (host, addressing, signing region, CA bundle, proxy) is
 resolved once per store by :mod:`.s3_config` from botocore's own resolution,
@@ -27,7 +29,9 @@ Integrity does not depend on this layer: every chunk's crc32c is checked above.
 """
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import hashlib
 import os
 import re
 import socket
@@ -40,8 +44,9 @@ from urllib.parse import urlsplit
 
 from .. import _runtime
 from ..options import switch_word
-from . import s3_config
 from .s3_answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
+from . import s3_config, s3_request
+from .s3_request import DeleteError, ListPage, UploadsPage
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 from .http_answer import BadAnswer, Head, Reader, check_range, content_length
 from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
@@ -51,6 +56,8 @@ from .wire import SlowAnswer as SlowAnswer
 _ERROR_BODY = 64 << 10
 #: the largest answer body to a PUT or POST (S3's are a few hundred bytes)
 _SMALL_BODY = 1 << 20
+#: the largest answer body to a listing or DeleteObjects (1000 keys of up to 1 KiB, URL-encoded: ~4 MiB)
+_XML_BODY = 16 << 20
 # answers that mean "botocore would have done something else here"
 _FALLBACK_CODES = {"PermanentRedirect", "TemporaryRedirect", "AuthorizationHeaderMalformed",
                    "SignatureDoesNotMatch", "IllegalLocationConstraintException", "InvalidRequest"}
@@ -80,13 +87,20 @@ Target = s3_config.Target
 
 def _op(method: str, path: str, query: str, bucket_path: str) -> str:
     """botocore's name of the operation a request is (for :meth:`S3Config.extra_headers`)."""
+    names = {p.partition("=")[0] for p in query.split("&")} if query else set()
     if method == "GET":
+        if path == bucket_path:
+            return "ListMultipartUploads" if "uploads" in names else "ListObjectsV2"
         return "GetObject"
     if method == "HEAD":
         return "HeadBucket" if path == bucket_path else "HeadObject"
     if method == "PUT":
-        return "UploadPart" if "partNumber=" in query else "PutObject"
-    return "CreateMultipartUpload" if query.startswith("uploads") else "CompleteMultipartUpload"
+        return "UploadPart" if "partNumber" in names else "PutObject"
+    if method == "DELETE":
+        return "AbortMultipartUpload"
+    if "delete" in names:
+        return "DeleteObjects"
+    return "CreateMultipartUpload" if "uploads" in names else "CompleteMultipartUpload"
 
 
 _Head = Head  # the answer head (see http_answer.Head)
@@ -99,11 +113,11 @@ class DirectClient:
                  read_timeout: float, deadline_floor: float = 60.0, min_rate: float = float(1 << 20),
                  extra_headers: Optional[Callable[[str], Mapping[str, str]]] = None) -> None:
         self.bucket = bucket
+        self.extra_headers = extra_headers  # per operation: requester-pays, SSE-KMS (S3Config.extra_headers)
         self.target = target
         self.creds = creds
         self.signer = Signer(target.region)
         self.connect_timeout = connect_timeout
-        self.extra_headers = extra_headers  # per operation: requester-pays, SSE-KMS (S3Config.extra_headers)
         self.read_timeout = read_timeout
         # each exchange must be done within max(deadline_floor, bytes / min_rate) s (see wire.Deadline)
         self.deadline_floor = deadline_floor
@@ -175,7 +189,6 @@ class DirectClient:
         reason = not_s3_reason(head.status, head.headers, object_answer=True)
         if reason is not None:
             raise not_s3_error(self.endpoint(), what, head.status, head.headers, reason)
-
 
     # -- one exchange -----------------------------------------------------
     def _request(self, conn: Conn, method: str, path: str, extra: dict[str, str], rd: Reader,
@@ -272,7 +285,7 @@ class DirectClient:
                 raise self._error(conn, rd, head, what, has_body=method != "HEAD" and head.status not in (204, 304))
             keep = head.reusable
             try:
-                if method != "HEAD":
+                if method != "HEAD" and head.status not in (204, 304):  # answers that have no body
                     keep = self._answer_body(rd, head, extra, sink, what)
             except TimeoutError as e:
                 conn.close()
@@ -422,6 +435,54 @@ class DirectClient:
                           f"CompleteMultipartUpload s3://{self.bucket}/{key}")
         crc = _xml_field(text, "ChecksumCRC32C")
         return {"ChecksumCRC32C": crc} if crc else {}
+
+    # -- listings, deletes, aborts -------------------------------------------
+    def _xml_answer(self, head: Head) -> Sink:
+        """Where a listing's or DeleteObjects' answer goes: up to :data:`_XML_BODY`."""
+        n = content_length(head, self.target.host_header)
+        if n is not None and n > _XML_BODY:
+            raise BadAnswer(f"{self.target.host_header}: an answer body of {n} bytes to a listing "
+                            f"(over {_XML_BODY}; refused unread)")
+        return GrowingSink(_XML_BODY if n is None else n)
+
+    def _bucket_get(self, query: dict[str, str], first_byte: float, what: str) -> str:
+        h = self._exchange("GET", quote_path(self.target.prefix or "/"), {}, first_byte, self._xml_answer, what,
+                           canonical_query(query))
+        return h.body.data().decode("utf-8", "replace") if h.body is not None else ""
+
+    def list_page(self, prefix: str, token: Optional[str], max_keys: int, first_byte: float) -> ListPage:
+        """One ListObjectsV2 page of keys under ``prefix`` (``token``: where the last one ended)."""
+        query = {"list-type": "2", "prefix": prefix, "encoding-type": "url", "max-keys": str(max_keys)}
+        if token:
+            query["continuation-token"] = token
+        what = f"ListObjectsV2 s3://{self.bucket}/{prefix}"
+        return s3_request.list_page(self._bucket_get(query, first_byte, what), what)
+
+    def list_uploads_page(self, prefix: str, key_marker: Optional[str], upload_id_marker: Optional[str],
+                          max_uploads: int, first_byte: float) -> UploadsPage:
+        """One ListMultipartUploads page under ``prefix`` (the markers: where the last one ended)."""
+        query = {"uploads": "", "prefix": prefix, "encoding-type": "url", "max-uploads": str(max_uploads)}
+        if key_marker:
+            query["key-marker"] = key_marker
+            query["upload-id-marker"] = upload_id_marker or ""
+        what = f"ListMultipartUploads s3://{self.bucket}/{prefix}"
+        return s3_request.uploads_page(self._bucket_get(query, first_byte, what), what)
+
+    def delete_objects(self, keys: Sequence[str], first_byte: float) -> list[DeleteError]:
+        """DeleteObjects of up to 1000 ``keys`` in quiet mode; the keys S3 did not delete.
+        The body carries its Content-MD5, which S3 requires of this call."""
+        body = s3_request.delete_body(list(keys))
+        md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
+        what = f"DeleteObjects s3://{self.bucket} ({len(keys)} keys)"
+        h = self._exchange("POST", quote_path(self.target.prefix or "/"), {"content-md5": md5,
+                           "content-type": "application/xml"}, first_byte, self._xml_answer, what,
+                           canonical_query({"delete": ""}), [memoryview(body)])
+        return s3_request.delete_errors(h.body.data().decode("utf-8", "replace") if h.body is not None else "", what)
+
+    def abort_upload(self, key: str, upload_id: str, first_byte: float) -> None:
+        """AbortMultipartUpload; a 404 (NoSuchUpload) raises for the caller to map."""
+        self._exchange("DELETE", self._path(key), {}, first_byte, self._small_body,
+                       f"AbortMultipartUpload s3://{self.bucket}/{key}", canonical_query({"uploadId": upload_id}))
 
     def server_header(self, first_byte: float) -> Optional[str]:
         """The ``Server`` header of a HeadBucket answer, refused or not (see shape.py)."""
