@@ -1,7 +1,7 @@
 """The first call in a new process: a small restore's wall time, cold against warm.
 
     python -m benchmarks.bench_first_call                          # 6 rounds, this tree
-    python -m benchmarks.bench_first_call --baseline 1d0cc9d        # and the objckpt of a commit, alternated
+    python -m benchmarks.bench_first_call --baseline 1d0cc9d,5cee7c6  # and the objckpt of commits, alternated
     python -m benchmarks.bench_first_call --profile                 # one cold load under cProfile (top 25)
 
 One in-memory S3 server process (``objckpt.testing.s3server``) holds a small checkpoint
@@ -20,7 +20,9 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Optional
 
@@ -31,7 +33,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     """One new process: import, one cold load, three warm ones (run with ``--one``)."""
     import torch
 
-    root = os.environ.get("OBJCKPT_BASELINE") if args.variant == "base" else None
+    root = args.root
     if root:
         sys.path.insert(0, root)
     t0 = time.perf_counter()
@@ -72,9 +74,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _export(ref: str) -> str:
-    from .bench_cold_warm import _export_baseline
-
-    return _export_baseline(ref)
+    """``ref``'s objckpt/ in a temporary directory (put first on ``sys.path`` by its processes)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=h.REPO_ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    root = tempfile.mkdtemp(prefix=f"objckpt-{commit}-")
+    archive = subprocess.run(["git", "archive", commit, "objckpt"], cwd=h.REPO_ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", root], input=archive.stdout, check=True)
+    return root
 
 
 def _fmt(xs: list[float]) -> str:
@@ -82,10 +88,10 @@ def _fmt(xs: list[float]) -> str:
 
 
 def drive(args: argparse.Namespace) -> int:
-    variants = ["new"]
-    if args.baseline:
-        h.log(f"baseline: objckpt at {_export(args.baseline)}")
-        variants.append("base")
+    roots = {"this tree": ""}
+    for ref in (r for r in (args.baseline or "").split(",") if r):
+        roots[ref] = _export(ref)
+    variants = list(roots)
     with h.Server("fast", args.bucket) as server:
         import torch
 
@@ -97,7 +103,7 @@ def drive(args: argparse.Namespace) -> int:
         results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             for v in (variants if rnd % 2 == 0 else variants[::-1]):
-                r = h.run_json(["-m", "benchmarks.bench_first_call", "--one", "--variant", v, "--endpoint-url",
+                r = h.run_json(["-m", "benchmarks.bench_first_call", "--one", "--root", roots[v], "--endpoint-url",
                                 server.url, "--bucket", args.bucket, "--mib", str(args.mib)]
                                + (["--profile"] if args.profile else []), 300, show_stderr=args.profile)
                 if "cold_s" not in r:
@@ -106,14 +112,15 @@ def drive(args: argparse.Namespace) -> int:
                 results[v].append(r)
                 h.log(f"round {rnd} {v}: import {r['import_s']:.3f} s, cold {r['cold_s']:.3f} s "
                       f"(CPU {r['cold_cpu_s']:.3f}), warm {r['warm_s']:.3f} s; loaded {r['modules']}")
-    if os.environ.get("OBJCKPT_BASELINE"):
-        shutil.rmtree(os.environ.pop("OBJCKPT_BASELINE"), ignore_errors=True)
+    for root in roots.values():
+        if root:
+            shutil.rmtree(root, ignore_errors=True)
     print(f"\n{args.mib} MiB in 8 tensors, fast in-memory server, {args.rounds} new processes per variant; "
           "median (min–max) s:\n")
     rows = []
     for v, rs in results.items():
         ratio = [r["cold_s"] / r["warm_s"] for r in rs]
-        rows.append([v if v == "new" else f"{args.baseline}", _fmt([r["import_s"] for r in rs]),
+        rows.append([v, _fmt([r["import_s"] for r in rs]),
                      _fmt([r["cold_s"] for r in rs]), _fmt([r["cold_cpu_s"] for r in rs]),
                      _fmt([r["warm_s"] for r in rs]), _fmt(ratio)])
     print(h.md_table(["objckpt", "import objckpt s", "cold load s", "cold load CPU s", "warm load s", "cold / warm"],
@@ -129,12 +136,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--mib", type=int, default=4, help="checkpoint size in MiB (8 tensors)")
-    ap.add_argument("--baseline", default=None, metavar="REF", help="also run the objckpt of git REF, alternated")
+    ap.add_argument("--baseline", default=None, metavar="REFS",
+                    help="also run the objckpt of these git refs (comma-separated), alternated")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of each cold load (stderr)")
     ap.add_argument("--bucket", default="bench")
     ap.add_argument("--name", default=None, help="benchmarks/results/<name>.json")
     ap.add_argument("--one", action="store_true", help="internal: one new process")
-    ap.add_argument("--variant", default="new")
+    ap.add_argument("--root", default="", help="internal: the objckpt source to import first")
     ap.add_argument("--endpoint-url", default=None)
     args = ap.parse_args(argv)
     if args.one:

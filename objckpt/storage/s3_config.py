@@ -503,6 +503,8 @@ def _probe(session: Any, bucket: str, cfg: S3Config) -> tuple[str, str, dict[str
         if got is None:
             got = s3_rules.where(session, bucket, kw, ckw)
             with _lock:
+                if len(_probes) >= 8 * _KEPT:  # many buckets or changing settings: start again
+                    _probes.clear()
                 _probes[key] = got
     except Exception as e:
         src = "; ".join(f"{n} from {s.source}" for n, s in (("endpoint", cfg.endpoint_url), ("region", cfg.region)))
