@@ -5,9 +5,9 @@ bucket goes to, the region that signs it and botocore's ``meta.endpoint_url``.
 A botocore client would say, but making the first one in a process costs 60-120
 ms here: besides the endpoint data read here too (~20 ms), it reads S3's 185 KB
 API model (``service-2.json``) after listing every service's folder, and builds
-a class of ~100 methods, none of which bear on endpoints (measured: a store's
-first configuration 0.22 s with a client, 0.16 s without, in a new process
-including botocore's import).  This module runs the same botocore code a client
+a class of ~100 methods, none of which bear on endpoints (measured:
+a new process's first 4 MiB restore took 0.22 s with a client, 0.16 s
+without, botocore's import included).  This module runs the same botocore code a client
 runs for that, in the same order, on the same session and configuration store
 (:func:`resolve`):
 
