@@ -10,6 +10,9 @@ of objects.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 from typing import Any, Iterator
 
@@ -58,20 +61,33 @@ def test_list_delete_uploads_and_abort(moto_s3: tuple[str, dict[str, Any]], dire
     assert all(u.initiated and u.initiated > 1e9 for u in uploads)  # moto says 2010
     assert len(left) == 2 and not {u.upload_id for u in left} & {u.upload_id for u in uploads[:3]}
     assert after == [] and [o.key for o in other] == ["q/other"]
-    # the own path did all of it: botocore's client was never made
-    assert (store._client is None) is direct  # type: ignore[attr-defined]
+    # one transport did all of it, the one the config chose
+    kind = type(_runtime.run(store.transport())).__name__  # type: ignore[attr-defined]
+    assert kind == ("DirectTransport" if direct else "BotocoreTransport")
 
 
-def test_gc_and_delete_of_a_checkpoint_need_no_botocore(moto_s3: tuple[str, dict[str, Any]]) -> None:
-    import torch
-
+def test_save_delete_and_gc_in_a_new_process_import_no_botocore_client(moto_s3: tuple[str, dict[str, Any]]) -> None:
+    """A job's whole life on the direct transport, deletes and gc included, never
+    loads aiobotocore or aiohttp (the delete and gc listings used to)."""
     bucket, opts = moto_s3
-    uri = f"s3://{bucket}/ck"
-    objckpt.save({"w": torch.arange(10.0)}, uri, storage_options=opts)
-    objckpt.delete(uri, storage_options=opts)
-    store, prefix = open_store(uri, opts)
-    assert _runtime.run(store.list(prefix)) == []
-    assert store._client is None  # type: ignore[attr-defined]
+    code = textwrap.dedent(f"""
+        import sys, torch, objckpt
+        from objckpt import _runtime
+        from objckpt.garbage import collect_garbage
+        from objckpt.storage import open_store
+        opts = {opts!r}
+        objckpt.save({{"w": torch.arange(10.0)}}, "s3://{bucket}/a", storage_options=opts)
+        objckpt.save({{"w": torch.arange(10.0)}}, "s3://{bucket}/b", storage_options=opts)
+        objckpt.delete("s3://{bucket}/a", storage_options=opts)
+        store, prefix = open_store("s3://{bucket}", opts)
+        _runtime.run(collect_garbage(store, "", grace=0))
+        print(sorted(o.key.split("/")[0] for o in _runtime.run(store.list(""))),
+              sorted(m for m in ("aiobotocore", "aiohttp") if m in sys.modules))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    left, imported = r.stdout.strip().splitlines()[-1].split("] [")
+    assert "'a'" not in left and "'b'" in left and imported == "]", r.stdout
 
 
 class _Recorder:

@@ -25,7 +25,7 @@ import torch
 import objckpt
 from objckpt import _runtime
 from objckpt.storage import open_store
-from objckpt.storage.s3_config import S3Config
+from objckpt.storage.s3_config import S3Config, Transport
 from objckpt.storage.s3_direct import DirectClient, Sink, Target
 from objckpt.storage.sigv4 import CredentialSource, Credentials, Signer, quote_path
 from objckpt.testing.s3server import S3Server
@@ -96,7 +96,7 @@ def test_ranged_reads_from_moto_land_in_place(moto_endpoint: str) -> None:
     store, _ = open_store(f"s3://{bucket}", s3_options(moto_endpoint))
 
     async def go() -> Any:
-        assert await store._direct() is not None  # type: ignore[attr-defined]
+        assert type(await store.transport()).__name__ == "DirectTransport"  # type: ignore[attr-defined]
         out = bytearray(1 << 20)
         await store.get_range_into(key, 12345, memoryview(out))
         parts = [memoryview(bytearray(7)), memoryview(bytearray(100_000)), memoryview(bytearray(1))]
@@ -154,8 +154,12 @@ def test_fresh_process_save_and_restore(moto_endpoint: str, direct: bool) -> Non
 
 # (a PermanentRedirect, or a malformed-header refusal naming a region, is a region redirect:
 # followed on the direct path, see tests/test_s3_redirects.py)
-@pytest.mark.parametrize("code", ["AuthorizationHeaderMalformed", "SignatureDoesNotMatch"])
-def test_endpoint_that_refuses_direct_requests_is_read_through_botocore(code: str) -> None:
+@pytest.mark.parametrize("code, status", [("AuthorizationHeaderMalformed", 400), ("SignatureDoesNotMatch", 403),
+                                          ("Found", 302)])
+def test_endpoint_that_refuses_direct_requests_is_a_clear_error(code: str, status: int) -> None:
+    """A refusal the own path does not follow is an error saying what S3 answered and
+    what to check, after one attempt; the store stays on its transport (it used to turn
+    to botocore for good, the same request taking another route)."""
     with S3Server() as srv:
         url = srv.endpoint_url
         opts = {**s3_options(url), "throttle_attempts": 1}
@@ -164,12 +168,15 @@ def test_endpoint_that_refuses_direct_requests_is_read_through_botocore(code: st
         boto3.client("s3", **s3_options(url)).create_bucket(Bucket="b")
         state = {"x": torch.randn(1000)}
         objckpt.save(state, "s3://b/ck", storage_options=opts)
-        open_store("s3://b", opts)[0].__dict__.update(_direct_decided=False, _direct_client=None)
-        srv.fail("GetObject", count=1, status=301 if code == "PermanentRedirect" else 400, code=code)
+        srv.fail("GetObject", count=1, status=status, code=code)
+        hint = "redirects" if status == 302 else "signature or credentials were refused.*direct_http=False"
+        with pytest.raises(objckpt.StorageError, match=rf"HTTP {status}.*1 attempt.*{code}.*{hint}"):
+            objckpt.load({"x": torch.empty(1000)}, "s3://b/ck", storage_options=opts)
         into = {"x": torch.empty(1000)}
         objckpt.load(into, "s3://b/ck", storage_options=opts)
         assert torch.equal(into["x"], state["x"])
-        assert open_store("s3://b", opts)[0]._direct_client is None  # type: ignore[attr-defined]
+        transport = _runtime.run(open_store("s3://b", opts)[0].transport())  # type: ignore[attr-defined]
+        assert type(transport).__name__ == "DirectTransport"
 
 
 class _RawServer:
@@ -271,7 +278,7 @@ def test_body_cut_midway_is_resumed_from_the_first_missing_byte(reader_for: Any)
 
 
 @pytest.mark.parametrize("op", ["PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload"])
-def test_endpoint_that_refuses_a_direct_write_is_written_through_botocore(op: str) -> None:
+def test_endpoint_that_refuses_a_direct_write_fails_the_save_clearly(op: str) -> None:
     with S3Server(min_part_size=1 << 20) as srv:
         url = srv.endpoint_url
         opts = {**s3_options(url), "throttle_attempts": 1}
@@ -280,9 +287,12 @@ def test_endpoint_that_refuses_a_direct_write_is_written_through_botocore(op: st
         boto3.client("s3", **s3_options(url)).create_bucket(Bucket="b")
         state = {"x": torch.randn(5 << 20)}  # 20 MiB: multipart
         srv.fail(op, count=1, status=400, code="AuthorizationHeaderMalformed")
-        objckpt.save(state, "s3://b/ck", storage_options=opts)
-        assert open_store("s3://b", opts)[0]._direct_client is None  # type: ignore[attr-defined]
+        with pytest.raises(objckpt.StorageError, match="AuthorizationHeaderMalformed.*signature or credentials"):
+            objckpt.save(state, "s3://b/ck", storage_options=opts)
+        objckpt.save(state, "s3://b/ck", storage_options=opts)  # the refusal was once: the next save goes through
         assert torch.equal(objckpt.read("s3://b/ck", storage_options=opts)["x"], state["x"])
+        transport = _runtime.run(open_store("s3://b", opts)[0].transport())  # type: ignore[attr-defined]
+        assert type(transport).__name__ == "DirectTransport"
 
 
 def test_a_body_slower_than_the_low_water_mark_is_read_not_timed_out(reader_for: Any) -> None:
@@ -424,12 +434,12 @@ def test_on_off_options_take_every_switch_word_and_refuse_others(monkeypatch: py
     monkeypatch.delenv("OBJCKPT_S3_DIRECT_HTTP", raising=False)
     keys = {"endpoint_url": "http://127.0.0.1:9", "aws_access_key_id": "k", "aws_secret_access_key": "s"}
     store = S3Store("b", **keys, direct_http="off", checksums="OFF", adaptive=" no ")
-    assert store._direct_wanted is False and store.checksums is False and store.limiter is None
+    assert store.config.transport is Transport.BOTOCORE and store.checksums is False and store.limiter is None
     store = S3Store("b", **keys, direct_http=True, checksums="on", adaptive="1")
-    assert store._direct_wanted is True and store.checksums is True and store.limiter is not None
+    assert store.config.transport is Transport.DIRECT and store.checksums is True and store.limiter is not None
     monkeypatch.setenv("OBJCKPT_S3_DIRECT_HTTP", "off")
-    assert S3Store("b", **keys)._direct_wanted is False
-    assert S3Store("b", **keys, direct_http=True)._direct_wanted is True  # the option wins
+    assert S3Store("b", **keys).config.transport is Transport.BOTOCORE
+    assert S3Store("b", **keys, direct_http=True).config.transport is Transport.DIRECT  # the option wins
     monkeypatch.setenv("OBJCKPT_S3_DIRECT_HTTP", "sometimes")
     with pytest.raises(ValueError, match="environment variable OBJCKPT_S3_DIRECT_HTTP='sometimes'"):
         S3Store("b", **keys)

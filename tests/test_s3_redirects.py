@@ -26,7 +26,7 @@ from conftest import make_bucket, s3_options
 from region_proxy import RegionProxy
 
 from objckpt.storage.s3_direct import Target
-from objckpt.storage.s3_routes import retargeted
+from objckpt.storage.s3_transport import retargeted
 
 CHILD = textwrap.dedent("""
     import sys
@@ -61,7 +61,7 @@ CHILD = textwrap.dedent("""
         same = all(torch.equal(back[k], state[k]) and torch.equal(into[k], state[k]) for k in state)
         objckpt.delete(uri, storage_options=opts)
         s = open_store("s3://" + spec["bucket"], opts)[0]
-        out.append({"same": same, "direct_kept": s._direct_client is not None})
+        out.append({"same": same, "direct_kept": type(_runtime.run(s.transport())).__name__ == "DirectTransport"})
     print("RESULT " + json.dumps({"runs": out, "crt": sys.modules.get("awscrt") is not None}))
 """)
 

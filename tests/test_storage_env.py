@@ -73,10 +73,8 @@ def test_credential_change_builds_a_client_with_the_new_keys(
     monkeypatch.delenv("AWS_PROFILE", raising=False)
 
     async def access_key(store: Any) -> str:
-        client = await store.client()
-        creds = client._get_credentials()
-        frozen = await creds.get_frozen_credentials()
-        return str(frozen.access_key)
+        transport = await store.transport()  # the own path here: its client signs with these keys
+        return str(transport.client.creds.get().access_key)
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "first")
     s1, _ = open_store("s3://bkt/x")

@@ -11,9 +11,9 @@ Connect time and first-byte time are bounded separately by the client
 as a whole by its deadline, ``max(deadline_floor, bytes / min_rate)``: an
 answer (or an upload) that keeps trickling is a timeout like a silent one.
 
-:func:`retrying` is the one retry loop of both ways an S3 store sends a
-request (botocore's client and the direct HTTP path), so that both count
-attempts, back off, feed the limiter and word their final error alike.
+This module holds the policy and the reading of failures; the one loop that
+applies them to every request of an S3 store, on either transport, is
+:meth:`.s3_send.Pipeline.send`.
 """
 from __future__ import annotations
 
@@ -21,19 +21,13 @@ import asyncio
 import dataclasses
 import os
 import random
-import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Protocol, TypeVar
+from typing import Any
 
-from ..errors import BucketNotFoundError, StorageError, StorageTimeoutError
 from ..logs import get_logger
 
-if TYPE_CHECKING:
-    from .limiter import AimdLimiter
-
 log = get_logger("objckpt.storage")
-T = TypeVar("T")
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
 # BadDigest / XAmzContentChecksumMismatch / IncompleteBody: the body arrived damaged or
@@ -175,71 +169,6 @@ def no_answer(endpoint: str, seconds: float) -> asyncio.TimeoutError:
     option, since a silent endpoint is what that bound is there to report."""
     return asyncio.TimeoutError(f"no answer from {endpoint} within {seconds:g} s "
                                 "(storage option first_answer_timeout)")
-
-
-class RetryHost(Protocol):
-    """What :func:`retrying` needs of the store it sends for."""
-
-    policy: RetryPolicy
-    limiter: Optional["AimdLimiter"]
-    _answered: bool  #: the endpoint has sent an HTTP answer (even an error): it is alive
-
-    def _no_bucket(self) -> BucketNotFoundError: ...
-
-    def endpoint(self) -> str: ...
-
-
-async def retrying(host: RetryHost, what: str, send: Callable[[float], Awaitable[T]], *, has_body: bool,
-                   passes: Callable[[BaseException], bool], name_type: bool) -> T:
-    """``send(first_byte)`` until it succeeds or its kind of failure has used up its attempts.
-
-    ``first_byte``: the bound on the first byte of this attempt's answer, taken
-    before waiting for the limiter: ``first_answer_timeout`` for a request
-    without a body until the endpoint has answered once, else ``read_timeout``.
-    A missing bucket becomes :class:`BucketNotFoundError`; an error ``passes``
-    accepts (a missing key, a failed precondition: the caller maps them) goes up
-    unchanged; any other is retried under the policy's budget for its kind,
-    with throttling fed back to the limiter, and is then reported as
-    StorageError naming ``what``, the endpoint, the HTTP status, the kind and
-    the attempts (:class:`StorageTimeoutError`, also a ``TimeoutError``, when
-    it ran out of time).  ``name_type``: the exception's type name goes before
-    its text (the direct path's exceptions do not say where they come from)."""
-    attempt = 0
-    while True:
-        policy = host.policy
-        first = policy.read_timeout if host._answered or has_body else min(
-            policy.first_answer_timeout, policy.read_timeout)
-        sent_at = time.monotonic()
-        try:
-            if host.limiter is None:
-                r = await send(first)
-            else:
-                async with host.limiter:
-                    sent_at = time.monotonic()  # a refusal counts from when the request left, not from the queue
-                    r = await send(first)
-                host.limiter.succeeded()
-            host._answered = True
-            return r
-        except Exception as e:
-            if http_status(e):
-                host._answered = True
-            if is_no_bucket(e):
-                raise host._no_bucket() from None
-            if passes(e):
-                raise
-            kind = classify(e)
-            if kind is Failure.THROTTLE and host.limiter is not None:
-                host.limiter.throttled(sent_at)
-            attempt += 1
-            status = f"HTTP {http_status(e)}, " if http_status(e) else ""
-            text = f"{type(e).__name__}: {e}" if name_type else str(e)
-            if attempt >= policy.attempts(kind):
-                tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
-                error = StorageTimeoutError if kind is Failure.TIMEOUT else StorageError
-                raise error(f"S3 {what} at {host.endpoint()} failed ({status}{kind.value}, {tries}): {text}") from e
-            log.warning("S3 %s (%s%s), attempt %d of %d; retrying: %s", what, status, kind.value, attempt,
-                        policy.attempts(kind), text)
-            await policy.backoff(attempt)
 
 
 def classify(e: BaseException) -> Failure:

@@ -39,8 +39,8 @@ class WrongRegion(Exception):
 
     ``region``: the bucket's region when the answer named it (header or XML),
     else None (a bare HEAD answer: ask HeadBucket).  ``signed_region``: the
-    region the refused request was signed for.  Not an ``Unsupported``: the
-    request is re-signed and sent again on the same transport."""
+    region the refused request was signed for.  The request is re-signed and
+    sent again on the same transport (:mod:`.s3_send`)."""
 
     def __init__(self, message: str, *, status: int, code: str, region: Optional[str], signed_region: str) -> None:
         super().__init__(message)

@@ -19,13 +19,14 @@ through botocore.
 Where requests go (host, addressing, signing region, CA bundle, proxy) is
 resolved once per store by :mod:`.s3_config` from botocore's own resolution,
 which also decides whether this path serves the store at all (not through a
-proxy, for one).  A refusal saying the bucket is in another region is a
-:class:`~.s3_answers.WrongRegion`, which the store follows on this path
-(:mod:`.s3_routes`); an answer that is not S3's is a
-:class:`~objckpt.errors.NotS3EndpointError`; another answer it does not handle
-(a redirect not about the region, a signature complaint) is reported as
-:class:`Unsupported`, and the store falls back to botocore for good.
-Integrity does not depend on this layer: every chunk's crc32c is checked above.
+proxy, for one); once chosen, it serves every request of the store, there is
+no turning to botocore mid-flight.  A refusal saying the bucket is in another
+region is a :class:`~.s3_answers.WrongRegion`, which the pipeline follows on
+this path (:mod:`.s3_send`); an answer that is not S3's is a
+:class:`~objckpt.errors.NotS3EndpointError`; any other refusal is an
+:class:`S3HttpError` saying what S3 answered (with a hint for a redirect that
+is not about the region and for a signature complaint).  Integrity does not
+depend on this layer: every chunk's crc32c is checked above.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from .. import _runtime
 from ..options import switch_word
 from .s3_answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
 from . import s3_config, s3_request
-from .s3_request import DeleteError, ListPage, UploadsPage
+from .s3_request import DeleteError, ListPage, MalformedAnswer, UploadsPage
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 from .http_answer import BadAnswer, Head, Reader, check_range, content_length
 from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
@@ -56,15 +57,13 @@ from .wire import SlowAnswer as SlowAnswer
 _ERROR_BODY = 64 << 10
 #: the largest answer body to a PUT or POST (S3's are a few hundred bytes)
 _SMALL_BODY = 1 << 20
+#: the most a whole-object GET answered in chunks (no Content-Length) may hold
+_CHUNKED_WHOLE = 1 << 34
 #: the largest answer body to a listing or DeleteObjects (1000 keys of up to 1 KiB, URL-encoded: ~4 MiB)
 _XML_BODY = 16 << 20
-# answers that mean "botocore would have done something else here"
-_FALLBACK_CODES = {"PermanentRedirect", "TemporaryRedirect", "AuthorizationHeaderMalformed",
-                   "SignatureDoesNotMatch", "IllegalLocationConstraintException", "InvalidRequest"}
-
-
-class Unsupported(Exception):
-    """This endpoint needs something the direct path does not do: use botocore."""
+#: refusals of how a request was signed or authorized, and what to check (see :func:`_hint`)
+_SIGNING_CODES = {"SignatureDoesNotMatch", "AuthorizationHeaderMalformed", "InvalidRequest",
+                  "IllegalLocationConstraintException", "InvalidAccessKeyId"}
 
 
 class S3HttpError(Exception):
@@ -72,8 +71,8 @@ class S3HttpError(Exception):
     store's error mapping and retry classification treat both alike."""
 
     def __init__(self, status: int, code: str, message: str, what: str, server: Optional[str] = None,
-                 region: Optional[str] = None) -> None:
-        super().__init__(f"{what}: HTTP {status} {code or ''} {message or ''}".strip())
+                 region: Optional[str] = None, hint: str = "") -> None:
+        super().__init__(f"{what}: HTTP {status} {code or ''} {message or ''}".strip() + hint)
         self.status = status
         self.server = server  # the answer's Server header
         self.region = region  # the answer's x-amz-bucket-region (a HeadBucket's 403 carries it too)
@@ -196,7 +195,7 @@ class DirectClient:
         """Send one request and read its answer's head (interim 1xx answers skipped).
 
         The peer must take some of the body every ``first_byte`` seconds (the
-        bound :func:`.retry.retrying` gives an attempt: ``read_timeout`` for a
+        bound :meth:`.s3_send.Pipeline.send` gives an attempt: ``read_timeout`` for a
         request with a body) and begin its answer within ``first_byte`` of the
         last byte sent; all of it within the request's deadline (``rd.dl``)."""
         if self.extra_headers is not None:
@@ -244,9 +243,7 @@ class DirectClient:
         if says_wrong_region(head.status, code, region, bare_head=not has_body):
             return WrongRegion(f"{what}: HTTP {head.status} {code} {message}".strip(), status=head.status, code=code,
                                region=region, signed_region=self.signer.region)
-        if head.status in (301, 302, 307, 308) or code in _FALLBACK_CODES:
-            return Unsupported(f"{what}: HTTP {head.status} {code} {message}".strip())
-        return S3HttpError(head.status, code, message, what, head.headers.get("server"), region)
+        return S3HttpError(head.status, code, message, what, head.headers.get("server"), region, _hint(head, code))
 
     def _deadline(self, sink: "Optional[Sink | Callable[[Head], Sink]]", body: Sequence[memoryview]) -> Deadline:
         """The deadline of one exchange: its body and the answer asked for into ``sink``
@@ -316,7 +313,9 @@ class DirectClient:
         out = sink(head) if callable(sink) else sink
         if callable(sink):
             head.body = out
-            rd.dl.cover(rd.dl.size + out.total)
+            # the deadline covers what was announced (a chunked answer: the floor and what a listing may hold)
+            n = content_length(head, self.target.host_header)
+            rd.dl.cover(rd.dl.size + (out.total if n is not None else min(out.total, _XML_BODY)))
         skip = 0
         rng = extra.get("range")
         if rng is not None:
@@ -345,16 +344,17 @@ class DirectClient:
         """A whole object (small ones: manifests, indexes), in one request."""
         what = f"GET s3://{self.bucket}/{key}"
 
+        sizes: list[Optional[int]] = []
+
         def sized(head: Head) -> Sink:
             n = content_length(head, f"{what} from {self.target.host_header}")
-            if n is None:
-                raise Unsupported(f"{what}: no Content-Length")
-            return GrowingSink(n)  # memory follows the bytes that arrive, not the announcement
+            sizes.append(n)  # None: a chunked answer, as long as its chunks say
+            return GrowingSink(_CHUNKED_WHOLE if n is None else n)  # memory follows the bytes that arrive
 
         head = self._exchange("GET", self._path(key), {}, first_byte, sized, what)
         self._check_s3(head, what)
         body = head.body
-        if body is None or body.got != body.total:
+        if body is None or (sizes[-1] is not None and body.got != body.total):
             got, total = (0, 0) if body is None else (body.got, body.total)
             raise ShortBody(f"{what}: {got} of {total} bytes")
         return body.data()
@@ -423,7 +423,8 @@ class DirectClient:
                           f"CreateMultipartUpload s3://{self.bucket}/{key}")
         upload_id = _xml_field(text, "UploadId")
         if not upload_id:
-            raise Unsupported(f"CreateMultipartUpload s3://{self.bucket}/{key}: no UploadId in the answer")
+            raise MalformedAnswer(f"CreateMultipartUpload s3://{self.bucket}/{key} at {self.endpoint()}: "
+                                  f"no UploadId in the answer ({text[:80]!r})")
         return upload_id
 
     def complete_upload(self, key: str, upload_id: str, parts: Sequence[dict[str, Any]], first_byte: float) -> dict[str, str]:
@@ -507,6 +508,19 @@ class DirectClient:
             if e.status == 404:
                 raise
             return e.region
+
+
+def _hint(head: Head, code: str) -> str:
+    """What to check, for refusals whose S3 code alone does not say it."""
+    if head.status in (301, 302, 303, 307, 308):
+        where = head.headers.get("location")
+        return (f" (the endpoint redirects{' to ' + where if where else ''}; objckpt follows only S3's "
+                "region redirects: set endpoint_url to the address the requests belong to)")
+    if code in _SIGNING_CODES:
+        return (" (the request's signature or credentials were refused: check the keys, the region and the "
+                "clock; an endpoint that wants another signing than SigV4 is served through botocore with "
+                "storage option direct_http=False)")
+    return ""
 
 
 def _xml_field(text: str, name: str) -> str:

@@ -48,22 +48,19 @@ class S3Writer(BlobWriter):
 
     async def write_part_views(self, index: int, offset: int, views: Sequence[memoryview],
                                crc32c: Optional[int] = None) -> None:
-        extra: dict[str, Any] = {}
+        headers: dict[str, str] = {}
         if self._s.checksums:
             if crc32c is None:
                 crc32c = await _runtime.in_thread(crc_of_views, views)
             self._crcs[index] = crc32c
-            extra["ChecksumCRC32C"] = crc_header(crc32c)
+            headers["x-amz-checksum-crc32c"] = crc_header(crc32c)
         if self._single:
-            r = await self._s.call_with_body("put_object", views, Bucket=self._s.bucket, Key=self._key, **extra)
+            r = await self._s.put_views(self._key, views, headers)
         else:
             upload_id = await self._ensure_upload()
-            r = await self._s.call_with_body(
-                "upload_part", views, Bucket=self._s.bucket, Key=self._key, UploadId=upload_id,
-                PartNumber=index + 1, **extra,
-            )
+            r = await self._s.put_views(self._key, views, headers, part=(upload_id, index + 1))
             self._etags[index] = r["ETag"]
-        self._check_reported(r, extra.get("ChecksumCRC32C"), f"part {index + 1}")
+        self._check_reported(r, headers.get("x-amz-checksum-crc32c"), f"part {index + 1}")
 
     def _check_reported(self, r: Any, ours: Optional[str], what: str) -> None:
         """The server reports the checksum of what it stored: it must be ours."""

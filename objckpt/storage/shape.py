@@ -118,11 +118,10 @@ async def server_header(store: Any) -> Optional[str]:
     refused alike (a 403 or 404 carries it too); None when nothing answers in time."""
     policy = getattr(store, "policy", None)
     timeout = min(PROBE_TIMEOUT_S, getattr(policy, "first_answer_timeout", PROBE_TIMEOUT_S))
-    direct = getattr(store, "direct_server_header", None)
-    if direct is not None:  # S3Store's own HTTP path: no botocore import for the probe
-        found, server = await direct(timeout)
-        if found:
-            return server
+    probe = getattr(store, "server_header", None)
+    if probe is not None:  # S3Store: on its transport (the own path imports no botocore for it)
+        found, server = await probe(timeout)
+        return server if found else None
     try:
         client = await store.client()
         r = await asyncio.wait_for(client.head_bucket(Bucket=store.bucket), timeout)
