@@ -131,9 +131,17 @@ def test_the_stand_in_model_facts_are_botocores(aws: Path) -> None:
     for attr in ("service_name", "endpoint_prefix", "resolved_protocol", "signing_name", "signature_version"):
         assert getattr(stand_in, attr) == getattr(model, attr), attr
     assert stand_in.service_id.hyphenize() == model.service_id.hyphenize()
-    for k in ("signingName", "signatureVersion", "endpointPrefix"):
+    for k in ("signingName", "signatureVersion", "endpointPrefix", "auth"):
         assert stand_in.metadata.get(k) == model.metadata.get(k), k
     assert op.http["requestUri"].startswith("/{Bucket}/{Key+}")
+
+
+@pytest.mark.parametrize("region", ["fips-us-gov-west-1", "us-east-2-fips"])
+def test_a_fips_pseudo_region_is_botocores_fips_endpoint(region: str, aws: Path, no_client: None) -> None:
+    """botocore turns a FIPS pseudo-region into its region with FIPS on; so must the resolution."""
+    cfg = S3Config.resolve("bkt", {"region_name": region})
+    assert _sees(cfg) == botocore_signs("bkt", {"region_name": region}, False)
+    assert "fips" in cfg.target.host and "fips" not in cfg.target.region
 
 
 def test_a_botocore_that_changed_beneath_falls_back_to_a_client(aws: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,7 +66,8 @@ class _S3Model:
     resolved_protocol = "rest-xml"
     signing_name = "s3"
     signature_version = "s3"
-    metadata = {"endpointPrefix": "s3", "signatureVersion": "s3", "serviceId": "S3", "protocol": "rest-xml"}
+    metadata = {"endpointPrefix": "s3", "signatureVersion": "s3", "serviceId": "S3", "protocol": "rest-xml",
+                "auth": ["aws.auth#sigv4"]}
 
     def __init__(self) -> None:
         from botocore.model import ClientContextParameter, ServiceId
@@ -119,8 +120,9 @@ def resolve(session: Any, bucket: str, kw: dict[str, Any], ckw: dict[str, Any]) 
     errors go up as they are."""
     from botocore import UNSIGNED
     from botocore.args import ClientArgsCreator
+    from botocore.auth import resolve_auth_type
     from botocore.awsrequest import prepare_request_dict
-    from botocore.client import ClientEndpointBridge
+    from botocore.client import ClientCreator, ClientEndpointBridge
     from botocore.config import Config
     from botocore.handlers import customize_endpoint_resolver_builtins, validate_bucket_name
     from botocore.hooks import HierarchicalEmitter
@@ -142,10 +144,14 @@ def resolve(session: Any, bucket: str, kw: dict[str, Any], ckw: dict[str, Any]) 
     session._add_configured_endpoint_provider(client_name="s3", config_store=store)
     scoped = session.get_scoped_config()
     model = _S3Model()
-    # ClientCreator.create_client / ClientArgsCreator.get_client_args: the legacy endpoint
+    # ClientCreator.create_client / ClientArgsCreator.get_client_args: a FIPS pseudo-region
+    # ("fips-us-gov-west-1") becomes its region with FIPS on, then the legacy endpoint
+    region, config = ClientCreator._normalize_fips_region(None, region, config)
+    auth = model.metadata.get("auth")
     bridge = ClientEndpointBridge(session._get_internal_component("endpoint_resolver"), scoped, config,
                                   service_signing_name=model.metadata.get("signingName"), config_store=store,
-                                  service_signature_version=model.metadata.get("signatureVersion"))
+                                  service_signature_version=resolve_auth_type(auth) if auth
+                                  else model.metadata.get("signatureVersion"))
     emitter = HierarchicalEmitter()
     emitter.register("before-endpoint-resolution.s3", customize_endpoint_resolver_builtins)
     creator = ClientArgsCreator(emitter, None, None, None, None, config_store=store)
