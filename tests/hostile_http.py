@@ -1,5 +1,5 @@
 """A raw-socket HTTP/1.1 server that answers S3 object requests the way a broken or
-hostile endpoint does, for tests of objckpt's own HTTP client (storage/s3_direct.py).
+hostile endpoint does, for tests of objckpt's own HTTP client (storage/s3/direct.py).
 
 It serves one object, ``data``, under any key: a ranged GET gets its bytes, a
 whole GET all of them, a HEAD their size, a PUT or POST is read and answered

@@ -112,3 +112,22 @@ def test_planning_is_pure() -> None:
 def test_modules_stay_small() -> None:
     big = [f"{m} ({n} lines)" for m, p in _modules() if (n := len(p.read_text().splitlines())) > 600]
     assert not big, f"modules over 600 lines: {big}"
+
+
+def test_s3_is_one_package() -> None:
+    """storage/ has one S3 pipeline, in storage/s3/: no other storage module speaks HTTP
+    or imports an S3 client, and the rest of objckpt reaches S3 only through the store."""
+    clients = {"socket", "ssl", "botocore", "aiobotocore", "aiohttp", "boto3"}
+    bad = []
+    for module, path in _modules():
+        parts = module.split(".")
+        if parts[0] == "storage" and parts[1:2] != ["s3"]:
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+                bad += [f"{module} imports {n}" for n in names if n.split(".")[0] in clients]
+        if parts[0] != "storage":
+            bad += [f"{module} imports {imp}" for imp in _imports(module, path)
+                    if imp.startswith("storage.s3.") and not imp.startswith("storage.s3.store")]
+    assert not bad, "; ".join(bad)
+    assert not [p for p in (ROOT / "storage").glob("*.py") if p.stem.startswith(("s3_", "sigv4", "wire", "http_"))]

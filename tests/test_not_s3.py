@@ -16,7 +16,7 @@ import torch
 
 import objckpt
 from objckpt.errors import NotS3EndpointError
-from objckpt.storage.s3_answers import not_s3_reason
+from objckpt.storage.s3.answers import not_s3_reason
 from web_page_server import WebPageServer
 
 

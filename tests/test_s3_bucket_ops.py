@@ -1,4 +1,4 @@
-"""Listings, deletes and aborts on S3 (storage/s3_direct.py, storage/s3_request.py).
+"""Listings, deletes and aborts on S3 (storage/s3/direct.py, storage/s3/request.py).
 
 On the direct transport no operation goes through botocore: ListObjectsV2 (with
 continuation), DeleteObjects (batched, quiet, per-key errors named),
@@ -21,8 +21,8 @@ import pytest
 import objckpt
 from objckpt import _runtime
 from objckpt.storage import open_store
-from objckpt.storage.s3_direct import DirectClient, Target
-from objckpt.storage.sigv4 import CredentialSource, Credentials
+from objckpt.storage.s3.direct import DirectClient, Target
+from objckpt.storage.s3.sigv4 import CredentialSource, Credentials
 
 from conftest import s3_options
 

@@ -1,4 +1,4 @@
-"""Where S3 requests go, proved against botocore (storage/s3_config.py).
+"""Where S3 requests go, proved against botocore (storage/s3/config.py).
 
 For each configuration (environment, AWS config file, profiles, storage options
 and their combinations) objckpt's resolved :class:`S3Config` must give the
@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import certifi
 import pytest
 
-from objckpt.storage.s3_config import NoCredentialsError, S3Config, S3ConfigError, Transport
-from objckpt.storage.sigv4 import Credentials
+from objckpt.storage.s3.config import NoCredentialsError, S3Config, S3ConfigError, Transport
+from objckpt.storage.s3.sigv4 import Credentials
 
 _CLEARED = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE",
             "OBJCKPT_S3_DIRECT_HTTP")
@@ -344,7 +344,7 @@ def test_extra_headers_are_signed_as_botocore_signs_them() -> None:
     from botocore.awsrequest import AWSRequest
     from botocore.credentials import Credentials as BotoCreds
 
-    from objckpt.storage.sigv4 import Signer, quote_path
+    from objckpt.storage.s3.sigv4 import Signer, quote_path
 
     now = datetime.datetime(2026, 11, 25, 12, 0, tzinfo=datetime.timezone.utc)
     extra = {"x-amz-request-payer": "requester", "x-amz-server-side-encryption": "aws:kms",

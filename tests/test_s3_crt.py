@@ -1,4 +1,4 @@
-"""The zero-copy request body (storage/http_body.py) as the file botocore and awscrt take it for.
+"""The zero-copy request body (storage/s3/http_body.py) as the file botocore and awscrt take it for.
 
 With ``boto3[crt]`` installed botocore signs through awscrt, which wraps a body
 that has ``seek`` as a stream and anything else as ``BytesIO(body)``: that
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from objckpt.storage.http_body import SLICE, ViewsPayload
+from objckpt.storage.s3.http_body import SLICE, ViewsPayload
 
 
 def _views() -> tuple[list[memoryview], bytes]:

@@ -1,4 +1,4 @@
-"""The direct S3 read path (storage/s3_direct.py, storage/sigv4.py).
+"""The direct S3 read path (storage/s3/direct.py, storage/s3/sigv4.py).
 
 Signatures are checked against botocore's own SigV4 signer for the same
 request; reads run against real moto over HTTP and a raw socket server that
@@ -25,9 +25,9 @@ import torch
 import objckpt
 from objckpt import _runtime
 from objckpt.storage import open_store
-from objckpt.storage.s3_config import S3Config, Transport
-from objckpt.storage.s3_direct import DirectClient, Sink, Target
-from objckpt.storage.sigv4 import CredentialSource, Credentials, Signer, quote_path
+from objckpt.storage.s3.config import S3Config, Transport
+from objckpt.storage.s3.direct import DirectClient, Sink, Target
+from objckpt.storage.s3.sigv4 import CredentialSource, Credentials, Signer, quote_path
 from objckpt.testing.s3server import S3Server
 
 from conftest import make_bucket, s3_options
@@ -330,7 +330,7 @@ def fast_client() -> Iterator[tuple[DirectClient, S3Server]]:
 
 
 def _spy_splice(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from objckpt.storage import wire
+    from objckpt.storage.s3 import wire
 
     spliced: list[int] = []
     real = wire.os.splice
@@ -378,7 +378,7 @@ def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypa
 def test_a_failed_spliced_put_closes_its_connection(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error answer does not say the body left the socket: the connection is closed
     (abortively), never reused, and the next request goes on a fresh one."""
-    from objckpt.storage.s3_direct import S3HttpError
+    from objckpt.storage.s3.direct import S3HttpError
 
     monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
     client, srv = fast_client
@@ -394,7 +394,7 @@ def test_a_failed_spliced_put_closes_its_connection(fast_client: Any, monkeypatc
 
 
 def test_without_splice_bodies_are_copied(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from objckpt.storage import wire
+    from objckpt.storage.s3 import wire
 
     monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")  # asked for, but not to be had
     client, _ = fast_client

@@ -1,5 +1,5 @@
 """The first S3 store of a process resolves its configuration without building a botocore
-client (storage/s3_rules.py): botocore's endpoint code run on S3's endpoint ruleset, not
+client (storage/s3/rules.py): botocore's endpoint code run on S3's endpoint ruleset, not
 its 185 KB API model.  Proved here to send every request where a real, signing botocore
 client sends it, over the parity cases and a wide matrix of settings; the stand-in model
 facts are checked against botocore's model; and a new process opening a store reads no
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from objckpt.storage import s3_rules
-from objckpt.storage.s3_config import S3Config, S3ConfigError, Transport
+from objckpt.storage.s3 import rules as s3_rules
+from objckpt.storage.s3.config import S3Config, S3ConfigError, Transport
 from test_s3_config_parity import CASES, Case, _apply, aws, botocore_sees, objckpt_sees  # noqa: F401 (fixture)
 
 

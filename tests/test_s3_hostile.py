@@ -1,5 +1,5 @@
-"""Hostile or broken HTTP answers on objckpt's own S3 client (storage/s3_direct.py,
-storage/http_answer.py, storage/wire.py).
+"""Hostile or broken HTTP answers on objckpt's own S3 client (storage/s3/direct.py,
+storage/s3/http_answer.py, storage/s3/wire.py).
 
 Each case runs against :class:`hostile_http.HostileServer` with small deadlines set
 through the options; a client that hangs fails the test through ``wait_for`` (a
@@ -16,11 +16,11 @@ import pytest
 from objckpt import _runtime
 from objckpt.errors import StorageError, StorageTimeoutError
 from objckpt.storage import open_store
-from objckpt.storage.http_answer import BadAnswer, WrongRange
-from objckpt.storage.retry import RetryPolicy
-from objckpt.storage.s3_direct import DirectClient, Target
-from objckpt.storage.sigv4 import CredentialSource, Credentials
-from objckpt.storage.wire import Sink, SlowAnswer
+from objckpt.storage.s3.http_answer import BadAnswer, WrongRange
+from objckpt.storage.s3.retry import RetryPolicy
+from objckpt.storage.s3.direct import DirectClient, Target
+from objckpt.storage.s3.sigv4 import CredentialSource, Credentials
+from objckpt.storage.s3.wire import Sink, SlowAnswer
 
 from hostile_http import HostileServer, wait_for
 

@@ -25,8 +25,8 @@ import pytest
 from conftest import make_bucket, s3_options
 from region_proxy import RegionProxy
 
-from objckpt.storage.s3_direct import Target
-from objckpt.storage.s3_transport import retargeted
+from objckpt.storage.s3.direct import Target
+from objckpt.storage.s3.transport import retargeted
 
 CHILD = textwrap.dedent("""
     import sys

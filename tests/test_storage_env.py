@@ -86,7 +86,7 @@ def test_credential_change_builds_a_client_with_the_new_keys(
     assert _runtime.run(access_key(s2)) == "second"
 
 
-# -- where requests go: round trips through both transports (storage/s3_config.py) --------------
+# -- where requests go: round trips through both transports (storage/s3/config.py) --------------
 
 _CHILD = r"""
 import json, logging, sys, torch, objckpt

@@ -85,7 +85,7 @@ def _read_manifest_through(proxy: FaultProxy, bucket: str, **options: Any) -> by
     return bytes(_runtime.run(store.get(keys[0])))
 
 
-# reads take the direct path by default (s3_direct); botocore's is the fallback: both are tested
+# reads take the direct transport by default (storage/s3/direct.py); botocore's serves proxies: both are tested
 READ_PATHS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "botocore"])
 
 

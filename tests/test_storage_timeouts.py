@@ -13,7 +13,7 @@ import torch
 
 import objckpt
 from objckpt.errors import StorageError
-from objckpt.storage.retry import Failure, RetryPolicy
+from objckpt.storage.s3.retry import Failure, RetryPolicy
 
 _KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
 

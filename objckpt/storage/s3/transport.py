@@ -1,20 +1,20 @@
 """How an S3 store's bytes move: objckpt's own sockets, or botocore's client.
 
-Which transport serves a store is chosen once, in its :class:`~.s3_config.S3Config`
+Which transport serves a store is chosen once, in its :class:`~.config.S3Config`
 (``transport``: direct unless a proxy, ``direct_http=False`` or an endpoint
 that needs another signing says otherwise), never per call.  Both offer the
 same operations, each **one attempt** with the first-answer bound it is given;
 everything around an attempt (limiter, retry budgets, continuation of a broken
 ranged GET from the first missing byte, region redirects, error wording) is
-:func:`.s3_send.Pipeline.send`, the one loop both go through.  They raise the
+:func:`.send.Pipeline.send`, the one loop both go through.  They raise the
 same kinds of errors: an S3 refusal carries a botocore-shaped ``response``
-(:class:`~.s3_direct.S3HttpError` or botocore's ``ClientError``), an answer
+(:class:`~.direct.S3HttpError` or botocore's ``ClientError``), an answer
 that is not S3's is :class:`~objckpt.errors.NotS3EndpointError`.
 
-* :class:`DirectTransport`: :class:`~.s3_direct.DirectClient`'s blocking
+* :class:`DirectTransport`: :class:`~.direct.DirectClient`'s blocking
   exchanges on pool threads (bodies land in and leave from tensor memory).
   A refusal that says the bucket is in another region is raised as
-  :class:`~.s3_answers.WrongRegion`; the pipeline follows it by
+  :class:`~.answers.WrongRegion`; the pipeline follows it by
   :meth:`DirectTransport.retarget`.
 * :class:`BotocoreTransport`: one aiobotocore client (one attempt per call:
   botocore's retries are off), for proxies and ``direct_http=False``.  botocore
@@ -28,18 +28,18 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, TypeVar, cast
 
-from .. import _runtime
-from ..logs import get_logger
-from . import s3_direct
+from ... import _runtime
+from ...logs import get_logger
+from . import direct
 from .retry import is_missing, is_no_bucket
-from .s3_answers import botocore_answer, botocore_not_s3, not_s3_error
-from .s3_config import S3Config, Target, Transport
-from .s3_request import DeleteError, Listed, ListPage, Upload, UploadsPage
+from .answers import botocore_answer, botocore_not_s3, not_s3_error
+from .config import S3Config, Target, Transport
+from .request import DeleteError, Listed, ListPage, Upload, UploadsPage
 from .sigv4 import CredentialSource
 from .wire import Sink
 
 if TYPE_CHECKING:
-    from .s3_direct import DirectClient
+    from .direct import DirectClient
 
 log = get_logger("objckpt.storage")
 T = TypeVar("T")
@@ -47,7 +47,7 @@ T = TypeVar("T")
 
 class S3Transport(Protocol):
     """One attempt of each S3 operation a store makes (``first``: the bound on the
-    first byte of the answer, see :meth:`.s3_send.Pipeline.send`)."""
+    first byte of the answer, see :meth:`.send.Pipeline.send`)."""
 
     names_type: bool  #: errors' type names go before their text (the own path's do not say where they come from)
 
@@ -131,13 +131,13 @@ class DirectTransport:
         if region is not None and region != target.region:  # learned from a redirect earlier in this process
             target = retargeted(target, region)
         p = config.policy
-        client = s3_direct.DirectClient(config.bucket, target, creds, connect_timeout=p.connect_timeout,
+        client = direct.DirectClient(config.bucket, target, creds, connect_timeout=p.connect_timeout,
                                         read_timeout=p.read_timeout, deadline_floor=p.deadline_floor,
                                         min_rate=p.min_rate, extra_headers=config.extra_headers)
         return cls(client, endpoint)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(s3_direct.pool(), fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(direct.pool(), fn, *args)
 
     # -- where requests go ---------------------------------------------------------
     @property

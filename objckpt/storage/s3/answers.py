@@ -1,7 +1,7 @@
 """What an endpoint's answer says beyond its status code, on either S3 transport.
 
 Two questions are asked of every refusal (and of the answers that start a save
-or a read), by the direct path (:mod:`.s3_direct`, raw heads and bodies) and by
+or a read), by the direct path (:mod:`.direct`, raw heads and bodies) and by
 botocore's (parsed responses) alike:
 
 * **Is this S3 at all?**  An endpoint URL that points at a web page (a storage
@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional
 
-from ..errors import NotS3EndpointError
+from ...errors import NotS3EndpointError
 
 #: error codes that always mean "this bucket is served from another region"
 REDIRECT_CODES = frozenset({"PermanentRedirect", "TemporaryRedirect", "IllegalLocationConstraintException"})
@@ -40,7 +40,7 @@ class WrongRegion(Exception):
     ``region``: the bucket's region when the answer named it (header or XML),
     else None (a bare HEAD answer: ask HeadBucket).  ``signed_region``: the
     region the refused request was signed for.  The request is re-signed and
-    sent again on the same transport (:mod:`.s3_send`)."""
+    sent again on the same transport (:mod:`.send`)."""
 
     def __init__(self, message: str, *, status: int, code: str, region: Optional[str], signed_region: str) -> None:
         super().__init__(message)

@@ -1,7 +1,7 @@
 """S3 (and S3-compatible) store: what each ObjectStore call asks of S3.
 
-Every request goes through the store's one :class:`~.s3_send.Pipeline`: one
-transport chosen by the store's :class:`~.s3_config.S3Config` (objckpt's own
+Every request goes through the store's one :class:`~.send.Pipeline`: one
+transport chosen by the store's :class:`~.config.S3Config` (objckpt's own
 HTTP path, or botocore's client behind a proxy or with ``direct_http=False``),
 one loop of retries, limiter and error mapping.  This module only says which
 requests an operation makes and what their answers mean.  Choices that matter
@@ -10,7 +10,7 @@ for speed and safety:
 * payload signing off (``UNSIGNED-PAYLOAD``): hashing every byte costs ~0.7
   CPU-s/GB; integrity is ours, via crc32c per chunk in the manifest, checked
   on every read, and per part by the server (``x-amz-checksum-crc32c``).
-* retries: ours (see :mod:`.s3_send`): a budget per kind of failure, so a
+* retries: ours (see :mod:`.send`): a budget per kind of failure, so a
   refused connection or a silent endpoint is reported in seconds while
   throttling is waited out; a ranged GET that breaks is asked again for the
   rest of its range only.
@@ -22,18 +22,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional, Sequence
 
-from .. import _runtime
-from ..checksum import CellCrcs, crc32c, crc_header
-from ..errors import BucketNotFoundError, CorruptCheckpointError, NotS3EndpointError, PreconditionFailed, StorageError
-from ..logs import get_logger
-from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
+from ... import _runtime
+from ...checksum import CellCrcs, crc32c, crc_header
+from ...errors import BucketNotFoundError, CorruptCheckpointError, NotS3EndpointError, PreconditionFailed, StorageError
+from ...logs import get_logger
+from ..base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
 from .retry import error_code, is_missing, is_past_end, is_precondition
-from .s3_answers import WrongRegion
-from .s3_config import S3Config
-from .s3_request import DeleteError
-from .s3_send import Pipeline
-from .s3_transport import S3Transport
-from .s3_writer import S3Writer
+from .answers import WrongRegion
+from .config import S3Config
+from .request import DeleteError
+from .send import Pipeline
+from .transport import S3Transport
+from .writer import S3Writer
 from .wire import Sink
 
 log = get_logger("objckpt.storage")
@@ -46,7 +46,7 @@ class S3Store(ObjectStore):
     (connect_timeout, read_timeout, throttle_attempts, error_attempts, ...), and
     endpoint_kind (``auto``, ``s3``, ``moto``: the upload and read shape, see
     :mod:`objckpt.storage.shape`).  All of them, and the environment and AWS
-    config files, are resolved once here into :attr:`config` (see :mod:`.s3_config`)."""
+    config files, are resolved once here into :attr:`config` (see :mod:`.config`)."""
 
     page_size = 1000  #: keys per listing page (S3's most; smaller in tests of the pagination)
     delete_batch = 1000  #: keys per DeleteObjects (S3's most)

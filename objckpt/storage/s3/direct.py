@@ -13,16 +13,16 @@ Writes go the same way: PutObject, UploadPart and the multipart calls send the
 caller's buffers with ``sendall`` (no copy, no aiohttp writer), so a first save
 in a new process does not wait for aiobotocore either.  Listings (ListObjectsV2,
 ListMultipartUploads), DeleteObjects and AbortMultipartUpload go the same way,
-their XML answers read by :mod:`.s3_request`: on this transport no request goes
+their XML answers read by :mod:`.request`: on this transport no request goes
 through botocore.
 
 Where requests go (host, addressing, signing region, CA bundle, proxy) is
-resolved once per store by :mod:`.s3_config` from botocore's own resolution,
+resolved once per store by :mod:`.config` from botocore's own resolution,
 which also decides whether this path serves the store at all (not through a
 proxy, for one); once chosen, it serves every request of the store, there is
 no turning to botocore mid-flight.  A refusal saying the bucket is in another
-region is a :class:`~.s3_answers.WrongRegion`, which the pipeline follows on
-this path (:mod:`.s3_send`); an answer that is not S3's is a
+region is a :class:`~.answers.WrongRegion`, which the pipeline follows on
+this path (:mod:`.send`); an answer that is not S3's is a
 :class:`~objckpt.errors.NotS3EndpointError`; any other refusal is an
 :class:`S3HttpError` saying what S3 answered (with a hint for a redirect that
 is not about the region and for a signature complaint).  Integrity does not
@@ -43,11 +43,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from xml.sax.saxutils import escape
 from urllib.parse import urlsplit
 
-from .. import _runtime
-from ..options import switch_word
-from .s3_answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
-from . import s3_config, s3_request
-from .s3_request import DeleteError, ListPage, MalformedAnswer, UploadsPage
+from ... import _runtime
+from ...options import switch_word
+from .answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
+from . import config, request
+from .request import DeleteError, ListPage, MalformedAnswer, UploadsPage
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 from .http_answer import BadAnswer, Head, Reader, check_range, content_length
 from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
@@ -80,8 +80,8 @@ class S3HttpError(Exception):
                          "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
-# where a bucket's requests go: resolved once per store by s3_config (botocore's endpoint rules)
-Target = s3_config.Target
+# where a bucket's requests go: resolved once per store by .config (botocore's endpoint rules)
+Target = config.Target
 
 
 def _op(method: str, path: str, query: str, bucket_path: str) -> str:
@@ -142,7 +142,7 @@ class DirectClient:
                 sock = self._ssl.wrap_socket(sock, server_hostname=t.host)
             except ssl.SSLCertVerificationError as e:
                 sock.close()
-                raise s3_config.CertificateError(
+                raise config.CertificateError(
                     f"{t.scheme}://{t.host_header}: TLS certificate not trusted by CA bundle {t.cafile} "
                     f"({t.trust or 'the default'}): {e.verify_message or e}") from None
         return Conn(sock)
@@ -184,7 +184,7 @@ class DirectClient:
         return f"{self.target.scheme}://{self.target.host_header}"
 
     def _check_s3(self, head: _Head, what: str) -> None:
-        """A 2xx answer to a HEAD or whole GET of an object must be S3's (see s3_answers)."""
+        """A 2xx answer to a HEAD or whole GET of an object must be S3's (see .answers)."""
         reason = not_s3_reason(head.status, head.headers, object_answer=True)
         if reason is not None:
             raise not_s3_error(self.endpoint(), what, head.status, head.headers, reason)
@@ -195,7 +195,7 @@ class DirectClient:
         """Send one request and read its answer's head (interim 1xx answers skipped).
 
         The peer must take some of the body every ``first_byte`` seconds (the
-        bound :meth:`.s3_send.Pipeline.send` gives an attempt: ``read_timeout`` for a
+        bound :meth:`.send.Pipeline.send` gives an attempt: ``read_timeout`` for a
         request with a body) and begin its answer within ``first_byte`` of the
         last byte sent; all of it within the request's deadline (``rd.dl``)."""
         if self.extra_headers is not None:
@@ -457,7 +457,7 @@ class DirectClient:
         if token:
             query["continuation-token"] = token
         what = f"ListObjectsV2 s3://{self.bucket}/{prefix}"
-        return s3_request.list_page(self._bucket_get(query, first_byte, what), what)
+        return request.list_page(self._bucket_get(query, first_byte, what), what)
 
     def list_uploads_page(self, prefix: str, key_marker: Optional[str], upload_id_marker: Optional[str],
                           max_uploads: int, first_byte: float) -> UploadsPage:
@@ -467,18 +467,18 @@ class DirectClient:
             query["key-marker"] = key_marker
             query["upload-id-marker"] = upload_id_marker or ""
         what = f"ListMultipartUploads s3://{self.bucket}/{prefix}"
-        return s3_request.uploads_page(self._bucket_get(query, first_byte, what), what)
+        return request.uploads_page(self._bucket_get(query, first_byte, what), what)
 
     def delete_objects(self, keys: Sequence[str], first_byte: float) -> list[DeleteError]:
         """DeleteObjects of up to 1000 ``keys`` in quiet mode; the keys S3 did not delete.
         The body carries its Content-MD5, which S3 requires of this call."""
-        body = s3_request.delete_body(list(keys))
+        body = request.delete_body(list(keys))
         md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
         what = f"DeleteObjects s3://{self.bucket} ({len(keys)} keys)"
         h = self._exchange("POST", quote_path(self.target.prefix or "/"), {"content-md5": md5,
                            "content-type": "application/xml"}, first_byte, self._xml_answer, what,
                            canonical_query({"delete": ""}), [memoryview(body)])
-        return s3_request.delete_errors(h.body.data().decode("utf-8", "replace") if h.body is not None else "", what)
+        return request.delete_errors(h.body.data().decode("utf-8", "replace") if h.body is not None else "", what)
 
     def abort_upload(self, key: str, upload_id: str, first_byte: float) -> None:
         """AbortMultipartUpload; a 404 (NoSuchUpload) raises for the caller to map."""

@@ -1,7 +1,7 @@
 """One frozen S3 configuration per store, resolved once, the way botocore resolves it.
 
 Both ways an :class:`~objckpt.storage.s3.S3Store` moves bytes (objckpt's own
-HTTP path, :mod:`.s3_direct`, and the aiobotocore client) take every setting
+HTTP path, :mod:`.direct`, and the aiobotocore client) take every setting
 from the one :class:`S3Config` built here when the store opens, so they cannot
 disagree on where requests go, which region signs them, which CA is trusted or
 which proxy is used.  This is the only module that reads ``storage_options``
@@ -11,7 +11,7 @@ Nothing botocore already parses is parsed again: one ``botocore.session.Session`
 (with the store's profile) answers for the environment and the AWS config and
 credentials files (``get_config_variable``, ``get_scoped_config``,
 ``ConfiguredEndpointProvider``, ``get_credentials``), and botocore's endpoint
-code, run as a client would run it but without building one (:mod:`.s3_rules`),
+code, run as a client would run it but without building one (:mod:`.rules`),
 says which URL a GetObject of the bucket goes to and which region signs it (S3's
 endpoint ruleset decides FIPS, dual-stack, acceleration, addressing and
 partitions).  The first store of a process pays for importing botocore and
@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
-from ..errors import ObjckptError, StorageError
-from ..logs import get_logger, register_secret
-from ..options import switch_word
+from ...errors import ObjckptError, StorageError
+from ...logs import get_logger, register_secret
+from ...options import switch_word
 from .retry import RetryPolicy
-from . import s3_rules
-from .s3_rules import Resolved
-from .shape import parse_kind
+from . import rules
+from .rules import Resolved
+from ..shape import parse_kind
 from .sigv4 import CredentialSource, Credentials
 
 log = get_logger("objckpt.storage")
@@ -79,7 +79,7 @@ class CertificateError(StorageError):
 class Transport(str, enum.Enum):
     """How a store's requests travel; chosen once per store (:attr:`S3Config.transport`)."""
 
-    DIRECT = "direct"  #: objckpt's own HTTP path (:mod:`.s3_direct`)
+    DIRECT = "direct"  #: objckpt's own HTTP path (:mod:`.direct`)
     BOTOCORE = "botocore"  #: every request through the aiobotocore client
 
 
@@ -490,7 +490,7 @@ _probes: dict[tuple[Any, ...], Resolved] = {}
 
 def _probe(session: Any, bucket: str, cfg: S3Config) -> tuple[str, str, dict[str, Any]]:
     """(``meta.endpoint_url``, the URL a GetObject of ``bucket`` key ``k`` goes to, the
-    signing context) of a botocore client with these settings (:mod:`.s3_rules`: botocore's
+    signing context) of a botocore client with these settings (:mod:`.rules`: botocore's
     endpoint code without a client, ~10 ms once per process and <1 ms after; nothing is sent),
     kept for later stores with the same settings."""
     kw, ckw = cfg.client_args()
@@ -501,7 +501,7 @@ def _probe(session: Any, bucket: str, cfg: S3Config) -> tuple[str, str, dict[str
         with _lock:
             got = _probes.get(key)
         if got is None:
-            got = s3_rules.where(session, bucket, kw, ckw)
+            got = rules.where(session, bucket, kw, ckw)
             with _lock:
                 if len(_probes) >= 8 * _KEPT:  # many buckets or changing settings: start again
                     _probes.clear()

@@ -1,6 +1,6 @@
 """Where botocore sends a GetObject of a bucket, found without building a client.
 
-:mod:`.s3_config` needs, for one set of S3 settings, the URL a GetObject of the
+:mod:`.config` needs, for one set of S3 settings, the URL a GetObject of the
 bucket goes to, the region that signs it and botocore's ``meta.endpoint_url``.
 A botocore client would say, but making the first one in a process costs 60-120
 ms here: besides the endpoint data read here too (~20 ms), it reads S3's 185 KB
@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..logs import get_logger
+from ...logs import get_logger
 
 log = get_logger("objckpt.storage")
 

@@ -1,13 +1,13 @@
 """AWS Signature Version 4 for S3 requests, and where their credentials come from.
 
-The direct read path (:mod:`.s3_direct`) signs its own GET/HEAD requests so that
+The direct read path (:mod:`.direct`) signs its own GET/HEAD requests so that
 a restore needs neither aiobotocore nor aiohttp (together 0.5-0.7 s of imports
 and client set-up in a new process, before the first byte).  The payload is
 never hashed (``UNSIGNED-PAYLOAD``, as the botocore client is configured too):
 integrity is objckpt's own crc32c per chunk.
 
 Credentials: where they come from is decided once per store by
-:mod:`.s3_config` (storage options, else botocore's provider chain for the
+:mod:`.config` (storage options, else botocore's provider chain for the
 profile); :class:`CredentialSource` hands them to each request, re-reading
 botocore's refreshing credentials every time, or none for unsigned requests.
 """

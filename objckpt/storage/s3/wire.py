@@ -29,8 +29,8 @@ try:
 except ImportError:  # not a Unix: no low-water mark (see Conn.lowat)
     fcntl = termios = None  # type: ignore[assignment]
 
-from ..checksum import CellCrcs
-from ..options import switch_word
+from ...checksum import CellCrcs
+from ...options import switch_word
 
 #: bytes a plain-TCP body receive waits for before it wakes (see :func:`receive`)
 RECV_LOWAT = 1 << 20

@@ -13,7 +13,7 @@ answer (or an upload) that keeps trickling is a timeout like a silent one.
 
 This module holds the policy and the reading of failures; the one loop that
 applies them to every request of an S3 store, on either transport, is
-:meth:`.s3_send.Pipeline.send`.
+:meth:`.send.Pipeline.send`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ..logs import get_logger
+from ...logs import get_logger
 
 log = get_logger("objckpt.storage")
 

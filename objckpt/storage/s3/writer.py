@@ -4,13 +4,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from .. import _runtime
-from ..checksum import composite_header, crc_header, crc_of_views
-from ..errors import CorruptCheckpointError
-from .base import BlobWriter, UploadInfo
+from ... import _runtime
+from ...checksum import composite_header, crc_header, crc_of_views
+from ...errors import CorruptCheckpointError
+from ..base import BlobWriter, UploadInfo
 
 if TYPE_CHECKING:
-    from .s3 import S3Store
+    from .store import S3Store
 
 
 class S3Writer(BlobWriter):

@@ -1,7 +1,7 @@
 """The one loop every S3 request of a store goes through, whatever moves its bytes.
 
 :meth:`Pipeline.send` runs one operation of the store's transport
-(:mod:`.s3_transport`, chosen once by the store's config) until it succeeds or
+(:mod:`.transport`, chosen once by the store's config) until it succeeds or
 its kind of failure has used up its budget (:class:`~.retry.RetryPolicy`):
 
 * **limiter**: each attempt holds a slot of the store's AIMD limiter; throttling
@@ -31,14 +31,14 @@ import asyncio
 import time
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
-from ..errors import BucketNotFoundError, NotS3EndpointError, StorageError, StorageTimeoutError
-from ..logs import get_logger
-from .limiter import AimdLimiter
+from ...errors import BucketNotFoundError, NotS3EndpointError, StorageError, StorageTimeoutError
+from ...logs import get_logger
+from ..limiter import AimdLimiter
 from .retry import Failure, callers_map, classify, http_status, is_missing, is_no_bucket, no_answer
-from .s3_answers import WrongRegion
-from .s3_config import S3Config
-from .s3_request import MalformedAnswer
-from .s3_transport import S3Transport, open_transport
+from .answers import WrongRegion
+from .config import S3Config
+from .request import MalformedAnswer
+from .transport import S3Transport, open_transport
 
 log = get_logger("objckpt.storage")
 T = TypeVar("T")

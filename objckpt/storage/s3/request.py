@@ -1,6 +1,6 @@
 """What S3 requests return beyond bytes: listing pages, delete outcomes, error XML.
 
-Both transports (:mod:`.s3_transport`) hand the store the same records, so the
+Both transports (:mod:`.transport`) hand the store the same records, so the
 store's calls read the same whatever moved the bytes: objckpt's own HTTP path
 parses S3's XML answers here (with the standard library's expat parser, bounded
 by the answer size the transport allows), botocore's parses them itself and its
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 from urllib.parse import unquote_plus
 from xml.sax.saxutils import escape
 
-from ..errors import StorageError
+from ...errors import StorageError
 
 
 @dataclass(frozen=True)
