@@ -6,7 +6,7 @@ A botocore client would say, but making the first one in a process costs 60-120
 ms here: besides the endpoint data read here too (~20 ms), it reads S3's 185 KB
 API model (``service-2.json``) after listing every service's folder, and builds
 a class of ~100 methods, none of which bear on endpoints (measured:
-a new process's first 4 MiB restore took 0.22 s with a client, 0.16 s
+a new process's first 4 MiB restore took 0.18-0.22 s with a client, 0.16 s
 without, botocore's import included).  This module runs the same botocore code a client
 runs for that, in the same order, on the same session and configuration store
 (:func:`resolve`):
