@@ -378,7 +378,7 @@ def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypa
 def test_a_failed_spliced_put_closes_its_connection(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """An error answer does not say the body left the socket: the connection is closed
     (abortively), never reused, and the next request goes on a fresh one."""
-    from objckpt.storage.s3.direct import S3HttpError
+    from objckpt.storage.s3.request import S3HttpError
 
     monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
     client, srv = fast_client

@@ -81,14 +81,21 @@ class _Client:
 
 
 class _FakeS3:
-    """What shape_for reads of an S3Store: endpoint_kind, endpoint_url, bucket, client()."""
+    """What shape_for reads of an S3Store: endpoint_kind, endpoint_url, bucket, server_header()
+    (here answered the way the botocore transport reads a HeadBucket)."""
 
     def __init__(self, kind: str, url: Optional[str], answer: Any = "Werkzeug/3.1.9 Python/3.11.7") -> None:
         self.endpoint_kind, self.endpoint_url, self.bucket = kind, url, "b"
         self._client = _Client(answer)
 
-    async def client(self) -> _Client:
-        return self._client
+    async def server_header(self, timeout: float) -> tuple[bool, Optional[str]]:
+        try:
+            r = await self._client.head_bucket(Bucket=self.bucket)
+        except Exception as e:  # an HTTP error still names its server
+            r = getattr(e, "response", None)
+            if not isinstance(r, dict):
+                return False, None
+        return True, r["ResponseMetadata"]["HTTPHeaders"].get("server")
 
 
 @pytest.mark.parametrize("kind, url, answer, shape, probes", [

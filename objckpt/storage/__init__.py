@@ -1,6 +1,6 @@
 """Storage backends behind one seam, and the URI -> store mapping.
 
-``s3://bucket/prefix`` -> S3 (aiobotocore), ``file:///dir`` or a plain path ->
+``s3://bucket/prefix`` -> S3 (:mod:`.s3`), ``file:///dir`` or a plain path ->
 local files, ``memory://name/prefix`` -> in-process (tests), any other
 ``proto://`` -> fsspec.  Stores are cached per (URI root, options) so a
 training job reuses one connection pool across saves.

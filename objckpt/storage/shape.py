@@ -27,7 +27,6 @@ explicit ``blob_size`` / ``part_size``.
 """
 from __future__ import annotations
 
-import asyncio
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -114,23 +113,15 @@ def kind_from_server(server: Optional[str]) -> str:
 
 
 async def server_header(store: Any) -> Optional[str]:
-    """The ``Server`` header of one HeadBucket on ``store``'s client, answered or
+    """The ``Server`` header of one HeadBucket on ``store``'s transport, answered or
     refused alike (a 403 or 404 carries it too); None when nothing answers in time."""
     policy = getattr(store, "policy", None)
     timeout = min(PROBE_TIMEOUT_S, getattr(policy, "first_answer_timeout", PROBE_TIMEOUT_S))
     probe = getattr(store, "server_header", None)
-    if probe is not None:  # S3Store: on its transport (the own path imports no botocore for it)
-        found, server = await probe(timeout)
-        return server if found else None
-    try:
-        client = await store.client()
-        r = await asyncio.wait_for(client.head_bucket(Bucket=store.bucket), timeout)
-    except Exception as e:  # an HTTP error still names its server
-        r = getattr(e, "response", None)
-    if not isinstance(r, dict):
+    if probe is None:
         return None
-    headers = r.get("ResponseMetadata", {}).get("HTTPHeaders", {})
-    return headers.get("server") if isinstance(headers, dict) else None
+    found, server = await probe(timeout)
+    return server if found else None
 
 
 async def shape_for(store: Any) -> Shape:

@@ -34,7 +34,6 @@ import base64
 import concurrent.futures
 import hashlib
 import os
-import re
 import socket
 import ssl
 import threading
@@ -47,7 +46,7 @@ from ... import _runtime
 from ...options import switch_word
 from .answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
 from . import config, request
-from .request import DeleteError, ListPage, MalformedAnswer, UploadsPage
+from .request import DeleteError, ListPage, MalformedAnswer, S3HttpError, UploadsPage, xml_field
 from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
 from .http_answer import BadAnswer, Head, Reader, check_range, content_length
 from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
@@ -64,20 +63,6 @@ _XML_BODY = 16 << 20
 #: refusals of how a request was signed or authorized, and what to check (see :func:`_hint`)
 _SIGNING_CODES = {"SignatureDoesNotMatch", "AuthorizationHeaderMalformed", "InvalidRequest",
                   "IllegalLocationConstraintException", "InvalidAccessKeyId"}
-
-
-class S3HttpError(Exception):
-    """An S3 error answer, shaped like botocore's ClientError (``response``) so the
-    store's error mapping and retry classification treat both alike."""
-
-    def __init__(self, status: int, code: str, message: str, what: str, server: Optional[str] = None,
-                 region: Optional[str] = None, hint: str = "") -> None:
-        super().__init__(f"{what}: HTTP {status} {code or ''} {message or ''}".strip() + hint)
-        self.status = status
-        self.server = server  # the answer's Server header
-        self.region = region  # the answer's x-amz-bucket-region (a HeadBucket's 403 carries it too)
-        self.response = {"Error": {"Code": code or str(status), "Message": message},
-                         "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
 # where a bucket's requests go: resolved once per store by .config (botocore's endpoint rules)
@@ -234,8 +219,8 @@ class DirectClient:
             else:
                 conn.close()
         text = sink.data().decode("utf-8", "replace")
-        code = _xml_field(text, "Code")
-        message = _xml_field(text, "Message")
+        code = xml_field(text, "Code")
+        message = xml_field(text, "Message")
         reason = not_s3_reason(head.status, head.headers, text)
         if reason is not None:
             return not_s3_error(self.endpoint(), what, head.status, head.headers, reason)
@@ -415,13 +400,13 @@ class DirectClient:
                            canonical_query(query), [memoryview(body)] if body else [])
         text = h.body.data().decode("utf-8", "replace") if h.body is not None else ""
         if "<Error>" in text:  # CompleteMultipartUpload can fail inside a 200
-            raise S3HttpError(500, _xml_field(text, "Code"), _xml_field(text, "Message"), what)
+            raise S3HttpError(500, xml_field(text, "Code"), xml_field(text, "Message"), what)
         return text
 
     def create_upload(self, key: str, headers: dict[str, str], first_byte: float) -> str:
         text = self._post(key, {"uploads": ""}, headers, b"", first_byte,
                           f"CreateMultipartUpload s3://{self.bucket}/{key}")
-        upload_id = _xml_field(text, "UploadId")
+        upload_id = xml_field(text, "UploadId")
         if not upload_id:
             raise MalformedAnswer(f"CreateMultipartUpload s3://{self.bucket}/{key} at {self.endpoint()}: "
                                   f"no UploadId in the answer ({text[:80]!r})")
@@ -434,7 +419,7 @@ class DirectClient:
                 f"{xml}</CompleteMultipartUpload>").encode()
         text = self._post(key, {"uploadId": upload_id}, {"content-type": "application/xml"}, body, first_byte,
                           f"CompleteMultipartUpload s3://{self.bucket}/{key}")
-        crc = _xml_field(text, "ChecksumCRC32C")
+        crc = xml_field(text, "ChecksumCRC32C")
         return {"ChecksumCRC32C": crc} if crc else {}
 
     # -- listings, deletes, aborts -------------------------------------------
@@ -521,11 +506,6 @@ def _hint(head: Head, code: str) -> str:
                 "clock; an endpoint that wants another signing than SigV4 is served through botocore with "
                 "storage option direct_http=False)")
     return ""
-
-
-def _xml_field(text: str, name: str) -> str:
-    m = re.search(rf"<{name}>(.*?)</{name}>", text, re.S)
-    return m.group(1).strip() if m else ""
 
 
 # -- the threads that run the exchanges -----------------------------------------

@@ -1,4 +1,4 @@
-"""What S3 requests return beyond bytes: listing pages, delete outcomes, error XML.
+"""What S3 requests return beyond bytes: listing pages, delete outcomes, error answers.
 
 Both transports (:mod:`.transport`) hand the store the same records, so the
 store's calls read the same whatever moved the bytes: objckpt's own HTTP path
@@ -65,6 +65,20 @@ class DeleteError:
     key: str
     code: str
     message: str = ""
+
+
+class S3HttpError(Exception):
+    """An S3 error answer, shaped like botocore's ClientError (``response``) so the
+    store's error mapping and retry classification treat both alike."""
+
+    def __init__(self, status: int, code: str, message: str, what: str, server: Optional[str] = None,
+                 region: Optional[str] = None, hint: str = "") -> None:
+        super().__init__(f"{what}: HTTP {status} {code or ''} {message or ''}".strip() + hint)
+        self.status = status
+        self.server = server  # the answer's Server header
+        self.region = region  # the answer's x-amz-bucket-region (a HeadBucket's 403 carries it too)
+        self.response = {"Error": {"Code": code or str(status), "Message": message},
+                         "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
 class MalformedAnswer(StorageError):
