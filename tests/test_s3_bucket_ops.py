@@ -93,8 +93,8 @@ def test_save_delete_and_gc_in_a_new_process_import_no_botocore_client(moto_s3: 
 class _Recorder:
     """An HTTP server that records each request and answers it with ``answer``."""
 
-    def __init__(self, answer: bytes) -> None:
-        self.answer = answer
+    def __init__(self, answer: bytes, *later: bytes) -> None:
+        self.answers = [answer, *later]  # one per request, the last one again for any further
         self.requests: list[bytes] = []
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -117,16 +117,17 @@ class _Recorder:
                 while len(rest) < n:
                     rest += c.recv(65536)
                 self.requests.append(head + b"\r\n\r\n" + rest)
+                answer = self.answers[min(len(self.requests), len(self.answers)) - 1]
                 c.sendall(b"HTTP/1.1 200 OK\r\nx-amz-request-id: 1\r\nContent-Type: application/xml\r\n"
-                          b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(self.answer), self.answer))
+                          b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(answer), answer))
 
 
 @pytest.fixture
 def recorder() -> Iterator[Any]:
     made: list[_Recorder] = []
 
-    def make(answer: bytes) -> tuple[_Recorder, DirectClient]:
-        srv = _Recorder(answer)
+    def make(answer: bytes, *later: bytes) -> tuple[_Recorder, DirectClient]:
+        srv = _Recorder(answer, *later)
         made.append(srv)
         target = Target("http", "127.0.0.1", srv.port, f"127.0.0.1:{srv.port}", "/b", "eu-west-2")
         return srv, DirectClient("b", target, CredentialSource(Credentials("AKID", "SECRET", "TOKEN")),
@@ -203,3 +204,22 @@ def test_delete_sends_content_md5_and_names_the_keys_s3_refused(recorder: Any) -
                                       "aws_access_key_id": "AKID", "aws_secret_access_key": "SECRET"})
     with pytest.raises(objckpt.StorageError, match=r"did not delete 1 key: 'p/b': AccessDenied no"):
         _runtime.run(store.delete(["p/a", "p/b", "p/c"]))
+
+
+def test_keys_s3_refused_for_now_are_deleted_again(recorder: Any) -> None:
+    """DeleteObjects answers a per-key SlowDown or InternalError inside a 200: the batch
+    is sent again under the throttling budget (it used to be a final error), and keys
+    still refused when the budget is spent are named."""
+    slow = b"<DeleteResult><Error><Key>p/b</Key><Code>SlowDown</Code><Message>Reduce your rate</Message></Error></DeleteResult>"
+    srv, _ = recorder(slow, b"<DeleteResult></DeleteResult>")
+    opts = {"endpoint_url": f"http://127.0.0.1:{srv.port}", "region_name": "eu-west-2", "aws_access_key_id": "AKID",
+            "aws_secret_access_key": "SECRET", "base_backoff": 0.01}
+    store, _ = open_store("s3://b", opts)
+    _runtime.run(store.delete(["p/a", "p/b"]))
+    assert len(srv.requests) == 2 and all(b"<Key>p/a</Key>" in r and b"<Key>p/b</Key>" in r for r in srv.requests)
+
+    srv, _ = recorder(slow)
+    store, _ = open_store("s3://b", {**opts, "endpoint_url": f"http://127.0.0.1:{srv.port}", "throttle_attempts": 3})
+    with pytest.raises(objckpt.StorageError, match=r"throttle, 3 attempts.*did not delete 1 of them.*'p/b'.*SlowDown"):
+        _runtime.run(store.delete(["p/a", "p/b"]))
+    assert len(srv.requests) == 3

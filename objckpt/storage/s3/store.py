@@ -27,16 +27,31 @@ from ...checksum import CellCrcs, crc32c, crc_header
 from ...errors import BucketNotFoundError, CorruptCheckpointError, NotS3EndpointError, PreconditionFailed, StorageError
 from ...logs import get_logger
 from ..base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
-from .retry import error_code, is_missing, is_past_end, is_precondition
+from .retry import Failure, classify, error_code, is_missing, is_past_end, is_precondition
 from .answers import WrongRegion
 from .config import S3Config
-from .request import DeleteError
+from .request import DeleteError, S3HttpError
 from .send import Pipeline
 from .transport import S3Transport
 from .writer import S3Writer
 from .wire import Sink
 
 log = get_logger("objckpt.storage")
+
+
+async def _delete_once(t: S3Transport, keys: list[str], first: float, what: str) -> list[DeleteError]:
+    """One DeleteObjects of ``keys``; the keys it did not delete.  Keys S3 refused for a
+    passing reason (``SlowDown``, ``InternalError``: S3 answers them per key inside a 200)
+    raise, so that the pipeline sends the batch again under the budget of that kind of
+    failure (deleting is idempotent; throttling also slows the limiter)."""
+    errs = await t.delete_objects(keys, first)
+    passing = [e for e in errs if classify(S3HttpError(200, e.code, e.message, what)) in (Failure.THROTTLE,
+                                                                                          Failure.SERVER)]
+    if passing:
+        e = passing[0]
+        raise S3HttpError(200, e.code, e.message, f"{what}: S3 did not delete {len(passing)} of them for now "
+                                                  f"(first {e.key!r})")
+    return errs
 
 
 class S3Store(ObjectStore):
@@ -228,7 +243,7 @@ class S3Store(ObjectStore):
         for i in range(0, len(keys), self.delete_batch):
             batch = keys[i : i + self.delete_batch]
             what = f"DeleteObjects s3://{self.bucket} ({len(batch)} keys from {batch[0]!r})"
-            self._raise_delete_errors(await self.pipeline.send(what, lambda t, f: t.delete_objects(batch, f)))
+            self._raise_delete_errors(await self.pipeline.send(what, lambda t, f: _delete_once(t, batch, f, what)))
 
     def _raise_delete_errors(self, errs: list[DeleteError]) -> None:
         """The keys DeleteObjects refused (an already missing key is deleted), named."""
