@@ -22,7 +22,7 @@ import objckpt
 from objckpt import _runtime
 from objckpt.storage import open_store
 from objckpt.storage.s3.direct import DirectClient, Target
-from objckpt.storage.s3.sigv4 import CredentialSource, Credentials
+from objckpt.storage.s3.credentials import CredentialSource, Credentials
 
 from conftest import s3_options
 

@@ -21,7 +21,7 @@ import certifi
 import pytest
 
 from objckpt.storage.s3.config import NoCredentialsError, S3Config, S3ConfigError, Transport
-from objckpt.storage.s3.sigv4 import Credentials
+from objckpt.storage.s3.credentials import Credentials
 
 _CLEARED = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE",
             "OBJCKPT_S3_DIRECT_HTTP")

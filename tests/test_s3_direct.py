@@ -27,7 +27,8 @@ from objckpt import _runtime
 from objckpt.storage import open_store
 from objckpt.storage.s3.config import S3Config, Transport
 from objckpt.storage.s3.direct import DirectClient, Sink, Target
-from objckpt.storage.s3.sigv4 import CredentialSource, Credentials, Signer, quote_path
+from objckpt.storage.s3.credentials import CredentialSource, Credentials
+from objckpt.storage.s3.sigv4 import Signer, quote_path
 from objckpt.testing.s3server import S3Server
 
 from conftest import make_bucket, s3_options

@@ -19,7 +19,7 @@ from objckpt.storage import open_store
 from objckpt.storage.s3.http_answer import BadAnswer, WrongRange
 from objckpt.storage.s3.retry import RetryPolicy
 from objckpt.storage.s3.direct import DirectClient, Target
-from objckpt.storage.s3.sigv4 import CredentialSource, Credentials
+from objckpt.storage.s3.credentials import CredentialSource, Credentials
 from objckpt.storage.s3.wire import Sink, SlowAnswer
 
 from hostile_http import HostileServer, wait_for

@@ -3,7 +3,7 @@
 ``config`` resolves a store's settings once (the only reader of storage_options and
 the environment for S3), ``send`` is the one loop every request goes through,
 ``transport`` says how bytes move (``direct``: objckpt's own sockets, signed by
-``sigv4``; or botocore's client), ``request`` reads S3's XML answers, ``answers``
+``sigv4`` with what ``credentials`` hands it; or botocore's client), ``request`` reads S3's XML answers, ``answers``
 what an answer says beyond its status, ``writer`` writes one object from parts,
 and ``store`` is the :class:`S3Store` the rest of objckpt opens.
 """

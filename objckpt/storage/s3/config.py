@@ -45,7 +45,7 @@ from .retry import RetryPolicy
 from . import rules
 from .rules import Resolved
 from ..shape import parse_kind
-from .sigv4 import CredentialSource, Credentials
+from .credentials import CredentialSource, Credentials
 
 log = get_logger("objckpt.storage")
 

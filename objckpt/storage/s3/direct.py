@@ -47,7 +47,8 @@ from ...options import switch_word
 from .answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
 from . import config, request
 from .request import DeleteError, ListPage, MalformedAnswer, S3HttpError, UploadsPage, xml_field
-from .sigv4 import CredentialSource, Signer, canonical_query, quote_path
+from .credentials import CredentialSource
+from .sigv4 import Signer, canonical_query, quote_path
 from .http_answer import BadAnswer, Head, Reader, check_range, content_length
 from .wire import Conn, Deadline, GrowingSink, ShortBody, Sink, send_views
 from .wire import AnswerTimeout as AnswerTimeout  # re-exported: the store tells it from a silent endpoint

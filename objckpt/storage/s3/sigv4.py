@@ -1,15 +1,12 @@
-"""AWS Signature Version 4 for S3 requests, and where their credentials come from.
+"""AWS Signature Version 4 for S3 requests: it signs, nothing else.
 
-The direct read path (:mod:`.direct`) signs its own GET/HEAD requests so that
-a restore needs neither aiobotocore nor aiohttp (together 0.5-0.7 s of imports
+objckpt's own transport (:mod:`.direct`) signs every request with it so that
+a restore or save needs neither aiobotocore nor aiohttp (together 0.5-0.7 s of imports
 and client set-up in a new process, before the first byte).  The payload is
 never hashed (``UNSIGNED-PAYLOAD``, as the botocore client is configured too):
 integrity is objckpt's own crc32c per chunk.
 
-Credentials: where they come from is decided once per store by
-:mod:`.config` (storage options, else botocore's provider chain for the
-profile); :class:`CredentialSource` hands them to each request, re-reading
-botocore's refreshing credentials every time, or none for unsigned requests.
+Credentials come from :mod:`.credentials`.
 """
 from __future__ import annotations
 
@@ -17,39 +14,12 @@ import datetime
 import hashlib
 import hmac
 import threading
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 from urllib.parse import quote
 
+from .credentials import Credentials
+
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """One set of AWS credentials (a session token for temporary ones)."""
-
-    access_key: str
-    secret_key: str
-    token: Optional[str] = None
-
-
-class CredentialSource:
-    """Credentials for each request: fixed ones, botocore's (which refresh), or none
-    (``anonymous``: unsigned requests, for public buckets)."""
-
-    def __init__(self, fixed: Optional[Credentials] = None, botocore_creds: Any = None, *,
-                 anonymous: bool = False) -> None:
-        self._fixed = fixed
-        self._boto = botocore_creds
-        self.anonymous = anonymous
-
-    def get(self) -> Optional[Credentials]:
-        if self.anonymous:
-            return None
-        if self._fixed is not None:
-            return self._fixed
-        f = self._boto.get_frozen_credentials()  # refreshes temporary credentials when due
-        return Credentials(f.access_key, f.secret_key, f.token or None)
 
 
 def quote_path(path: str) -> str:

@@ -35,7 +35,7 @@ from .retry import is_missing, is_no_bucket
 from .answers import botocore_answer, botocore_not_s3, not_s3_error
 from .config import S3Config, Target, Transport
 from .request import DeleteError, Listed, ListPage, Upload, UploadsPage
-from .sigv4 import CredentialSource
+from .credentials import CredentialSource
 from .wire import Sink
 
 if TYPE_CHECKING:
