@@ -102,7 +102,8 @@ def test_overlap_query_on_a_65536_rank_mesh_does_not_walk_the_mesh(monkeypatch: 
     assert calls[0] < 40, calls[0]
     writers = sorted(w for w, _, _ in got)
     # brute force over the mesh: every rank whose own cell meets the box
-    want = sorted(r for r in range(65536) if _meets(cell_box(shape, mesh.shape, lay.placements, mesh.coordinate(r)), box))
+    want = sorted(r for r in range(65536)
+                  if _meets(cell_box(shape, mesh.shape, lay.placements, mesh.coordinate(r)), box))
     assert writers == want and len(want) in (2, 3)
     assert sum(math.prod(i[1]) for _, _, i in got) == math.prod(box[1])
 
@@ -174,3 +175,55 @@ def test_strided_mesh_description_lists_the_permuted_ranks_once_per_mesh() -> No
     assert first.shape == (8, 8) and first.placements == ("S0", "S0")
     assert first.ranks == tuple(torch.arange(64).reshape(8, 8).t().flatten().tolist())  # "tp" outer, "dp" inner
     assert second.ranks is first.ranks and second.ident == first.ident
+
+
+def test_strided_dim_order_checks_sampled_points_without_listing_the_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which order of FSDP2 x TP's mesh dims makes ``_StridedShard`` plain nested chunks is
+    checked on sampled points of a 65,536-point mesh: only their pieces are computed,
+    not the dim's 65,536 (once per tensor shape, on every rank of a cold process)."""
+    from objckpt.planning import strided
+
+    calls = [0]
+    real = symbolic.chunk_piece
+
+    def counted(*a: Any) -> Any:
+        calls[0] += 1
+        return real(*a)
+
+    monkeypatch.setattr(symbolic, "chunk_piece", counted)
+    monkeypatch.setattr(strided, "chunk_piece", counted)
+    strided._dim_order.cache_clear()  # results are cached per (size, steps)
+    order = strided._dim_order(8192 * 8 * 3, (strided.Step(8192, 8), strided.Step(8, 1)))
+    assert order == (1, 0)  # "tp" outer, "dp" inner
+    assert calls[0] < 2000, calls[0]
+
+
+def test_empty_strided_box_asks_torch_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank holding nothing of a strided DTensor (an MoE router with fewer rows than FSDP
+    cells) asks torch where its empty box starts once per shape and placements: torch's
+    strided rule costs O(mesh size), ~50 ms a call at 65,536 ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from objckpt.distributed import placements
+
+    calls: list[Any] = []
+    real = placements._compute_local
+    monkeypatch.setattr(placements, "_compute_local", lambda *a: calls.append(a) or real(*a))
+    dist.init_process_group("fake", rank=61, world_size=64, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
+        pl = [_StridedShard(0, split_factor=8), Shard(0)]
+        boxes = []
+        for _ in range(5):  # 5 rows over 64 points: rank 61 holds nothing
+            x = DTensor.from_local(torch.empty((0, 4)), mesh, pl, run_check=False, shape=torch.Size((5, 4)),
+                                   stride=(4, 1))
+            part = placements.local_part("router", x)
+            boxes.append(part.pieces[0][0])
+        assert len(calls) == 1
+        assert all(b == boxes[0] for b in boxes) and boxes[0][1][0] == 0 and boxes[0][0] == real(*calls[0])[0]
+    finally:
+        dist.destroy_process_group()

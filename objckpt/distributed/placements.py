@@ -100,6 +100,26 @@ def _compute_local(shape: Any, mesh: Any, placements: list[Any]) -> Box:
     return tuple(int(o) for o in offsets), tuple(int(s) for s in shp)
 
 
+#: per DeviceMesh: (shape, placements) -> the offsets torch gives this rank's empty strided box
+_EMPTY_AT: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[int, ...]]]" = weakref.WeakKeyDictionary()
+
+
+def _empty_box_offsets(shape: tuple[int, ...], mesh: Any, placements: list[Any]) -> tuple[int, ...]:
+    """Where torch says this rank's (empty) box of a strided DTensor starts, once per
+    shape and placements: torch's rule for ``_StridedShard`` costs O(mesh size) (~50 ms at
+    65,536 ranks), and a rank may hold nothing of hundreds of same-shaped tensors (an
+    MoE's router rows, fewer than its FSDP cells)."""
+    key = (shape, tuple(repr(p) for p in placements))
+    try:
+        per = _EMPTY_AT.setdefault(mesh, {})
+    except TypeError:
+        per = {}
+    hit = per.get(key)
+    if hit is None:
+        hit = per[key] = _compute_local(shape, mesh, placements)[0]
+    return hit
+
+
 def _is_strided(p: Any) -> bool:
     return type(p).__name__ == "_StridedShard"
 
@@ -143,7 +163,7 @@ def _dtensor_pieces(key: str, dt: Any) -> Optional[list[LocalPiece]]:
             coords[d].append(int(coord[md]))
     pieces = local_pieces(shape, steps, coords)
     if not pieces:  # holds nothing: an empty box where torch says it starts
-        off = _compute_local(dt.shape, mesh, placements)[0]
+        off = _empty_box_offsets(shape, mesh, placements)
         return [LocalPiece((off, local_shape(shape, steps, coords)), tuple(0 for _ in shape))]
     return pieces
 

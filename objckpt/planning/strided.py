@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .boxes import Box
-from .symbolic import chunk_piece, dim_intervals
+from .symbolic import chunk_piece
 
 Run = tuple[int, int]  # (global start, length) along one tensor dim
 
@@ -147,14 +147,16 @@ def _dim_order(n: int, steps: tuple[Step, ...]) -> Optional[tuple[int, ...]]:
     if any(len(w) > 1 for w in want):
         return None
     for order in itertools.permutations(range(len(steps))):
-        starts, lens = dim_intervals(n, tuple(sizes[i] for i in order))
         ks = [sizes[i] for i in order]
         ok = True
         for c, w in zip(coords, want):
-            flat = 0
+            # the point's piece under plain nested chunking, level by level: only the sampled
+            # points are computed, not every piece of the dim (65,536 at 65,536 ranks)
+            start, length = 0, n
             for i, k in zip(order, ks):
-                flat = flat * k + c[i]
-            got = ((starts[flat], lens[flat]),) if lens[flat] else ()
+                a, length = chunk_piece(length, k, c[i])
+                start += a
+            got = ((start, length),) if length else ()
             if got != w:
                 ok = False
                 break
