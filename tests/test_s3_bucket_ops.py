@@ -223,3 +223,20 @@ def test_keys_s3_refused_for_now_are_deleted_again(recorder: Any) -> None:
     with pytest.raises(objckpt.StorageError, match=r"throttle, 3 attempts.*did not delete 1 of them.*'p/b'.*SlowDown"):
         _runtime.run(store.delete(["p/a", "p/b"]))
     assert len(srv.requests) == 3
+
+
+def test_an_answer_that_is_not_the_operations_xml_is_a_clear_error_sent_once(recorder: Any) -> None:
+    """A 200 whose body is not what the operation returns (no UploadId; a listing that is
+    not XML) is a MalformedAnswer naming the operation, not retried (it used to send the
+    store to botocore for good, or fail inside the XML parser)."""
+    from objckpt.storage.s3.request import MalformedAnswer
+
+    srv, _ = recorder(b"<html>a portal page</html>")
+    opts = {"endpoint_url": f"http://127.0.0.1:{srv.port}", "region_name": "eu-west-2", "aws_access_key_id": "AKID",
+            "aws_secret_access_key": "SECRET"}
+    store, _ = open_store("s3://b", opts)
+    with pytest.raises(MalformedAnswer, match=r"CreateMultipartUpload s3://b/k at .*no UploadId"):
+        _runtime.run(store.create_upload("k"))
+    with pytest.raises(MalformedAnswer, match=r"ListObjectsV2 s3://b/p.*<html>, not <ListBucketResult>"):
+        _runtime.run(store.list("p"))
+    assert len(srv.requests) == 2

@@ -145,6 +145,9 @@ def test_chunked_answers_stream_into_place_and_a_huge_chunk_is_refused_unread(se
         assert _call(lambda: client.read_range("k", lo, sink, 1.0)) is None
         assert bytes(sink.views[0]) == DATA[lo:lo + 2_000_000]
     assert srv.connections == 1
+    # a whole object answered in chunks (no Content-Length) is read as its chunks say (it sent the store to
+    # botocore for good before)
+    assert _call(lambda: client.get("k", 1.0)) == DATA
 
     srv, client = serve("huge_chunk", flood=64 << 20)
     sink = Sink([memoryview(bytearray(2_000_000))])
