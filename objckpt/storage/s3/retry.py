@@ -25,10 +25,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ...logs import get_logger
-
-log = get_logger("objckpt.storage")
-
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
 # BadDigest / XAmzContentChecksumMismatch / IncompleteBody: the body arrived damaged or
 # short (it left objckpt intact: its checksum was computed here); sending it again may pass
