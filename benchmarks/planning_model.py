@@ -271,28 +271,34 @@ def torch_session(defs: list[TDef], mesh: tuple[int, int], rank: int, ep: int = 
         if not describe:
             return session
         from objckpt.distributed.comm import TorchComm
+        from objckpt.distributed.placements import local_part
         from objckpt.planning.assign import TensorMeta
         from objckpt.save.describe import LocalState, describe_symbolic
 
         dpl = {k: torch_placements(k, strided) for k in PLACEMENTS}
         values: dict[str, Any] = {}
-        metas: dict[str, Any] = {}
+        local_shapes: dict[tuple, tuple[int, ...]] = {}  # torch's strided rule is slow at 65,536 ranks: once per shape
         for d in defs:  # meta tensors: what describe_local finds, without the memory (it refuses meta tensors)
             dtype = getattr(torch, d.dtype)
             if dpl[d.kind] is None:
                 values[d.key] = torch.empty(d.shape, dtype=dtype, device="meta")
-            else:
-                dm = dms[KIND_MESH[d.kind]]
-                local, offs = compute_local_shape_and_global_offset(d.shape, dm, dpl[d.kind])
-                box = (tuple(int(o) for o in offs), tuple(int(n) for n in local))
-                stride = tuple(math.prod(d.shape[i + 1:]) for i in range(len(d.shape)))
-                values[d.key] = DTensor.from_local(torch.empty(tuple(local), dtype=dtype, device="meta"), dm,
-                                                   dpl[d.kind], run_check=False, shape=torch.Size(d.shape),
-                                                   stride=stride)
-            metas[d.key] = TensorMeta(d.dtype, tuple(d.shape), d.itemsize, (box if dpl[d.kind] else out[d.key],))
-        local_state = LocalState(None, metas, {}, {}, {d.key: d.dtype for d in defs})
+                continue
+            dm = dms[KIND_MESH[d.kind]]
+            local = local_shapes.get((d.shape, d.kind))
+            if local is None:
+                local = tuple(int(n) for n in compute_local_shape_and_global_offset(d.shape, dm, dpl[d.kind])[0])
+                local_shapes[(d.shape, d.kind)] = local
+            stride = tuple(math.prod(d.shape[i + 1:]) for i in range(len(d.shape)))
+            values[d.key] = DTensor.from_local(torch.empty(local, dtype=dtype, device="meta"), dm, dpl[d.kind],
+                                               run_check=False, shape=torch.Size(d.shape), stride=stride)
         comm = TorchComm()
         t0 = clock()
+        metas: dict[str, Any] = {}
+        for key, v in values.items():  # describe_local's per-tensor step, then describe_symbolic
+            part = local_part(key, v)
+            metas[key] = TensorMeta(str(v.dtype).removeprefix("torch."), part.shape, v.element_size(),
+                                    tuple(b for b, _ in part.pieces))
+        local_state = LocalState(None, metas, {}, {}, {d.key: d.dtype for d in defs})
         session.description = describe_symbolic(local_state, values, comm)
         session.describe_s = clock() - t0
         return session
