@@ -1,6 +1,7 @@
 """The models and the objckpt internals that the planning benchmarks use (no I/O).
 
-``70b`` (the default, :func:`llama_defs`): a 70B Llama-like state (80 layers, hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256;
+``70b`` (the default, :func:`llama_defs`): a 70B Llama-like state (80 layers, hidden 8192,
+64 heads, 8 KV heads, FFN 28672, vocab 128256;
 bf16 params + fp32 Adam ``exp_avg``/``exp_avg_sq`` + a 0-d ``step``: 2892 tensors, 706 GB) laid
 out FSDP x TP on a (dp, tp) mesh: column-parallel weights and the vocab-parallel embedding
 ``[Shard(0), Shard(0)]``, row-parallel (o, down) ``[Shard(0), Shard(1)]``, norms
@@ -142,7 +143,8 @@ def moe_defs(layers: int = 61, dense_layers: int = 1, hidden: int = 7168, heads:
                    (p + "self_attn.v_proj.weight", (kv, hidden), "col"),
                    (p + "self_attn.o_proj.weight", (hidden, hidden), "row")]
         if i < dense_layers:
-            params += [(p + "mlp.gate_proj.weight", (ffn, hidden), "col"), (p + "mlp.up_proj.weight", (ffn, hidden), "col"),
+            params += [(p + "mlp.gate_proj.weight", (ffn, hidden), "col"),
+                       (p + "mlp.up_proj.weight", (ffn, hidden), "col"),
                        (p + "mlp.down_proj.weight", (hidden, ffn), "row")]
         else:
             params += [(p + "moe.router.gate.weight", (experts, hidden), "norm"),
