@@ -4,7 +4,7 @@
     python -m benchmarks.bench_first_call --baseline 1d0cc9d,5cee7c6  # and the objckpt of commits, alternated
     python -m benchmarks.bench_first_call --profile                 # one cold load under cProfile (top 25)
 
-One in-memory S3 server process (``objckpt.testing.s3server``) holds a small checkpoint
+One in-memory S3 server process (``testkit.s3server``) holds a small checkpoint
 (``--mib``, default 4 MiB in 8 tensors). Each round starts a new Python process per
 variant (alternating their order) that imports torch (untimed), then times
 ``import objckpt``, the first ``objckpt.load`` (**cold**: store opening, S3

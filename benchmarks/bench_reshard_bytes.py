@@ -5,7 +5,7 @@
 
 A state is saved at world N by N gloo ranks (FSDP2's layout: every tensor a ``Shard(0)``
 DTensor on a 1-D mesh), then each rank's share at world M is loaded in this process
-through a counting store (:mod:`objckpt.testing.reshard`). Reported per (N, M): the
+through a counting store (:mod:`testkit.reshard`). Reported per (N, M): the
 worst and the mean rank's ratio of tensor bytes fetched (ranged GETs: crc-block widening
 and merged gaps included) to the bytes of its share, and the manifest + rank index bytes
 apart. Only bytes are measured, no time: the numbers are the same on any machine.
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from typing import Any
 
-from objckpt.testing import reshard
+from testkit import reshard
 
 STATES = {
     "small": reshard.tiny_llama(),

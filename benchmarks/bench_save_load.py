@@ -282,7 +282,7 @@ def drive(args: argparse.Namespace, methods: list[str], ops: list[str]) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", choices=["fast", "moto-ranged", "moto", "none"], default="moto-ranged",
-                    help="fast: objckpt.testing.s3server; moto-ranged: moto serving ranged GETs without copying "
+                    help="fast: testkit.s3server; moto-ranged: moto serving ranged GETs without copying "
                          "the object; moto: stock; none: local methods only")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated; known: {', '.join(METHODS)}")
     ap.add_argument("--ops", default=",".join(OPS), help="subset of save,load,read_one (load needs save)")

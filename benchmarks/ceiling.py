@@ -7,7 +7,7 @@ with concurrent 16 MiB ranged GETs into a preallocated buffer -- using aiohttp
 directly, with no signing, hashing or retries.  Its numbers are the bar that
 objckpt's own save/load throughput is compared against.
 
-Requests are unsigned.  Our test server (``objckpt.testing.s3server``) ignores
+Requests are unsigned.  Our test server (``testkit.s3server``) ignores
 auth; moto also accepts unsigned requests by default (it does not check
 signatures unless ``INITIAL_NO_AUTH_ACTION_COUNT`` is set).
 
@@ -161,7 +161,7 @@ def measure_ceiling(endpoint_url: str, bucket: str, size_bytes: int, part_bytes:
 def main(argv: Optional[List[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--endpoint-url", help="S3 endpoint; omit with --spawn-server")
-    p.add_argument("--spawn-server", action="store_true", help="run objckpt.testing.s3server in a child process")
+    p.add_argument("--spawn-server", action="store_true", help="run testkit.s3server in a child process")
     p.add_argument("--server-pid", type=int, help="pid of the server, to report its CPU per GB")
     p.add_argument("--bucket", default="ceiling")
     p.add_argument("--size-mib", type=int, default=1024)

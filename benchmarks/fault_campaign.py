@@ -1,4 +1,4 @@
-"""The large fault campaign: many seeded trials of every kind in objckpt.testing.campaign*,
+"""The large fault campaign: many seeded trials of every kind in testkit.campaign*,
 a markdown table per kind and one JSON file of every trial.
 
     python -m benchmarks.fault_campaign --kills 100 --faults 1000 --corruptions 100 --hostile \\
@@ -26,12 +26,12 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 from benchmarks import harness
-from objckpt.testing.campaign import (
+from testkit.campaign import (
     Target, Trial, dead_endpoint_trial, kill_trial, make_bucket, make_state, race_trial, s3_options,
 )
-from objckpt.testing.campaign_disk import disk_trial
-from objckpt.testing.campaign_hostile import CASES, hostile_trial
-from objckpt.testing.campaign_io import FAULT_KINDS, corrupt_trial, fault_trial, make_v2_checkpoint
+from testkit.campaign_disk import disk_trial
+from testkit.campaign_hostile import CASES, hostile_trial
+from testkit.campaign_io import FAULT_KINDS, corrupt_trial, fault_trial, make_v2_checkpoint
 
 CORRUPT_SPOTS = [("v1", "blob"), ("v1", "manifest"), ("v2", "blob"), ("v2", "index"), ("v2", "manifest")]
 
@@ -142,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _run("race", a.races, lambda i: race_trial(targets[i % 2], a.seed + i, overwrite=i % 3 != 0), trials)
             if a.races:
                 tables["race"] = _table(trials[start:], lambda t: f"{t.params['target']}, overwrite={t.params['overwrite']}")
-            from objckpt.testing.campaign_ops import OPS, op_kill_trial, rank_kill_trial
+            from testkit.campaign_ops import OPS, op_kill_trial, rank_kill_trial
 
             start = len(trials)
             _run("op kill", a.op_kills, lambda i: op_kill_trial(targets[(i // 3) % 2], a.seed + i, OPS[i % 3]), trials)

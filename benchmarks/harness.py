@@ -92,7 +92,7 @@ def server_stats(endpoint: str, reset: bool = False) -> Any:
 
 
 TARGETS = {
-    "fast": ["-m", "objckpt.testing.s3server", "--port", "0"],
+    "fast": ["-m", "testkit.s3server", "--port", "0"],
     "moto": ["-m", "benchmarks.moto_server"],
     "moto-ranged": ["-m", "benchmarks.moto_server", "--ranged-reads"],
 }

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from objckpt.testing.campaign import DETECTED, FAILED, OK, Trial
+from testkit.campaign import DETECTED, FAILED, OK, Trial
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: mode -> (operation, what a correct client does)

@@ -19,7 +19,7 @@ Run::
     python examples/train.py --uri s3://bucket/run-1  # real S3: endpoint/credentials from the environment
     python examples/train.py --all                    # none/sync/async/lazy/dcp_async..., one table
 
-Without ``--uri`` it starts ``python -m objckpt.testing.s3server`` (in-memory S3, a
+Without ``--uri`` it starts ``python -m testkit.s3server`` (in-memory S3, a
 benchmark target only) in a subprocess.  Modes: ``none`` (no checkpoints: the
 baseline), ``sync`` (``objckpt.save``), ``async`` (``objckpt.async_save``), ``lazy``
 (``async_save(lazy=True)`` + ``wait_staged()`` before ``optimizer.step()``),
@@ -289,10 +289,11 @@ def train(args: argparse.Namespace, uri: str, options: Optional[dict[str, Any]])
 
 
 class LocalS3:
-    """``python -m objckpt.testing.s3server --port 0`` in a subprocess, with a bucket."""
+    """``python -m testkit.s3server --port 0`` in a subprocess, with a bucket."""
 
     def __init__(self, bucket: str = "train") -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "objckpt.testing.s3server", "--port", "0"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "testkit.s3server", "--port", "0"],
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # testkit/ is in the checkout
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.endpoint_url = (self.proc.stdout.readline() or "").strip()  # type: ignore[union-attr]
         if not self.endpoint_url.startswith("http"):

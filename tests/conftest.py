@@ -60,7 +60,7 @@ def moto_s3(moto_endpoint: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 @pytest.fixture(scope="session")
 def fast_endpoint() -> Iterator[str]:
-    from objckpt.testing.s3server import S3Server
+    from testkit.s3server import S3Server
 
     server = S3Server()
     server.start()

@@ -1,4 +1,4 @@
-"""Filesystem faults for tests: the campaign's (:mod:`objckpt.testing.campaign_disk`) real
+"""Filesystem faults for tests: the campaign's (:mod:`testkit.campaign_disk`) real
 tmpfs helpers, and its simulated refusals installed through pytest's monkeypatch."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from objckpt.testing.campaign_disk import fill_up, mounted_tmpfs, refusing_calls, remount_read_only
+from testkit.campaign_disk import fill_up, mounted_tmpfs, refusing_calls, remount_read_only
 
 __all__ = ["fill_up", "mounted_tmpfs", "remount_read_only", "refuse_writes_under"]
 

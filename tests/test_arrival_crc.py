@@ -19,8 +19,8 @@ import objckpt
 from objckpt.checksum import CellCrcs, block_crcs, combine_blocks, crc32c, crc32c_combine
 from objckpt.load import arrival, ranged_get
 from objckpt.planning.ranges import Request, RequestPiece, Span
-from objckpt.testing.s3memstore import _Data
-from objckpt.testing.s3server import S3Server
+from testkit.s3memstore import _Data
+from testkit.s3server import S3Server
 
 from conftest import make_bucket, s3_options
 

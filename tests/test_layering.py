@@ -18,12 +18,12 @@ LAYERS: list[set[str]] = [
     {"format", "memory", "results"},
     {"planning"},
     {"storage"},
-    {"distributed", "statedict", "stateful"},
+    {"distributed", "statedict", "stateful", "testing"},
     {"layout"},
     {"save", "load"},
     {"api", "deletion", "transfer", "compare"},
     {"manager", "integrations"},
-    {"__init__", "garbage", "cli", "cli_ops", "demo", "bench", "testing", "dcp", "lightning"},
+    {"__init__", "garbage", "cli", "cli_ops", "demo", "bench", "dcp", "lightning"},
 ]
 
 
@@ -131,3 +131,25 @@ def test_s3_is_one_package() -> None:
                     if imp.startswith("storage.s3.") and not imp.startswith("storage.s3.store")]
     assert not bad, "; ".join(bad)
     assert not [p for p in (ROOT / "storage").glob("*.py") if p.stem.startswith(("s3_", "sigv4", "wire", "http_"))]
+
+
+def test_test_kit_is_not_installed() -> None:
+    """The S3 server, fault campaign, proxies and meters live in the checkout's testkit/, which
+    the wheel leaves out: objckpt.testing holds only the public test doubles, and no installed
+    module imports the kit (a user's import of objckpt never starts a server or kills a process)."""
+    import fnmatch
+    import tomllib
+
+    assert sorted(p.name for p in (ROOT / "testing").glob("*.py")) == ["__init__.py", "stores.py"]
+    bad = []
+    for module, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+            bad += [f"{module} imports {n}" for n in names if n.split(".")[0] == "testkit"]
+        bad += [f"{module} imports {imp}" for imp in _imports(module, path)
+                if _unit(imp) == "testing" and imp not in {"testing", "testing.stores"}]
+    assert not bad, "; ".join(bad)
+    pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [p for p in include if fnmatch.fnmatch("testkit", p)], f"the wheel would hold testkit/: {include}"

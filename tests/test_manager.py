@@ -13,7 +13,7 @@ from objckpt import _runtime
 from objckpt.errors import CheckpointExistsError, NotFoundError
 from objckpt.manager.index import InvalidStepError, StepEntry, StepIndex
 from objckpt.manager.retention import RetentionPolicy, RetentionPolicyError, steps_to_keep
-from objckpt.testing.http_count import CountingProxy
+from testkit.http_count import CountingProxy
 from conftest import assert_same
 
 

@@ -15,7 +15,7 @@ import objckpt
 from objckpt.manager.index import InvalidStepError
 from objckpt.manager.naming import SwappedArgumentsError
 from objckpt.manager.retention import RetentionPolicy, RetentionPolicyError, StepOrderError, steps_to_keep
-from objckpt.testing.http_count import CountingProxy
+from testkit.http_count import CountingProxy
 from conftest import assert_same
 
 

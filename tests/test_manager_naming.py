@@ -15,7 +15,7 @@ import torch
 import objckpt
 from objckpt.cli import main
 from objckpt.manager.naming import StepFormatError, StepNaming
-from objckpt.testing.http_count import CountingProxy
+from testkit.http_count import CountingProxy
 from conftest import assert_same
 
 
@@ -63,7 +63,7 @@ def test_existing_layout_managed_in_place_and_found_without_list_in_a_fresh_proc
     script = textwrap.dedent(f"""
         import json, torch, objckpt
         from objckpt.manager.retention import StepOrderError
-        from objckpt.testing.http_count import CountingProxy
+        from testkit.http_count import CountingProxy
         out = {{}}
         with CountingProxy({moto_endpoint!r}) as proxy:
             m = objckpt.CheckpointManager({root!r}, step_format="step_{{step}}", keep_last=1,

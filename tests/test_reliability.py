@@ -1,5 +1,5 @@
 """The reliability suite: a bounded, seeded sample of every fault-campaign kind
-(objckpt.testing.campaign*) on each test run; ``python -m benchmarks.fault_campaign``
+(testkit.campaign*) on each test run; ``python -m benchmarks.fault_campaign``
 runs the large campaign with the same trial functions.
 
 Cases marked ``xfail(strict=True)`` fail on purpose today: each names the item of
@@ -17,12 +17,12 @@ from typing import Any, Iterator
 import pytest
 
 import objckpt
-from objckpt.testing.campaign import (
+from testkit.campaign import (
     FAILED, OK, Target, dead_endpoint_trial, kill_trial, make_bucket, make_state, race_trial, s3_options, same,
 )
-from objckpt.testing.campaign_hostile import CASES, hostile_trial
-from objckpt.testing.campaign_io import FaultProxy, corrupt_trial, fault_trial, make_v2_checkpoint
-from objckpt.testing.s3server import S3Server
+from testkit.campaign_hostile import CASES, hostile_trial
+from testkit.campaign_io import FaultProxy, corrupt_trial, fault_trial, make_v2_checkpoint
+from testkit.s3server import S3Server
 
 
 def _issue(n: str, what: str) -> Any:
@@ -164,7 +164,7 @@ def test_read_racing_an_overwrite_returns_one_version(tmp_path: Any) -> None:
     """Deterministic interleaving: the overwrite (another process) commits and deletes the
     old blobs right after this read fetched the old manifest."""
     from objckpt.storage import open_store
-    from objckpt.testing.campaign import child_env
+    from testkit.campaign import child_env
     from objckpt.testing.stores import CountingStore
 
     uri = str(tmp_path / "ck")
@@ -178,7 +178,7 @@ def test_read_racing_an_overwrite_returns_one_version(tmp_path: Any) -> None:
             data = await super().get(key)
             if key.endswith("manifest.json") and not self.fired:
                 self.fired = True
-                subprocess.run([sys.executable, "-m", "objckpt.testing.campaign_child", "save", arg], env=child_env(),
+                subprocess.run([sys.executable, "-m", "testkit.campaign_child", "save", arg], env=child_env(),
                                check=True, capture_output=True, timeout=120)
             return data
 
@@ -204,7 +204,7 @@ def test_silent_endpoint_fails_fast() -> None:
 
 @pytest.mark.parametrize("op,seed", [("cp", 1), ("rm", 5), ("prune", 2)])  # kills inside the operation
 def test_kill_during_cp_rm_prune(tmp_path: Any, op: str, seed: int) -> None:
-    from objckpt.testing.campaign_ops import op_kill_trial
+    from testkit.campaign_ops import op_kill_trial
 
     r = op_kill_trial(Target("local", str(tmp_path)), seed, op)
     assert r.outcome == OK and r.detail.startswith("killed"), r.to_json()
@@ -213,7 +213,7 @@ def test_kill_during_cp_rm_prune(tmp_path: Any, op: str, seed: int) -> None:
 def test_kill_one_rank_of_a_two_rank_save(tmp_path: Any) -> None:
     """Rank 0 of a 2-rank gloo overwrite dies at its 3rd request: the survivor raises an
     objckpt error (not gloo's bare RuntimeError), the old checkpoint reads bit-exact, gc cleans up."""
-    from objckpt.testing.campaign_ops import rank_kill_trial
+    from testkit.campaign_ops import rank_kill_trial
 
     r = rank_kill_trial(Target("local", str(tmp_path)), 4)
     assert r.params["kill_rank"] == 0 and r.outcome == OK and r.detail.startswith("killed"), r.to_json()
@@ -224,7 +224,7 @@ def test_kill_one_rank_of_a_two_rank_save(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("fault", ["enospc-manifest", "enospc-blob", "erofs", "enotdir", "eisdir-manifest"])
 def test_local_disk_faults_are_named_and_harmless(fault: str) -> None:
-    from objckpt.testing.campaign_disk import OPS_FOR, disk_trial
+    from testkit.campaign_disk import OPS_FOR, disk_trial
 
     for op in OPS_FOR[fault]:
         r = disk_trial(11, fault, op, real=False)  # simulated: the same on every machine

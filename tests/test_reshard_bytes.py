@@ -4,7 +4,7 @@ byte they deliver is still verified: a corrupted byte in a block read only in pa
 
 The save runs at world 2 in real gloo processes (FSDP2's layout: ``Shard(0)`` DTensors);
 each world-3 rank's share is then loaded here through a counting store
-(:mod:`objckpt.testing.reshard`), on moto S3 for the small state.
+(:mod:`testkit.reshard`), on moto S3 for the small state.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import objckpt
 from objckpt.planning import crc_blocks
 from objckpt.storage import open_store
-from objckpt.testing import reshard
+from testkit import reshard
 from objckpt.testing.stores import CountingStore
 
 from mp import run_multiprocess

@@ -29,7 +29,7 @@ from objckpt.storage.s3.config import S3Config, Transport
 from objckpt.storage.s3.direct import DirectClient, Sink, Target
 from objckpt.storage.s3.credentials import CredentialSource, Credentials
 from objckpt.storage.s3.sigv4 import Signer, quote_path
-from objckpt.testing.s3server import S3Server
+from testkit.s3server import S3Server
 
 from conftest import make_bucket, s3_options
 

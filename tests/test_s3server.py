@@ -15,7 +15,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from objckpt.testing.s3server import S3Server
+from testkit.s3server import S3Server
 
 MiB = 1 << 20
 _ids = itertools.count()
@@ -234,7 +234,7 @@ def test_fault_injection(s3: tuple[Any, str], server: S3Server) -> None:
 
 
 def test_cli_prints_endpoint_first() -> None:
-    script = Path(__file__).resolve().parents[1] / "objckpt" / "testing" / "s3server.py"
+    script = Path(__file__).resolve().parents[1] / "testkit" / "s3server.py"
     proc = subprocess.Popen([sys.executable, str(script), "--port", "0"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

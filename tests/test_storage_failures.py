@@ -15,9 +15,9 @@ import torch
 import objckpt
 from objckpt import _runtime
 from objckpt.errors import StorageError
-from objckpt.testing.campaign import SilentEndpoint, make_state, same
-from objckpt.testing.campaign_io import FaultProxy
-from objckpt.testing.s3server import S3Server
+from testkit.campaign import SilentEndpoint, make_state, same
+from testkit.campaign_io import FaultProxy
+from testkit.s3server import S3Server
 
 _KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
 

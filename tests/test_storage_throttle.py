@@ -11,7 +11,7 @@ import torch
 
 import objckpt
 from objckpt.storage.limiter import AimdLimiter
-from objckpt.testing.s3server import S3Server
+from testkit.s3server import S3Server
 
 _KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
 

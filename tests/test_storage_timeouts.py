@@ -77,7 +77,7 @@ def test_silent_endpoint_fails_after_the_first_byte_timeout(silent_endpoint: str
 def test_permanent_500_fails_after_the_error_budget() -> None:
     import boto3
 
-    from objckpt.testing.s3server import S3Server
+    from testkit.s3server import S3Server
 
     with S3Server() as server:
         boto3.client("s3", endpoint_url=server.endpoint_url, **_KEYS).create_bucket(Bucket="perm500")

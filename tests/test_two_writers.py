@@ -15,7 +15,7 @@ from objckpt.format import keys
 from objckpt.manager.index import StepEntry, StepIndex
 from objckpt.manager.store_check import ConditionalWriteCheck
 from objckpt.storage import ObjectStore, open_store
-from objckpt.testing.http_count import CountingProxy
+from testkit.http_count import CountingProxy
 from objckpt.testing.stores import CountingStore
 from conftest import assert_same
 from mp import run_multiprocess

@@ -14,7 +14,7 @@ import torch
 
 import objckpt
 from objckpt.checksum import composite_header, crc32c, crc32c_combine, crc_header
-from objckpt.testing.s3server import S3Server
+from testkit.s3server import S3Server
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from aiohttp import web
 
 if __package__:
     from .s3memstore import _EMPTY, S3Error, _Bucket, _Data, _Obj, _State, _Upload
-else:  # loaded by ``python objckpt/testing/s3server.py`` as a top-level sibling: importing the package would import torch
+else:  # loaded by ``python testkit/s3server.py`` as a top-level sibling: importing the package would import torch
     from s3memstore import _EMPTY, S3Error, _Bucket, _Data, _Obj, _State, _Upload  # type: ignore[no-redef]
 
 _NS = "http://s3.amazonaws.com/doc/2006-03-01/"

@@ -9,7 +9,7 @@ ranged GET, so behind moto every client looks equally slow.  Here object bytes
 are never copied after aiohttp parsed them: a body stays the list of chunks it
 arrived in, completing an upload concatenates the parts' chunk lists, and a
 ranged GET writes memoryview slices of those chunks.  For benchmarks run it in
-its own process (``python -m objckpt.testing.s3server --port 0``, or this file
+its own process (``python -m testkit.s3server --port 0``, or this file
 as a script, which skips importing torch) so its CPU is not charged to the
 client; the first stdout line is the endpoint URL.  Path-style addressing only.
 
@@ -43,7 +43,7 @@ from aiohttp import web
 if __package__:
     from .s3memstore import _DEFAULT_MIN_PART, S3Error
     from .s3protocol import _S3App
-else:  # ``python objckpt/testing/s3server.py``: its folder is on sys.path; the package would import torch
+else:  # ``python testkit/s3server.py``: its folder is on sys.path; the package would import torch
     from s3memstore import _DEFAULT_MIN_PART, S3Error  # type: ignore[no-redef]
     from s3protocol import _S3App  # type: ignore[no-redef]
 
@@ -80,7 +80,7 @@ def _bind(host: str, port: int) -> socket.socket:
 class S3Server:
     """The server on a background thread with its own event loop, for tests.
 
-    Benchmarks should run it in another process (``python -m objckpt.testing.s3server``)
+    Benchmarks should run it in another process (``python -m testkit.s3server``)
     so that its CPU time is not counted as the client's.
     """
 

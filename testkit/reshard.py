@@ -22,8 +22,8 @@ import torch
 
 import objckpt
 
-from ..storage import open_store
-from .stores import CountingStore
+from objckpt.storage import open_store
+from objckpt.testing.stores import CountingStore
 
 Shapes = dict[str, tuple[int, ...]]
 

@@ -13,8 +13,8 @@ thousands; both must judge outcomes by the same rules, kept here:
   checkpoint, a half checkpoint, or garbage gc would not remove.
 
 This module holds the shared judging helpers and the kill, race and dead-endpoint
-kinds; :mod:`objckpt.testing.campaign_io` holds fault and corrupt, and
-:mod:`objckpt.testing.campaign_hostile` the hostile manifests.
+kinds; :mod:`testkit.campaign_io` holds fault and corrupt, and
+:mod:`testkit.campaign_hostile` the hostile manifests.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 OK, DETECTED, FAILED = "ok", "detected", "FAILED"
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # testkit/ is not installed: children import it from the checkout
 
 
 @dataclass
@@ -150,9 +150,9 @@ def child_env() -> dict[str, str]:
 
 
 def run_child(command: str, args: dict[str, Any], timeout: float) -> tuple[Optional[int], str]:
-    """``python -m objckpt.testing.campaign_child <command> <json>``: (exit code or None on timeout, output)."""
+    """``python -m testkit.campaign_child <command> <json>``: (exit code or None on timeout, output)."""
     try:
-        p = subprocess.run([sys.executable, "-m", "objckpt.testing.campaign_child", command, json.dumps(args)],
+        p = subprocess.run([sys.executable, "-m", "testkit.campaign_child", command, json.dumps(args)],
                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -291,7 +291,7 @@ def race_trial(target: Target, seed: int, *, writers: int = 3, overwrite: bool =
             objckpt.save(versions[seeds[0]], uri, storage_options=target.storage_options)
         env = child_env()
         procs = [subprocess.Popen(
-            [sys.executable, "-m", "objckpt.testing.campaign_child", "save",
+            [sys.executable, "-m", "testkit.campaign_child", "save",
              json.dumps({"uri": uri, "opts": target.storage_options, "seed": s, "overwrite": overwrite, "repeat": 2 if overwrite else 1})],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in seeds[1:]]
         bad_reads: list[str] = []

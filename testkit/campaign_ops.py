@@ -2,8 +2,8 @@
 2-rank gloo save, and during ``objckpt cp``, ``rm`` and ``prune``.
 
 Each trial commits what must survive, runs the operation in subprocesses
-(:mod:`objckpt.testing.campaign_child`) whose store SIGKILLs the process just
-before its N-th request (N random), then judges as :mod:`objckpt.testing.campaign`
+(:mod:`testkit.campaign_child`) whose store SIGKILLs the process just
+before its N-th request (N random), then judges as :mod:`testkit.campaign`
 does: every checkpoint reads as exactly one committed version or (where the
 operation removes it) as none, never half; what was not the operation's target
 is untouched; gc (grace 0) then leaves exactly what the manifests name.
@@ -72,7 +72,7 @@ def rank_kill_trial(target: Target, seed: int, *, world: int = 2, max_ops: int =
         with tempfile.TemporaryDirectory(prefix="objckpt-rdzv-") as rd:
             args = {"world": world, "rdzv": "file://" + os.path.join(rd, "store"), "uri": uri,
                     "opts": target.storage_options, "seed": seed + 1, "kill_rank": kill_rank, "kill_at": kill_at}
-            procs = [subprocess.Popen([sys.executable, "-m", "objckpt.testing.campaign_child", "rank_save",
+            procs = [subprocess.Popen([sys.executable, "-m", "testkit.campaign_child", "rank_save",
                                        json.dumps({**args, "rank": r})], env=child_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True) for r in range(world)]
             outs, hung = [], []

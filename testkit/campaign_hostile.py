@@ -1,4 +1,4 @@
-"""Hostile manifests for the campaign (see :mod:`objckpt.testing.campaign`).
+"""Hostile manifests for the campaign (see :mod:`testkit.campaign`).
 
 Each case edits a valid manifest (format v1, or v2 for the layout cases) the way a
 malicious or broken writer could, and runs read / inspect / verify / load on it in a
@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Any, Callable, Optional
 
-from ..format.manifest import reseal
+from objckpt.format.manifest import reseal
 from .campaign import DETECTED, FAILED, Trial, last_json, run_child, timed
 
 Edit = Callable[[dict[str, Any]], Any]  # edits the manifest dict in place, or returns raw bytes

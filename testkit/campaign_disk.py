@@ -3,7 +3,7 @@
 A full disk (during a blob or during the manifest), a read-only filesystem, a
 file where a directory should be and a directory where the manifest should be,
 each met by one of ``save``, ``overwrite``, ``async_save``, ``delete`` and a
-manager's ``save``.  Judged like every kind (:mod:`objckpt.testing.campaign`):
+manager's ``save``.  Judged like every kind (:mod:`testkit.campaign`):
 an objckpt error that names the cause (its errno's name) and a file, no
 ``*.tmp-*`` left, and the previous checkpoint bit-exact afterwards is
 ``detected``; an operation that could complete (a delete on a full disk) and

@@ -1,4 +1,4 @@
-"""Fault and corrupt trials of the campaign (see :mod:`objckpt.testing.campaign`).
+"""Fault and corrupt trials of the campaign (see :mod:`testkit.campaign`).
 
 * **fault**: a save then a read/load, bit-exact, while the S3 server answers 503 SlowDown
   or 500 (its ``/_objckpt/fail`` control), or while a loopback TCP proxy between client

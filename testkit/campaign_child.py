@@ -1,4 +1,4 @@
-"""The subprocess side of the fault campaign: ``python -m objckpt.testing.campaign_child
+"""The subprocess side of the fault campaign: ``python -m testkit.campaign_child
 <command> <json args>``; its last stdout line is a JSON result.
 
 A subprocess because a trial must be able to SIGKILL a save, cap a hostile read's memory
@@ -9,7 +9,7 @@ A subprocess because a trial must be able to SIGKILL a save, cap a hostile read'
 * ``read``: read a checkpoint (dead-endpoint timing);
 * ``hostile``: run read / load / inspect / verify on a (hostile) checkpoint under a memory cap;
 * ``op``: ``cp``, ``rm`` or ``prune`` (the library calls behind the commands) with the
-  same ``kill_at`` (:mod:`objckpt.testing.campaign_ops`);
+  same ``kill_at`` (:mod:`testkit.campaign_ops`);
 * ``rank_save``: one rank of a gloo group saving sharded state, ``kill_at`` on ``kill_rank``.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from ..storage.base import BlobWriter, ObjectInfo, ObjectStore
-from .stores import CountingStore
+from objckpt.storage.base import BlobWriter, ObjectInfo, ObjectStore
+from objckpt.testing.stores import CountingStore
 
 
 class KillStore(CountingStore):
@@ -95,7 +95,7 @@ def _peak_rss() -> Optional[int]:
 
 
 def _error(e: BaseException) -> dict[str, Any]:
-    from ..errors import ObjckptError
+    from objckpt.errors import ObjckptError
 
     return {"error": f"{type(e).__module__}.{type(e).__name__}: {str(e)[:600]}",
             "objckpt_error": isinstance(e, ObjckptError)}
@@ -165,13 +165,13 @@ def cmd_hostile(a: dict[str, Any]) -> dict[str, Any]:
 def cmd_op(a: dict[str, Any]) -> dict[str, Any]:
     """``cp`` SRC DST (overwrite), ``rm`` URI, or ``prune`` ROOT --keep-last K, killed before
     the ``kill_at``-th request to the store they change."""
-    from .. import _runtime
-    from ..deletion import delete_checkpoint
-    from ..manager.index import StepIndex
-    from ..manager.retention import RetentionPolicy
-    from ..manager.worker import apply_retention
-    from ..storage import open_store
-    from ..transfer import copy
+    from objckpt import _runtime
+    from objckpt.deletion import delete_checkpoint
+    from objckpt.manager.index import StepIndex
+    from objckpt.manager.retention import RetentionPolicy
+    from objckpt.manager.worker import apply_retention
+    from objckpt.storage import open_store
+    from objckpt.transfer import copy
 
     opts = a.get("opts") or {}
     uri = a["dst"] if a["op"] == "cp" else a["uri"]

@@ -8,7 +8,7 @@ whole reason this server exists (moto copies and re-reads whole objects), so the
 representation lives here, apart from the HTTP layer in ``s3protocol``.
 
 Standard library only (no aiohttp, nothing from objckpt): ``python
-objckpt/testing/s3server.py`` loads it as a plain sibling module, without importing torch.
+testkit/s3server.py`` loads it as a plain sibling module, without importing torch.
 """
 from __future__ import annotations
 
