@@ -132,3 +132,52 @@ def test_each_writer_reads_with_every_reader(writer: str, moto_s3: tuple[str, di
         tmpl = _template()
         dcp.load(tmpl, storage_reader=dcp.FileSystemReader(str(out)), no_dist=True)
         assert_same(state, tmpl)
+
+
+def _calls_and_imports(path: Any) -> tuple[set[str], set[str]]:
+    """Names called (``Manifest(...)``) and modules imported (package-relative) by one module."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    calls = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+    mods = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module:
+            mods.add(n.module.lstrip(".") if n.level else n.module.removeprefix("objckpt."))
+    return calls, mods
+
+
+def test_only_save_and_layout_build_chunks_and_manifests() -> None:
+    """One writer: the manifest is built in layout/ only, chunk records in save/records.py
+    only, and the DCP plugin and the streamed writer reach save/ through its source
+    interface (save.source), never its commit, upload or the layouts' internals."""
+    import pathlib
+
+    root = pathlib.Path(objckpt.__file__).parent
+    builders = {"Manifest", "TensorEntry", "Chunk", "ChunkRecord"}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        calls, mods = _calls_and_imports(path)
+        if not rel.startswith(("layout/", "format/")) and rel != "save/records.py":
+            assert not calls & builders, f"{rel} builds {sorted(calls & builders)}: only layout/ and save/ may"
+        if rel.startswith("integrations/"):
+            inner = {m for m in mods if m.startswith(("save.", "layout."))}
+            assert inner <= {"save.source", "save.background"}, f"{rel} imports save/layout internals {inner}"
+
+
+def test_streamed_writer_refuses_what_would_not_tile(tmp_path: Any) -> None:
+    """A source naming a tensor twice, or handing over another shape than it announced,
+    commits nothing and leaves nothing (the first used to commit overlapping chunks)."""
+    from objckpt import _runtime
+    from objckpt.integrations.stream_write import SourceTensor, write_checkpoint
+    from objckpt.storage import open_store
+
+    uri = str(tmp_path / "ck")
+    st, prefix = open_store(uri)
+    t = torch.arange(6.0)
+    with pytest.raises(objckpt.errors.UnsupportedValueError, match="'w'.* more than once"):
+        write_checkpoint(uri, [SourceTensor("w", t.dtype, (6,))] * 2, lambda k: t, {"w": {"$tensor": "w"}})
+    with pytest.raises(objckpt.errors.UnsupportedFormatError, match="'w' is torch.float32 \\[6\\].*announced"):
+        write_checkpoint(uri, [SourceTensor("w", t.dtype, (2, 3))], lambda k: t, {"w": {"$tensor": "w"}})
+    assert _runtime.run(st.list(prefix + "/")) == []

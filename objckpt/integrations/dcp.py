@@ -2,10 +2,12 @@
 
 ``dcp.save(sd, storage_writer=objckpt.dcp.StorageWriter(uri))`` keeps DCP's
 planning (flattening, DTensor/ShardedTensor write items, dedup of replicated
-tensors) and replaces its storage: every rank packs its write items' bytes
-into its own blobs (parallel multipart uploads, crc32c per chunk and per
-block, exactly as :func:`objckpt.save` does), and the coordinator commits an
-objckpt manifest last, with a conditional PUT.  Nothing is pickled: DCP's
+tensors) and replaces its storage with objckpt's save code, as a source of it
+(:mod:`objckpt.save.source`): every rank hands its write items over as pieces
+(a tensor's key and the item's box in it), which save/ packs into the rank's
+own blobs, checksums and records exactly as :func:`objckpt.save` does; the
+coordinator hands save/ the tensors' headers and the tree, and save/ builds the
+objckpt manifest and commits it last, with a conditional PUT.  Nothing is pickled: DCP's
 ``Metadata`` is not stored at all; :meth:`StorageReader.read_metadata` rebuilds it
 from the manifest.  So the same checkpoint reads with ``dcp.load`` (any world
 size and layout), with :func:`objckpt.load` and with :func:`objckpt.read`, and the
@@ -33,22 +35,16 @@ from torch.distributed.checkpoint import planner as dplan
 from torch.distributed.checkpoint import storage as dstore
 from torch.futures import Future
 
-from .. import _runtime
-from ..errors import CheckpointExistsError, ObjckptError, UnsupportedFormatError, UnsupportedValueError
+from ..errors import ObjckptError, UnsupportedFormatError, UnsupportedValueError
 from ..format import keys
-from ..format.dtypes import dtype_name, itemsize
-from ..format.manifest import Blob, Chunk, Manifest, TensorEntry
-from ..layout.base import WRITER
-from ..layout.gathered import check_coverage
+from ..format.dtypes import itemsize
+from ..layout import RankOutcome
 from ..load.fill import FillTarget
-from ..memory import Budget, host_pool
 from ..planning import crc_blocks
-from ..planning.pack import TensorSpec, plan_save
 from ..results import IOStats
-from ..save.commit import CommitState, commit, delete_quietly
-from ..save.upload import write_plan
+from ..save.source import (PackSizes, SourcePiece, SourceTarget, abandon_pieces, commit_pieces, crc_block_for,
+                           refuse_existing, upload_pieces)
 from ..storage import ObjectStore, split_uri
-from ..storage.shape import save_sizes, shape_for
 from ..units import MiB
 from .dcp_tree import META_KEY, DcpView, TensorRef, dcp_view, plain_value, tree_from_flat, value_bytes
 from .reading import OpenCheckpoint, open_uri
@@ -88,25 +84,12 @@ def _item_bytes(it: dplan.WriteItem) -> int:
 
 
 @dataclass(frozen=True)
-class _ChunkOut:
-    """One stored chunk of a write item, global offsets; ``blob`` numbers the rank's own blobs."""
-
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    blob: int
-    offset: int
-    length: int
-    crc32c: int
-    block_crc32c: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _TensorOut:
-    """``WriteResult.storage_data`` of a tensor item (the rank's blobs ride on its first one)."""
+class _TensorsOut:
+    """``WriteResult.storage_data`` of a tensor item; the rank's first one carries what the
+    rank wrote (its blobs and chunk records, for the commit)."""
 
     rank: int
-    chunks: tuple[_ChunkOut, ...]
-    blobs: tuple[tuple[str, int], ...] = ()
+    outcome: Optional[RankOutcome] = None
 
 
 @dataclass(frozen=True)
@@ -183,16 +166,13 @@ class StorageWriter(dstore.StorageWriter):
 
     def prepare_global_plan(self, plans: list[dplan.SavePlan]) -> list[dplan.SavePlan]:
         """Coordinator: refuse an existing checkpoint before anything is uploaded; pick the attempt id."""
-        uri = self._require_uri()
         st, prefix = self._open()
-        exists = _runtime.run(st.head(keys.manifest_key(prefix))) is not None
-        if exists and not self.overwrite:
-            raise CheckpointExistsError(
-                f"a checkpoint already exists at {uri!r}; pass overwrite=True to objckpt.dcp.StorageWriter")
+        refuse_existing(st, prefix, self._require_uri(), self.overwrite,
+                        "pass overwrite=True to objckpt.dcp.StorageWriter")
         attempt = keys.new_attempt_id()
-        self._chosen_block = self.crc_block if self.crc_block is not None else crc_blocks.for_boxes(
+        self._chosen_block = crc_block_for(
             (_item_bytes(it) for p in plans for it in p.items if it.type != dplan.WriteItemType.BYTE_IO),
-            self.part_size)
+            self.crc_block, self.part_size)
         return [dataclasses.replace(p, storage_data=_RankPlan(attempt, r, self._chosen_block))
                 for r, p in enumerate(plans)]
 
@@ -218,23 +198,33 @@ class StorageWriter(dstore.StorageWriter):
         return fut
 
     def finish(self, metadata: dmeta.Metadata, results: list[list[dstore.WriteResult]]) -> None:
-        """Coordinator: build the manifest from every rank's results and commit it, last and conditionally."""
-        uri = self._require_uri()
+        """Coordinator: save/ builds the manifest from every rank's outcome and commits it,
+        last and conditionally; this writer only supplies the tensors' headers and the tree."""
         st, prefix = self._open()
-        written = [keys.join(prefix, name) for rr in results for wr in rr
-                   if isinstance(wr.storage_data, _TensorOut) for name, _ in wr.storage_data.blobs]
-        try:
-            m, _ = self._manifest(metadata, results, prefix)
-        except Exception:
-            delete_quietly(st, written)  # nothing will reference them
-            raise
-        errors: list[BaseException] = []
-        status = commit(st, prefix, m, self.overwrite, uri, written, self.stats, errors)
-        if status.state == CommitState.OK:
-            return
-        if status.state == CommitState.EXISTS:
-            raise CheckpointExistsError(status.message)
-        raise ObjckptError(status.message) from (errors[0] if errors else None)
+        outcomes: list[RankOutcome] = []
+        raw_values: dict[str, bytes] = {}
+        foreign: list[str] = []
+        for rank_results in results:
+            mine = RankOutcome()
+            for wr in rank_results:
+                sd = wr.storage_data
+                if isinstance(sd, _BytesOut):
+                    raw_values[wr.index.fqn] = sd.raw
+                elif isinstance(sd, _TensorsOut):
+                    mine = sd.outcome if sd.outcome is not None else mine
+                else:
+                    foreign.append(wr.index.fqn)
+            outcomes.append(mine)
+        if foreign:
+            abandon_pieces(st, prefix, outcomes)
+            raise ObjckptError(f"DCP write results for {foreign[:10]} are not ones objckpt's writer made")
+        sdm = metadata.state_dict_metadata
+        tensors = {fqn: (smd.properties.dtype, tuple(smd.size)) for fqn, smd in sdm.items()
+                   if isinstance(smd, dmeta.TensorStorageMetadata)}
+        tree, meta = self._tree(metadata, tensors, raw_values)
+        attempt = next((keys.attempt_of(b.name) for o in outcomes for b in o.blobs), "") or keys.new_attempt_id()
+        commit_pieces(SourceTarget(st, prefix, self._require_uri(), attempt), tensors, outcomes, tree,
+                      metadata=meta, crc_block=self._chosen_block, overwrite=self.overwrite, stats=self.stats)
 
     # -- helpers ------------------------------------------------------------------------
     def _require_uri(self) -> str:
@@ -253,75 +243,37 @@ class StorageWriter(dstore.StorageWriter):
 
     def _write_tensors(self, info: _RankPlan, items: list[dplan.WriteItem],
                        planner: dplan.SavePlanner) -> list[dstore.WriteResult]:
+        """This rank's tensor items, handed to save/ as pieces (the item's box in the
+        global tensor) and uploaded as the rank's blobs."""
         if not items:
             return []
-        st, prefix = self._open()
-        tensors: dict[str, torch.Tensor] = {}
-        specs = []
-        for i, it in enumerate(items):
+        pieces: list[SourcePiece] = []
+        tensors: list[torch.Tensor] = []
+        for it in items:
             t = planner.resolve_data(it)
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedValueError(f"DCP write item {it.index.fqn!r} resolved to {type(t).__name__}, "
                                             "not a tensor")
-            t = t.detach()
-            dtype_name(t.dtype, it.index.fqn)  # refuse dtypes the format has no name for, naming the key
-            tensors[str(i)] = t
-            specs.append(TensorSpec(str(i), tuple(t.shape), itemsize(t.dtype)))
-        blob_size, part_size = save_sizes(self.blob_size, self.part_size, _runtime.run(shape_for(st)))
-        plan = plan_save(specs, blob_bytes=blob_size, part_bytes=max(part_size, st.min_part_size),
-                         chunk_bytes=part_size, max_part_bytes=st.max_part_size)
-        names = [keys.blob_name(info.attempt, info.rank, b.index) for b in plan.blobs]
-        blob_keys = [keys.join(prefix, n) for n in names]
-        crcs = _runtime.run(write_plan(st, blob_keys, plan, tensors, host_pool(), Budget(self.staging_bytes),
-                                       self.stats, zero_copy=True, crc_block=info.crc_block))
-        per_item: dict[int, list[_ChunkOut]] = {i: [] for i in range(len(items))}
-        for c in plan.chunks:
-            i = int(c.key)
-            td = items[i].tensor_data  # a tensor item's global box; absent only for a whole plain tensor
-            base = tuple(td.chunk.offsets) if td is not None else (0,) * len(c.offsets)
-            offs = tuple(b + o for b, o in zip(base, c.offsets))
-            k = crcs[c]
-            per_item[i].append(_ChunkOut(offs, tuple(c.shape), c.blob, c.offset, c.length, k.total, k.blocks))
-        blobs = tuple((n, b.size) for n, b in zip(names, plan.blobs))
-        out = []
-        for i, it in enumerate(items):
-            t = tensors[str(i)]
-            data = _TensorOut(info.rank, tuple(per_item[i]), blobs if i == 0 else ())
-            out.append(dstore.WriteResult(index=it.index, size_in_bytes=t.numel() * t.element_size(),
-                                          storage_data=data))
-        return out
+            td = it.tensor_data  # a tensor item's global box; absent only for a whole plain tensor
+            pieces.append(SourcePiece(it.index.fqn, t.dtype, tuple(t.shape),
+                                      tuple(td.chunk.offsets) if td is not None else ()))
+            tensors.append(t)
+        st, prefix = self._open()
+        out = upload_pieces(SourceTarget(st, prefix, self._require_uri(), info.attempt, info.rank), pieces,
+                            tensors, sizes=PackSizes(self.blob_size, self.part_size), crc_block=info.crc_block,
+                            stats=self.stats, staging_bytes=self.staging_bytes)
+        return [dstore.WriteResult(index=it.index, size_in_bytes=t.numel() * t.element_size(),
+                                   storage_data=_TensorsOut(info.rank, out if i == 0 else None))
+                for i, (it, t) in enumerate(zip(items, tensors))]
 
-    def _manifest(self, md: dmeta.Metadata, results: list[list[dstore.WriteResult]],
-                  prefix: str) -> tuple[Manifest, list[str]]:
-        entries: dict[str, TensorEntry] = {}
-        for fqn, smd in md.state_dict_metadata.items():
-            if isinstance(smd, dmeta.TensorStorageMetadata):
-                entries[fqn] = TensorEntry(fqn, dtype_name(smd.properties.dtype, fqn), tuple(smd.size))
-        blobs: list[Blob] = []
-        raw_values: dict[str, bytes] = {}
-        attempt = ""
-        for r, rank_results in enumerate(results):
-            base = len(blobs)
-            for wr in rank_results:
-                sd = wr.storage_data
-                if isinstance(sd, _BytesOut):
-                    raw_values[wr.index.fqn] = sd.raw
-                    continue
-                if not isinstance(sd, _TensorOut) or wr.index.fqn not in entries:
-                    raise ObjckptError(f"DCP write result for {wr.index.fqn!r} is not one objckpt's writer made")
-                for name, size in sd.blobs:
-                    blobs.append(Blob(name, size, r))
-                    attempt = keys.attempt_of(name)
-                for c in sd.chunks:
-                    entries[wr.index.fqn].chunks.append(Chunk(c.offsets, c.shape, base + c.blob, c.offset, c.length,
-                                                              c.crc32c, c.block_crc32c))
-        for e in entries.values():
-            _tidy_chunks(e)
-            check_coverage(e)  # never commit a tensor whose chunks do not tile it
+    def _tree(self, md: dmeta.Metadata, tensors: dict[str, Any],
+              raw_values: dict[str, bytes]) -> tuple[Any, dict[str, Any]]:
+        """The encoded tree of DCP's flat state (plain values inline, others as their
+        torch.save bytes) and the manifest metadata that says which are which."""
         flat: dict[str, Any] = {}
         torch_save: list[str] = []
-        for fqn, smd in md.state_dict_metadata.items():
-            if fqn in entries:
+        for fqn in md.state_dict_metadata:
+            if fqn in tensors:
                 flat[fqn] = TensorRef(fqn)
             elif fqn in raw_values:
                 value, plain = plain_value(raw_values[fqn])
@@ -331,24 +283,7 @@ class StorageWriter(dstore.StorageWriter):
         if torch_save:
             log.warning("DCP values %s are not plain data: stored as their torch.save bytes (objckpt.read "
                         "returns bytes for them; their keys are listed in metadata[%r])", torch_save[:10], META_KEY)
-        meta = dict(self.metadata)
-        meta[META_KEY] = {"torch_save": torch_save}
-        m = Manifest(tensors=entries, blobs=blobs, tree=tree_from_flat(flat, md.planner_data), metadata=meta,
-                     attempt=attempt or keys.new_attempt_id(), world_size=max(1, len(results)), writer=WRITER,
-                     crc_block=self._chosen_block)
-        return m, [keys.join(prefix, b.name) for b in blobs]
-
-
-def _tidy_chunks(e: TensorEntry) -> None:
-    """Drop the empty chunks of ranks that hold nothing of a non-empty tensor; an empty
-    tensor keeps one empty chunk covering it (docs/format.md §4)."""
-    if math.prod(e.shape) == 0:
-        first = e.chunks[0] if e.chunks else Chunk((0,) * len(e.shape), e.shape, 0, 0, 0, 0)
-        if not e.chunks:
-            raise ObjckptError(f"DCP wrote no chunk of the empty tensor {e.key!r}")
-        e.chunks[:] = [Chunk((0,) * len(e.shape), tuple(e.shape), first.blob, first.offset, 0, 0)]
-        return
-    e.chunks[:] = sorted((c for c in e.chunks if c.length), key=lambda c: c.offsets)
+        return tree_from_flat(flat, md.planner_data), {**self.metadata, META_KEY: {"torch_save": torch_save}}
 
 
 class StorageReader(dstore.StorageReader):

@@ -14,7 +14,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, StateDictMismatchError
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, TensorEntry
 from ..format.spread import Placement
@@ -70,23 +70,59 @@ class GatheredLayout(SaveLayout):
             else:
                 t = metas0[k]
                 entries[k] = TensorEntry(k, t.dtype, t.shape)
-        blobs: list[Blob] = []
-        for out in outcomes:
-            base = len(blobs)
-            blobs.extend(out.blobs)
-            for rec in out.records:
-                c = rec.chunk
-                entries[rec.key].chunks.append(Chunk(c.offsets, c.shape, base + c.blob, c.offset, c.length,
-                                                     c.crc32c, c.block_crc32c))
-        for e in entries.values():
-            e.chunks.sort(key=lambda c: c.offsets)
         trees = [r.tree for r in self.reports]
         same = all(json.dumps(t, sort_keys=True) == json.dumps(trees[0], sort_keys=True) for t in trees)
-        return Manifest(
-            tensors=entries, blobs=blobs, tree=trees[0], metadata=common.metadata, attempt=common.attempt,
-            world_size=len(self.reports), writer=WRITER, crc_block=common.crc_block,
-            rank_trees=None if same else trees,
-        )
+        return _inline_manifest(entries, outcomes, trees[0], None if same else trees, common)
+
+
+def _inline_manifest(entries: dict[str, TensorEntry], outcomes: list[RankOutcome], tree: Any,
+                     rank_trees: Optional[list[Any]], common: ManifestCommon) -> Manifest:
+    """Every rank's chunk records listed inline in ``entries`` (each rank's blob numbers
+    rebased onto the manifest's blob list, chunks in offset order)."""
+    blobs: list[Blob] = []
+    for rank, out in enumerate(outcomes):
+        base = len(blobs)
+        blobs.extend(out.blobs)
+        for rec in out.records:
+            entry = entries.get(rec.key)
+            if entry is None:
+                raise StateDictMismatchError(f"rank {rank} wrote a chunk of {rec.key!r}, a tensor the manifest "
+                                             "being committed does not hold")
+            c = rec.chunk
+            entry.chunks.append(Chunk(c.offsets, c.shape, base + c.blob, c.offset, c.length, c.crc32c,
+                                      c.block_crc32c))
+    for e in entries.values():
+        e.chunks.sort(key=lambda c: c.offsets)
+    return Manifest(
+        tensors=entries, blobs=blobs, tree=tree, metadata=common.metadata, attempt=common.attempt,
+        world_size=max(1, len(outcomes)), writer=WRITER, crc_block=common.crc_block, rank_trees=rank_trees,
+    )
+
+
+def sourced_manifest(tensors: dict[str, tuple[str, tuple[int, ...]]], outcomes: list[RankOutcome], tree: Any,
+                     common: ManifestCommon) -> Manifest:
+    """The manifest of a save whose pieces a source chose (DCP's planner, a converter's
+    stream; ``tensors``: key -> (dtype name, shape)), listed inline as the gathered
+    layout lists them.  A source may hand over boxes that hold nothing (a rank's
+    empty shard of a DTensor): those chunks are dropped, and an empty tensor keeps one
+    empty chunk covering it (docs/format.md §4).  Every tensor is checked to be tiled
+    exactly, so rows no rank wrote are never committed."""
+    entries = {k: TensorEntry(k, dtype, tuple(shape)) for k, (dtype, shape) in tensors.items()}
+    m = _inline_manifest(entries, outcomes, tree, None, common)
+    for e in m.tensors.values():
+        _drop_empty_chunks(e)
+        check_coverage(e)
+    return m
+
+
+def _drop_empty_chunks(e: TensorEntry) -> None:
+    if math.prod(e.shape) == 0:
+        if not e.chunks:
+            raise CorruptCheckpointError(f"no chunk of the empty tensor {e.key!r} was written")
+        first = e.chunks[0]
+        e.chunks[:] = [Chunk((0,) * len(e.shape), tuple(e.shape), first.blob, first.offset, 0, 0)]
+        return
+    e.chunks[:] = [c for c in e.chunks if c.length]
 
 
 def check_coverage(entry: TensorEntry) -> None:

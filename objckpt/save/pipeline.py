@@ -29,7 +29,6 @@ from ..distributed.join import join
 from ..errors import (CheckpointExistsError, ObjckptError, StateDictMismatchError, TensorChangedError,
                       UnsupportedValueError)
 from ..format import keys
-from ..format.manifest import Blob, Chunk, ChunkRecord
 from ..format.spread import Placement, up_for
 from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
@@ -44,6 +43,7 @@ from .commit import CommitState, CommitStatus, commit, delete_quietly
 from .describe import LocalState, Mirror, describe_local
 from .fingerprint import differing
 from .fingerprint import digest as prints_digest
+from .records import Piece, chunk_records, rank_blobs
 from .upload import write_plan
 
 log = get_logger("objckpt.save")
@@ -66,14 +66,6 @@ class Hello:
     spread_up: int = 0
     #: the crc block this rank would choose for its chunks; the save uses the smallest
     crc_block: int = 0
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows of a local tensor that one write item stores, and where they sit globally."""
-
-    key: str
-    offsets: tuple[int, ...]  # global offsets of the item's first element
 
 
 @dataclass
@@ -297,13 +289,8 @@ async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: b
                 "nothing was committed (save from a quiescent state, or use async_save, which copies first)")
     except Exception as e:
         return UploadOutcome.failed("", e)
-    records = []
-    for c in prep.plan.chunks:
-        piece = prep.pieces[c.key]
-        offs = tuple(b + o for b, o in zip(piece.offsets, c.offsets))
-        crc = crcs[c]
-        records.append(ChunkRecord(piece.key, Chunk(offs, c.shape, c.blob, c.offset, c.length, crc.total, crc.blocks)))
-    blobs = [Blob(n, b.size, prep.rank, prep.place.bucket) for n, b in zip(prep.blob_names, prep.plan.blobs)]
+    records = chunk_records(prep.plan, prep.pieces, crcs)
+    blobs = rank_blobs(prep.plan, prep.blob_names, prep.rank, prep.place.bucket)
     try:
         shared = await prep.layout.publish(records, blobs, prep.store, prep.place, prep.attempt, prep.rank,
                                            prep.stats)
