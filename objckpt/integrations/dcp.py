@@ -68,6 +68,24 @@ def _valid_uri(checkpoint_id: Any) -> bool:
     return scheme in _SCHEMES or scheme.startswith("fsspec+")
 
 
+class _AtUri:
+    """Where the checkpoint is, as DCP asks a writer and a reader alike."""
+
+    uri: Optional[str]
+
+    @property
+    def checkpoint_id(self) -> Optional[str]:
+        return self.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _valid_uri(checkpoint_id)
+
+    def _retarget(self, checkpoint_id: Optional[str | os.PathLike]) -> None:
+        if checkpoint_id is not None:
+            self.uri = os.fspath(checkpoint_id)
+
+
 @dataclass(frozen=True)
 class _RankPlan:
     """What the coordinator tells each rank in the global plan (``SavePlan.storage_data``)."""
@@ -99,7 +117,7 @@ class _BytesOut:
     raw: bytes
 
 
-class StorageWriter(dstore.StorageWriter):
+class StorageWriter(_AtUri, dstore.StorageWriter):
     """A DCP ``StorageWriter`` that writes an objckpt checkpoint at ``uri``.
 
     ``uri``: any objckpt URI (``s3://bucket/run/step-100``, a local path, ``memory://``,
@@ -135,19 +153,10 @@ class StorageWriter(dstore.StorageWriter):
         self.stats = IOStats()
 
     # -- DCP protocol -----------------------------------------------------------------
-    @property
-    def checkpoint_id(self) -> Optional[str]:
-        return self.uri
-
     def reset(self, checkpoint_id: Optional[str | os.PathLike] = None) -> None:
         """A new save begins; ``checkpoint_id`` (if given) is its URI."""
-        if checkpoint_id is not None:
-            self.uri = os.fspath(checkpoint_id)
+        self._retarget(checkpoint_id)
         self.stats = IOStats()
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _valid_uri(checkpoint_id)
 
     def storage_meta(self) -> Optional[dmeta.StorageMeta]:
         return dmeta.StorageMeta(checkpoint_id=self.uri)
@@ -286,7 +295,7 @@ class StorageWriter(dstore.StorageWriter):
         return tree_from_flat(flat, md.planner_data), {**self.metadata, META_KEY: {"torch_save": torch_save}}
 
 
-class StorageReader(dstore.StorageReader):
+class StorageReader(_AtUri, dstore.StorageReader):
     """A DCP ``StorageReader`` over an objckpt checkpoint (written by this plugin or by
     :func:`objckpt.save`, any world size, format v1 to v3).
 
@@ -307,18 +316,9 @@ class StorageReader(dstore.StorageReader):
         self._view: Optional[DcpView] = None
         self.rank = 0
 
-    @property
-    def checkpoint_id(self) -> Optional[str]:
-        return self.uri
-
     def reset(self, checkpoint_id: Optional[str | os.PathLike] = None) -> None:
-        if checkpoint_id is not None:
-            self.uri = os.fspath(checkpoint_id)
+        self._retarget(checkpoint_id)
         self._ckpt, self._view = None, None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _valid_uri(checkpoint_id)
 
     def read_metadata(self) -> dmeta.Metadata:  # type: ignore[override]
         """DCP's Metadata, rebuilt from the manifest (nothing pickled is read)."""
