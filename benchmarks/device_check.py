@@ -60,7 +60,7 @@ from benchmarks import harness as h  # noqa: E402
 #: top-level modules objckpt, its peers and the test fixtures import; a missing one triggers the wheel install
 NEEDED = ("boto3", "botocore", "aiobotocore", "s3transfer", "s3fs", "crc32c", "zstandard", "moto")
 #: the in-memory server as a script: it skips importing torch (a second faster start)
-h.TARGETS.setdefault("fast-script", [os.path.join("objckpt", "testing", "s3server.py"), "--port", "0"])
+h.TARGETS.setdefault("fast-script", [os.path.join("testkit", "s3server.py"), "--port", "0"])
 BUCKET = "devcheck"
 #: nominal seconds per step at the default budget (scaled to the budget given)
 WEIGHTS = {"tests": 150.0, "stall": 90.0, "restore": 120.0, "multirank": 90.0}
