@@ -116,3 +116,12 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert isinstance(b, float) and b != b, path
         return
     assert a == b and type(a) is type(b), (path, a, b)
+
+
+@pytest.fixture(autouse=True)
+def _restore_deterministic_mode() -> Iterator[None]:
+    """Lightning's ``deterministic=True`` turns on torch's deterministic algorithms for the
+    whole process; each test gets the mode it started with back, so tests do not depend on order."""
+    was = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(was)

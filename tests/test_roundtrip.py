@@ -16,7 +16,7 @@ from conftest import assert_same
 def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     n = math.prod(shape)
-    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
     if dtype == torch.bool:
         return (raw[:n] % 2).bool().reshape(shape)
     return raw.view(dtype).reshape(shape).clone()

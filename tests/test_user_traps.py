@@ -153,3 +153,23 @@ def test_mypy_finds_the_package_under_an_editable_install(tmp_path: Any) -> None
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "import-not-found" not in out, out
     assert 'Revealed type is "def (uri: builtins.str' in out or "def (uri: str" in out, out
+
+
+def test_reads_work_with_deterministic_algorithms_on(tmp_path: Any) -> None:
+    """Lightning's deterministic=True turns on torch.use_deterministic_algorithms, under which
+    torch.empty of a packed dtype raises; read() and load() must still allocate their tensors."""
+    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+    state = {"w": torch.arange(6, dtype=torch.float32)}
+    if fp4 is not None:
+        state["p"] = torch.arange(4, dtype=torch.uint8).view(fp4)
+    uri = str(tmp_path / "ck")
+    objckpt.save(state, uri)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = objckpt.read(uri)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(got["w"], state["w"])
+    if fp4 is not None:
+        assert got["p"].dtype == fp4 and torch.equal(got["p"].view(torch.uint8), state["p"].view(torch.uint8))

@@ -76,4 +76,20 @@ def converts_between_floats(dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    # not torch.empty(()): under torch.use_deterministic_algorithms(True) (Lightning's
+    # deterministic=True turns it on) empty() fills, which torch cannot do for packed dtypes
+    return int(dtype.itemsize)
+
+
+def new_empty(shape: "tuple[int, ...] | torch.Size", dtype: torch.dtype) -> torch.Tensor:
+    """A fresh CPU tensor for stored bytes to land in.
+
+    Allocated as bytes and viewed: ``torch.empty`` of a packed dtype (``float4_e2m1fn_x2``)
+    fails when deterministic algorithms are on, because torch then fills new memory and has no
+    fill for such dtypes. Every byte is overwritten by the read anyway.
+    """
+    shape = tuple(shape)
+    n = 1
+    for d in shape:
+        n *= d
+    return torch.empty(n * itemsize(dtype), dtype=torch.uint8).view(dtype).reshape(shape)

@@ -18,7 +18,7 @@ from ..distributed.placements import Shard, local_part, local_view
 from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointError, NotFoundError,
                       ObjckptError, StateDictMismatchError)
 from ..format import keys as objkeys
-from ..format.dtypes import converts_between_floats, dtype_from_name, itemsize
+from ..format.dtypes import converts_between_floats, dtype_from_name, itemsize, new_empty
 from ..format.manifest import Manifest, decode
 from ..format.subtree import NOTHING, find
 from ..format.tree import decode_tree, iter_leaves
@@ -149,7 +149,7 @@ def _read_from(st: ObjectStore, prefix: str, uri: str, m: Manifest, sel: ReadSel
             if e.numel * itemsize(dt) > stored:  # refuse before allocating what no bytes back
                 raise CorruptCheckpointError(f"checkpoint {uri!r}: tensor {sk!r} of shape {list(e.shape)} needs "
                                              f"{e.numel * itemsize(dt)} bytes but only {stored} are stored")
-            bufs[sk] = torch.empty(e.shape, dtype=dt)
+            bufs[sk] = new_empty(e.shape, dt)
     fill_boxes(st, prefix, m, [FillTarget(k, whole(t.shape), t) for k, t in bufs.items()], stats)
 
     def get_tensor(k: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import StateDictMismatchError
-from ..format.dtypes import dtype_from_name
+from ..format.dtypes import dtype_from_name, new_empty
 from ..format.manifest import Manifest
 from ..format.subtree import NOTHING, children, find
 from ..format.tree import _child_key, decode_tree
@@ -90,7 +90,7 @@ def _allocator(m: Manifest, param: Any) -> Any:
         dt = dtype_from_name(e.dtype, key)
         if isinstance(param, torch.Tensor) and tuple(param.shape) == tuple(e.shape) and not param.is_meta:
             return torch.empty_like(param, dtype=dt, requires_grad=False)
-        return torch.empty(tuple(e.shape), dtype=dt)
+        return new_empty(tuple(e.shape), dt)
 
     return alloc
 
