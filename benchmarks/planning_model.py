@@ -94,6 +94,14 @@ class TDef:
     kind: str
 
 
+def _attention(p: str, hidden: int, kv: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """One layer's q/k/v/o projections (grouped-query: k and v have ``kv`` rows)."""
+    return [(p + "self_attn.q_proj.weight", (hidden, hidden), "col"),
+            (p + "self_attn.k_proj.weight", (kv, hidden), "col"),
+            (p + "self_attn.v_proj.weight", (kv, hidden), "col"),
+            (p + "self_attn.o_proj.weight", (hidden, hidden), "row")]
+
+
 def llama_defs(layers: int = 80, hidden: int = 8192, heads: int = 64, kv_heads: int = 8, ffn: int = 28672,
                vocab: int = 128256) -> tuple[list[TDef], dict[str, Any]]:
     """Tensor definitions (keys as objckpt flattens them) and the nested state skeleton
@@ -102,10 +110,7 @@ def llama_defs(layers: int = 80, hidden: int = 8192, heads: int = 64, kv_heads: 
     params: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "col")]
     for i in range(layers):
         p = f"model.layers.{i}."
-        params += [(p + "self_attn.q_proj.weight", (hidden, hidden), "col"),
-                   (p + "self_attn.k_proj.weight", (kv, hidden), "col"),
-                   (p + "self_attn.v_proj.weight", (kv, hidden), "col"),
-                   (p + "self_attn.o_proj.weight", (hidden, hidden), "row"),
+        params += _attention(p, hidden, kv) + [
                    (p + "mlp.gate_proj.weight", (ffn, hidden), "col"), (p + "mlp.up_proj.weight", (ffn, hidden), "col"),
                    (p + "mlp.down_proj.weight", (hidden, ffn), "row"),
                    (p + "input_layernorm.weight", (hidden,), "norm"),
@@ -138,10 +143,7 @@ def moe_defs(layers: int = 61, dense_layers: int = 1, hidden: int = 7168, heads:
     params: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "col")]
     for i in range(layers):
         p = f"model.layers.{i}."
-        params += [(p + "self_attn.q_proj.weight", (hidden, hidden), "col"),
-                   (p + "self_attn.k_proj.weight", (kv, hidden), "col"),
-                   (p + "self_attn.v_proj.weight", (kv, hidden), "col"),
-                   (p + "self_attn.o_proj.weight", (hidden, hidden), "row")]
+        params += _attention(p, hidden, kv)
         if i < dense_layers:
             params += [(p + "mlp.gate_proj.weight", (ffn, hidden), "col"),
                        (p + "mlp.up_proj.weight", (ffn, hidden), "col"),

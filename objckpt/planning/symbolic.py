@@ -131,6 +131,12 @@ def piece_rows(rows: int, split: int, i: int) -> tuple[int, int]:
     return rows * i // split, rows * (i + 1) // split
 
 
+def _piece_box(offs: tuple[int, ...], shp: tuple[int, ...], split: int, i: int) -> "Box | None":
+    """Piece ``i`` of the cell (offs, shp) split along dim 0 into ``split`` pieces; None when empty."""
+    a, b = piece_rows(shp[0], split, i)
+    return ((offs[0] + a,) + offs[1:], (b - a,) + shp[1:]) if b > a else None
+
+
 def cell_pieces(box: Box, split: int) -> Iterator[tuple[int, Box]]:
     """(piece index, piece box) of a cell's stored pieces (empty ones skipped)."""
     offs, shp = box
@@ -140,9 +146,9 @@ def cell_pieces(box: Box, split: int) -> Iterator[tuple[int, Box]]:
         yield 0, box
         return
     for i in range(split):
-        a, b = piece_rows(shp[0], split, i)
-        if b > a:
-            yield i, ((offs[0] + a,) + offs[1:], (b - a,) + shp[1:])
+        piece = _piece_box(offs, shp, split, i)
+        if piece is not None:
+            yield i, piece
 
 
 def my_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, rank: int) -> list[Box]:
@@ -163,9 +169,9 @@ def my_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, rank: int) ->
         return [(offs, shp)] if (lay.rot % g) == slot else []
     out = []
     for i in range((slot - lay.rot) % g, lay.split, g):
-        a, b = piece_rows(shp[0], lay.split, i)
-        if b > a:
-            out.append(((offs[0] + a,) + offs[1:], (b - a,) + shp[1:]))
+        piece = _piece_box(offs, shp, lay.split, i)
+        if piece is not None:
+            out.append(piece)
     return out
 
 
