@@ -143,7 +143,7 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0, model: str = "70b
     """One world size: two sample save ranks, rank 0's commit, two sample load ranks
     (``fetch_samples`` more load ranks only count the rank indexes they would fetch)."""
     ock = internals()
-    run_ = ock._runtime.run
+    run_ = ock.runtime.loop.run
     rng = random.Random(seed)
     defs, state = model_defs(model, layers)
     if not any(KIND_MESH[d.kind] == 2 for d in defs):

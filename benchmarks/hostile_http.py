@@ -40,7 +40,7 @@ def _child(mode: str) -> dict[str, Any]:
     sys.path.insert(0, os.path.join(_ROOT, "tests"))
     from hostile_http import HostileServer  # noqa: E402 - tests/ is not a package
 
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.errors import ObjckptError
     from objckpt.storage import open_store
 

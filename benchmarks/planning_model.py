@@ -59,7 +59,7 @@ def mesh_shapes(world: int, tp: int, ep: int) -> list[tuple[int, ...]]:
 def internals() -> types.SimpleNamespace:
     """Every objckpt internal the planning benchmarks call: the one place to repoint them."""
     import objckpt
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.checksum import crc32c
     from objckpt.format import keys, rank_index
     from objckpt.format.manifest import (Blob, Chunk, ChunkRecord, Mesh, RankIndexRef, _chunk_to_json, decode, encode,

@@ -2,7 +2,7 @@
 
 The functions are synchronous.  Collectives (only in multi-rank operations)
 run in the caller's thread; all storage I/O runs as coroutines on objckpt's
-background loop (see :mod:`objckpt._runtime`).
+background loop (see :mod:`objckpt.runtime.loop`).
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from .distributed.join import join
 from .format.manifest import Manifest
 from .load.collective import CollectiveReader
 from .load.pipeline import inspect_checkpoint, load_into, read_checkpoint
-from .memory import Budget, host_pool
+from .runtime.memory import Budget, host_pool
 from .options import LoadOptions, ReadStrategy, ReadStrategyName, SaveArgs, split_save_args
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle, start_save
 from .save.pipeline import save_now
-from . import _runtime
+from .runtime import loop as _runtime
 from .storage import ObjectStore, open_store, split_uri
 from .units import MiB
 

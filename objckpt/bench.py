@@ -18,8 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from . import _runtime, api
-from .progress import Progress
+from . import api
+from .runtime import loop as _runtime
+from .logs import Progress
 from .storage import open_store
 from .units import MiB
 

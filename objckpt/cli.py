@@ -56,7 +56,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """Delete unreferenced blobs and index objects, abort stale multipart uploads."""
-    from . import _runtime
+    from .runtime import loop as _runtime
     from .garbage import collect_garbage
     from .storage import open_store
 
@@ -89,7 +89,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
-    from .progress import wanted
+    from .logs import wanted
 
     return bench_main(args.uri, _opts(args), args.size_mb, args.repeat, progress=wanted(args.no_progress))
 

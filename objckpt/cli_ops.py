@@ -4,7 +4,7 @@ Every command takes the same storage flags (one parent parser): ``--endpoint-url
 ``--region``, ``--profile`` and ``--storage-options JSON`` (any key of
 ``storage_options``; the flags win over the JSON), merged by :func:`storage_options`,
 and ``--no-progress``.  Commands that move data draw a progress bar on stderr
-when stdout and stderr are terminals (:mod:`objckpt.progress`).
+when stdout and stderr are terminals (:mod:`objckpt.logs`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any, Optional
 
-from .progress import Progress, wanted
+from .logs import Progress, wanted
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     of tensors (``--memory-mb``) at a time."""
     from .api import inspect, read
     from .load.verify import verify_block_crcs
-    from .memory import Budget
+    from .runtime.memory import Budget
 
     t = time.perf_counter()
     opts = storage_options(args)

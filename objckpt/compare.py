@@ -22,7 +22,7 @@ import torch
 from .format.manifest import Manifest, TensorEntry
 from .format.tree import iter_leaves
 from .load.pipeline import inspect_checkpoint, read_checkpoint
-from .memory import Budget
+from .runtime.memory import Budget
 from .storage import ObjectStore, open_store, split_uri
 from .units import MiB
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from . import _runtime
+from .runtime import loop as _runtime
 from .checksum import crc32c, crc32c_combine
 from .errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
                      NotFoundError, ObjckptError, PreconditionFailed)

@@ -176,7 +176,7 @@ def last_json(out: str) -> Optional[dict[str, Any]]:
 
 def _after_uncommitted(uri: str, opts: dict[str, Any], why: str) -> tuple[str, str, dict[str, Any]]:
     """No manifest: gc (grace 0) must leave nothing under the prefix, no upload either."""
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.garbage import collect_garbage
     from objckpt.storage import open_store
 
@@ -198,7 +198,7 @@ def _after_crash(uri: str, opts: dict[str, Any], versions: dict[int, Any],
     (or, for a ``fresh`` first save, as no checkpoint at all), gc (grace 0) removes every
     orphan (objects and uploads) and nothing the manifest names."""
     import objckpt
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.garbage import collect_garbage
     from objckpt.storage import open_store
 

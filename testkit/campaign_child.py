@@ -165,7 +165,7 @@ def cmd_hostile(a: dict[str, Any]) -> dict[str, Any]:
 def cmd_op(a: dict[str, Any]) -> dict[str, Any]:
     """``cp`` SRC DST (overwrite), ``rm`` URI, or ``prune`` ROOT --keep-last K, killed before
     the ``kill_at``-th request to the store they change."""
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.deletion import delete_checkpoint
     from objckpt.manager.index import StepIndex
     from objckpt.manager.retention import RetentionPolicy

@@ -166,7 +166,7 @@ def _rm(params: dict[str, Any], base: str, opts: dict[str, Any], seed: int, kill
 def _prune(params: dict[str, Any], base: str, opts: dict[str, Any], seed: int, kill_at: int,
            timeout: float) -> Trial:
     import objckpt
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.errors import NotFoundError
     from objckpt.garbage import collect_garbage
     from objckpt.manager.index import StepIndex

@@ -123,7 +123,7 @@ def test_background_failure_surfaces_and_leaves_no_manifest(moto_s3: tuple[str, 
 
 
 def test_staging_memory_stays_within_budget(tmp_path: Any) -> None:
-    from objckpt.memory import host_pool
+    from objckpt.runtime.memory import host_pool
 
     part = 256 << 10
     budget = 3 * part

@@ -13,7 +13,7 @@ import torch
 import objckpt
 from objckpt.cli import main
 from objckpt.cli_ops import storage_options
-from objckpt.progress import Progress, wanted
+from objckpt.logs import Progress, wanted
 
 
 class _Tty(io.StringIO):

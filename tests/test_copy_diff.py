@@ -14,7 +14,7 @@ from objckpt.format import keys, rank_index
 from objckpt.format.manifest import (Blob, Chunk, ChunkRecord, Manifest, Mesh, RankIndexRef, TensorEntry,
                                      TensorLayout, encode)
 from objckpt.storage import open_store
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 
 from conftest import assert_same
 

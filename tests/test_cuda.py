@@ -45,7 +45,7 @@ def test_partial_chunk_into_gpu_shard(tmp_path: Any) -> None:
 
 
 def test_async_save_from_gpu_on_side_stream_with_pinned_reused_pool(tmp_path: Any) -> None:
-    from objckpt.memory import host_pool
+    from objckpt.runtime.memory import host_pool
 
     a = torch.randn(2048, 2048, device="cuda")
     sd = {"w": torch.randn(4096, 1024, device="cuda"), "h": torch.randn(1000, device="cuda", dtype=torch.bfloat16)}
@@ -70,7 +70,7 @@ def test_load_into_gpu_streams_through_a_pinned_ring(tmp_path: Any, monkeypatch:
     """Whole chunks go through a few reused pinned slots, copied on the side stream while
     the next bytes arrive; the caller's stream (not the default one) sees the data."""
     from objckpt.load import device_stream
-    from objckpt.memory import host_pool
+    from objckpt.runtime.memory import host_pool
 
     uri = str(tmp_path / "ring")
     sd = {"emb": torch.randn(4096, 1024), "b": torch.randn(1000).to(torch.bfloat16), "s": torch.tensor(3.0)}

@@ -114,7 +114,7 @@ def _load_world3(rank: int, world: int, uris: dict[str, str], opts: dict[str, An
 
 def _rewrite_as(uri: str, opts: dict[str, Any], version: int) -> None:
     """Turn a committed manifest into an older (unsealed) format version, as older objckpt wrote it."""
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.storage import open_store
 
     st, prefix = open_store(uri, opts)
@@ -241,7 +241,7 @@ def test_failed_saves_commit_nothing_and_clean_up(tmp_path: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.dcp import StorageWriter
     from objckpt.integrations.stream_write import SourceTensor, WriteOptions, write_checkpoint
     from objckpt.storage import open_store

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.checksum import crc32c
 from objckpt.errors import BlobMissingError, CorruptCheckpointError
 from objckpt.load import device_stream, fill
 from objckpt.load.device_stream import DeviceRead, segments, stream_reads
-from objckpt.memory import host_pool
+from objckpt.runtime.memory import host_pool
 from objckpt.results import IOStats
 from objckpt.storage import open_store
 

@@ -9,7 +9,7 @@ import torch
 import objckpt
 from objckpt.storage import open_store
 from objckpt.testing.stores import CountingStore, FaultyStore
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.format.manifest import Manifest, encode
 
 

@@ -70,7 +70,7 @@ PROCESS_CHILD = PRELUDE + textwrap.dedent(
     """
     def child(report_path):
         gate.set()  # this process's copy of the gate: the child's own saves are not held
-        from objckpt import _runtime
+        from objckpt.runtime import loop as _runtime
         from objckpt.save import background
         from objckpt.errors import ForeignSaveError
         r = {"in_flight": len(background._in_flight), "loop": _runtime._loop is None,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.cli import main
 from objckpt.format import keys as layout
 from objckpt.format.manifest import Blob, Manifest, Mesh, RankIndexRef, TensorEntry, TensorLayout, encode

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.format import keys
 from objckpt.format.manifest import load_json, reseal
 from objckpt.storage import open_store

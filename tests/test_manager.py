@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.errors import CheckpointExistsError, NotFoundError
 from objckpt.manager.index import InvalidStepError, StepEntry, StepIndex
 from objckpt.manager.retention import RetentionPolicy, RetentionPolicyError, steps_to_keep

@@ -13,7 +13,7 @@ import boto3
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.garbage import collect_garbage
 from objckpt.storage import open_store
 from conftest import assert_same

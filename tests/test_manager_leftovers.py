@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.errors import NotFoundError
 from objckpt.storage import open_store
 from conftest import assert_same

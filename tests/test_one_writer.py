@@ -169,7 +169,7 @@ def test_only_save_and_layout_build_chunks_and_manifests() -> None:
 def test_streamed_writer_refuses_what_would_not_tile(tmp_path: Any) -> None:
     """A source naming a tensor twice, or handing over another shape than it announced,
     commits nothing and leaves nothing (the first used to commit overlapping chunks)."""
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.integrations.stream_write import SourceTensor, write_checkpoint
     from objckpt.storage import open_store
 

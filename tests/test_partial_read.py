@@ -69,7 +69,7 @@ def test_large_tensor_is_fetched_with_concurrent_ranges(tmp_path: Any) -> None:
 def test_strided_and_partial_targets_are_filled_in_bounded_batches(tmp_path: Any) -> None:
     """Destinations that need temporaries are filled batch by batch under the budget."""
     from objckpt.load import fill
-    from objckpt.memory import Budget
+    from objckpt.runtime.memory import Budget
     from objckpt.results import IOStats
 
     uri = str(tmp_path / "ck")
@@ -101,7 +101,7 @@ def test_read_plan_is_data_before_any_byte_moves(tmp_path: Any) -> None:
     temporaries, batched under the budget."""
     from objckpt.layout import resolver_for
     from objckpt.load.fill import FillTarget, plan_fill
-    from objckpt.memory import Budget
+    from objckpt.runtime.memory import Budget
 
     uri = str(tmp_path / "ck")
     sd = {"a": torch.randn(256, 1024), "b": torch.randn(512, 512)}

@@ -17,7 +17,7 @@ import torch
 
 import objckpt
 from objckpt.load import prefault
-from objckpt.memory import host_bytes
+from objckpt.runtime.memory import host_bytes
 
 
 @pytest.fixture

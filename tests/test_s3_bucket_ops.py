@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.storage import open_store
 from objckpt.storage.s3.direct import DirectClient, Target
 from objckpt.storage.s3.credentials import CredentialSource, Credentials
@@ -72,7 +72,7 @@ def test_save_delete_and_gc_in_a_new_process_import_no_botocore_client(moto_s3: 
     bucket, opts = moto_s3
     code = textwrap.dedent(f"""
         import sys, torch, objckpt
-        from objckpt import _runtime
+        from objckpt.runtime import loop as _runtime
         from objckpt.garbage import collect_garbage
         from objckpt.storage import open_store
         opts = {opts!r}

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.storage import open_store
 from objckpt.storage.s3.config import S3Config, Transport
 from objckpt.storage.s3.direct import DirectClient, Sink, Target

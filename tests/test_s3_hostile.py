@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.errors import StorageError, StorageTimeoutError
 from objckpt.storage import open_store
 from objckpt.storage.s3.http_answer import BadAnswer, WrongRange

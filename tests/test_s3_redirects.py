@@ -35,7 +35,7 @@ CHILD = textwrap.dedent("""
     import json, os, torch, objckpt
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY"):
         os.environ.pop(k, None)
-    from objckpt import _runtime
+    from objckpt.runtime import loop as _runtime
     from objckpt.storage import open_store
 
     out = []

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from objckpt.format import manifest as mf
 from objckpt.format import spread

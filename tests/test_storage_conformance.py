@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.errors import CorruptCheckpointError, NotFoundError, PreconditionFailed
 from objckpt.storage.base import ObjectStore
 from objckpt.storage.fsspec_store import FsspecStore

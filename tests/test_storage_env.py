@@ -17,7 +17,7 @@ import torch
 from s3_tls import MotoServer, Seen, make_ca
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.errors import StorageError
 from objckpt.storage import open_store
 
@@ -90,7 +90,7 @@ def test_credential_change_builds_a_client_with_the_new_keys(
 
 _CHILD = r"""
 import json, logging, sys, torch, objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.garbage import collect_garbage
 from objckpt.storage import open_store
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")

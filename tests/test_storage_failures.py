@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.errors import StorageError
 from testkit.campaign import SilentEndpoint, make_state, same
 from testkit.campaign_io import FaultProxy

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.errors import CheckpointExistsError, ConditionalWriteIgnoredError
 from objckpt.format import keys
 from objckpt.manager.index import StepEntry, StepIndex

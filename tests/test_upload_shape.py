@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt import _runtime
+from objckpt.runtime import loop as _runtime
 from objckpt.options import SaveOptions
 from objckpt.planning import crc_blocks
 from objckpt.planning.pack import TensorSpec, plan_save

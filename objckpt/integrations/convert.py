@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..errors import CheckpointExistsError, NotFoundError, UnsupportedFormatError
 from ..format import keys
 from .dcp_tree import materialize

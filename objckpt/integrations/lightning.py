@@ -42,7 +42,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..api import async_save as _async_save
 from ..api import delete as _delete
 from ..api import read as _read

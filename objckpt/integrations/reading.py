@@ -13,13 +13,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
 from ..layout import resolver_for
 from ..load.fill import FillTarget, fill_boxes
 from ..load.pipeline import fetch_manifest
-from ..memory import Budget
+from ..runtime.memory import Budget
 from ..planning.boxes import whole
 from ..results import IOStats
 from ..storage import ObjectStore, open_store, split_uri

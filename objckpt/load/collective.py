@@ -64,7 +64,7 @@ from ..distributed.comm import Comm, TensorGroup, TorchComm, refusal_class, subg
 from ..distributed.placements import Ranks, mesh_group, replica_group
 from ..errors import CollectiveLoadError
 from ..format.manifest import Manifest
-from ..memory import Budget
+from ..runtime.memory import Budget
 from ..options import ReadStrategy
 from ..planning.boxes import Box, rows_of
 from ..planning.collective_plan import Batch, CostModel, ItemSize, plan_group

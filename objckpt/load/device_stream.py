@@ -6,7 +6,7 @@ is available: DMA-direct, no driver bounce copy), checked, and copied to the
 device on objckpt's side stream while the next segments are still on the
 network.  A slot is taken again only once its copy has finished (an event per
 copy), so the pinned memory a load holds is the ring's, however large the
-state: the buffers come from the process-wide :class:`~objckpt.memory.HostPool`
+state: the buffers come from the process-wide :class:`~objckpt.runtime.memory.HostPool`
 and serve the next load (or save) without being pinned again.
 
 Each segment's crc32c is taken in its host slot, as the bytes land where the
@@ -27,10 +27,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..checksum import CellCrcs, crc32c, crc32c_combine
 from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
-from ..memory import Budget, host_pool, side_stream
+from ..runtime.memory import Budget, host_pool, side_stream
 from ..results import IOStats
 from ..storage.base import ObjectStore
 

@@ -17,11 +17,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Manifest
 from ..layout import Resolver, resolver_for
-from ..memory import Budget, host_bytes, plain_host
+from ..runtime.memory import Budget, host_bytes, plain_host
 from ..planning.boxes import Box
 from ..planning.read_plan import ReadBatch, ReadPlan, ReadTarget, plan_reads
 from ..results import IOStats

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..distributed.placements import Shard, local_part, local_view
 from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointError, NotFoundError,
                       ObjckptError, StateDictMismatchError)

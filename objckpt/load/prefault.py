@@ -59,7 +59,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from ..memory import host_bytes, plain_host
+from ..runtime.memory import host_bytes, plain_host
 from ..options import switch_word
 
 _MADV_POPULATE_WRITE = 23

@@ -16,7 +16,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..checksum import crc32c
 from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
 from ..format.manifest import Chunk

@@ -19,7 +19,7 @@ import json
 import time
 from typing import Any, Callable, Optional
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..deletion import delete_checkpoint
 from ..format import keys
 from ..storage import open_store, split_uri

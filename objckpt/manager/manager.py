@@ -36,7 +36,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..api import async_save as _async_save
 from ..api import load as _load
 from ..api import save as _save

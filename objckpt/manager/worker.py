@@ -34,7 +34,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..deletion import delete_checkpoint
 from ..errors import NotFoundError
 from ..save.background import SaveHandle

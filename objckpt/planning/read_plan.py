@@ -11,7 +11,7 @@ is verified.
 
 :func:`plan_reads` turns a load's targets into a :class:`ReadPlan`: whole
 chunks read straight into destination memory where it allows, the rest into
-temporaries, in batches whose temporaries fit a :class:`~objckpt.memory.Budget`.
+temporaries, in batches whose temporaries fit a :class:`~objckpt.runtime.memory.Budget`.
 The plan is data: it can be printed and tested before a byte moves
 (:mod:`objckpt.load.fill` executes it).
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 from ..format.manifest import Chunk
-from ..memory import Budget
+from ..runtime.memory import Budget
 from .boxes import Box, intersect
 
 #: what one extra request costs, in bytes of transfer it is worth

@@ -35,10 +35,10 @@ from typing import Any, Optional
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..distributed.comm import Comm
 from ..errors import ForeignSaveError
-from ..memory import Budget, host_pool, side_stream
+from ..runtime.memory import Budget, host_pool, side_stream
 from ..options import SaveOptions
 from ..results import SaveResult
 from ..storage import ObjectStore

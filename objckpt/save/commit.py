@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..errors import (ConditionalWriteIgnoredError, CorruptCheckpointError, NotFoundError, PreconditionFailed,
                       StorageError)
 from ..format import keys

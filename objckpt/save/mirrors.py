@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..memory import side_stream, want_pinned
+from ..runtime.memory import side_stream, want_pinned
 
 
 class MirrorSet:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..distributed.comm import Comm, decide_on_root, refusal_class
 from ..distributed.join import join
 from ..errors import (CheckpointExistsError, ObjckptError, StateDictMismatchError, TensorChangedError,
@@ -32,7 +32,7 @@ from ..format import keys
 from ..format.spread import Placement, up_for
 from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
-from ..memory import Budget, HostPool
+from ..runtime.memory import Budget, HostPool
 from ..options import KeyLayout, SaveOptions
 from ..planning import crc_blocks
 from ..planning.pack import PackLimits, SavePlan

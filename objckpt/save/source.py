@@ -22,13 +22,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..errors import CheckpointExistsError, ObjckptError, UnsupportedFormatError, UnsupportedValueError
 from ..format import keys
 from ..format.dtypes import dtype_name, itemsize
 from ..format.spread import Placement
 from ..layout import ManifestCommon, RankOutcome, sourced_manifest
-from ..memory import Budget, host_pool
+from ..runtime.memory import Budget, host_pool
 from ..planning import crc_blocks
 from ..planning.pack import ChunkPlan, PackLimits, SavePlan, pack_items
 from ..results import IOStats

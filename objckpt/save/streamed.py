@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..planning.pack import ChunkPlan, SavePlan
 from ..results import IOStats
 from ..storage import BlobWriter, ObjectStore

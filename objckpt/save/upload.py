@@ -18,9 +18,9 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..checksum import block_crcs, crc32c, crc32c_combine
-from ..memory import Budget, HostPool, host_bytes, plain_host
+from ..runtime.memory import Budget, HostPool, host_bytes, plain_host
 from ..planning.pack import ChunkPlan, PartPlan, SavePlan
 from ..results import IOStats
 from ..storage.base import BlobWriter, ObjectStore

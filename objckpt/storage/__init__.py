@@ -21,7 +21,7 @@ import threading
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 from .local import LocalStore
 from .memory import MemoryStore, namespace

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..errors import PreconditionFailed
 from .base import ObjectInfo, ObjectStore, not_found
 

@@ -20,7 +20,7 @@ import secrets
 import stat
 from typing import Optional, Sequence
 
-from .. import _runtime
+from ..runtime import loop as _runtime
 from ..errors import ObjckptError, PreconditionFailed, StorageError
 from .base import BlobWriter, ObjectInfo, ObjectStore
 from .fs_errors import is_absent, missing, storage_error

@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from xml.sax.saxutils import escape
 from urllib.parse import urlsplit
 
-from ... import _runtime
+from ...runtime import loop as _runtime
 from ...options import switch_word
 from .answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
 from . import config, request

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional, Sequence
 
-from ... import _runtime
+from ...runtime import loop as _runtime
 from ...checksum import CellCrcs, crc32c, crc_header
 from ...errors import BucketNotFoundError, CorruptCheckpointError, NotS3EndpointError, PreconditionFailed, StorageError
 from ...logs import get_logger

@@ -28,7 +28,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, TypeVar, cast
 
-from ... import _runtime
+from ...runtime import loop as _runtime
 from ...logs import get_logger
 from . import direct
 from .retry import is_missing, is_no_bucket

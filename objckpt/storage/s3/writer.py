@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ... import _runtime
+from ...runtime import loop as _runtime
 from ...checksum import composite_header, crc_header, crc_of_views
 from ...errors import CorruptCheckpointError
 from ..base import BlobWriter, UploadInfo
