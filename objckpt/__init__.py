@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .api import async_save, delete, inspect, load, read, save
-from .compare import DiffReport, diff
+from .ops.diff import DiffReport, diff
 from .manager import CheckpointManager
 from .distributed.placements import Shard
 from .errors import (
@@ -33,7 +33,7 @@ from .errors import (
 )
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle
-from .transfer import CopyReport, copy
+from .ops.copy import CopyReport, copy
 
 __all__ = [
     "__version__",

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Optional
 from typing_extensions import Unpack
 
 from .distributed.comm import Comm, LocalComm, background_comm, get_comm
-from .deletion import DeleteReport, delete_checkpoint
+from .ops.delete import DeleteReport, delete_checkpoint
 from .distributed.join import join
 from .format.manifest import Manifest
 from .load.collective import CollectiveReader

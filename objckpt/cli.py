@@ -57,7 +57,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Delete unreferenced blobs and index objects, abort stale multipart uploads."""
     from .runtime import loop as _runtime
-    from .garbage import collect_garbage
+    from .ops.gc import collect_garbage
     from .storage import open_store
 
     store, prefix = open_store(args.uri, _opts(args))

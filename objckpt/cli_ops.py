@@ -66,7 +66,7 @@ def bar(args: argparse.Namespace, label: str, total: int = 0, unit: str = "B") -
 
 def cmd_cp(args: argparse.Namespace) -> int:
     """Copy a checkpoint between stores, verified, committed last at DST."""
-    from .transfer import copy
+    from .ops.copy import copy
 
     with bar(args, "cp") as pb:
         r = copy(args.src, args.dst, storage_options=storage_options(args),
@@ -79,7 +79,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """Exit 0 when the checkpoints hold the same keys and values, 1 when they differ."""
-    from .compare import diff
+    from .ops.diff import diff
 
     b_opts = dict(storage_options(args) or {})
     b_opts.update(args.b_storage_options or {})
@@ -104,7 +104,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Read every stored byte and check every crc32c, block crcs included, a batch
     of tensors (``--memory-mb``) at a time."""
     from .api import inspect, read
-    from .load.verify import verify_block_crcs
+    from .ops.verify import verify_block_crcs
     from .runtime.memory import Budget
 
     t = time.perf_counter()

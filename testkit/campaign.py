@@ -177,7 +177,7 @@ def last_json(out: str) -> Optional[dict[str, Any]]:
 def _after_uncommitted(uri: str, opts: dict[str, Any], why: str) -> tuple[str, str, dict[str, Any]]:
     """No manifest: gc (grace 0) must leave nothing under the prefix, no upload either."""
     from objckpt.runtime import loop as _runtime
-    from objckpt.garbage import collect_garbage
+    from objckpt.ops.gc import collect_garbage
     from objckpt.storage import open_store
 
     st, prefix = open_store(uri, opts)
@@ -199,7 +199,7 @@ def _after_crash(uri: str, opts: dict[str, Any], versions: dict[int, Any],
     orphan (objects and uploads) and nothing the manifest names."""
     import objckpt
     from objckpt.runtime import loop as _runtime
-    from objckpt.garbage import collect_garbage
+    from objckpt.ops.gc import collect_garbage
     from objckpt.storage import open_store
 
     from objckpt.errors import NotFoundError

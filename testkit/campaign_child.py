@@ -166,12 +166,12 @@ def cmd_op(a: dict[str, Any]) -> dict[str, Any]:
     """``cp`` SRC DST (overwrite), ``rm`` URI, or ``prune`` ROOT --keep-last K, killed before
     the ``kill_at``-th request to the store they change."""
     from objckpt.runtime import loop as _runtime
-    from objckpt.deletion import delete_checkpoint
+    from objckpt.ops.delete import delete_checkpoint
     from objckpt.manager.index import StepIndex
     from objckpt.manager.retention import RetentionPolicy
     from objckpt.manager.worker import apply_retention
     from objckpt.storage import open_store
-    from objckpt.transfer import copy
+    from objckpt.ops.copy import copy
 
     opts = a.get("opts") or {}
     uri = a["dst"] if a["op"] == "cp" else a["uri"]

@@ -168,7 +168,7 @@ def _prune(params: dict[str, Any], base: str, opts: dict[str, Any], seed: int, k
     import objckpt
     from objckpt.runtime import loop as _runtime
     from objckpt.errors import NotFoundError
-    from objckpt.garbage import collect_garbage
+    from objckpt.ops.gc import collect_garbage
     from objckpt.manager.index import StepIndex
     from objckpt.manager.retention import RetentionPolicy
     from objckpt.manager.worker import apply_retention

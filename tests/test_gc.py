@@ -13,7 +13,7 @@ from objckpt.runtime import loop as _runtime
 from objckpt.cli import main
 from objckpt.format import keys as layout
 from objckpt.format.manifest import Blob, Manifest, Mesh, RankIndexRef, TensorEntry, TensorLayout, encode
-from objckpt.garbage import attempt_time, collect_garbage
+from objckpt.ops.gc import attempt_time, collect_garbage
 from objckpt.storage import open_store
 from objckpt.storage.memory import MemoryStore
 

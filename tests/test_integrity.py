@@ -188,7 +188,7 @@ def test_verify_checks_every_block_crc(tmp_path: Any, capsys: pytest.CaptureFixt
 
 
 def test_verify_refuses_block_crcs_that_do_not_combine_to_the_chunk_crc(tmp_path: Any) -> None:
-    from objckpt.load.verify import verify_block_crcs
+    from objckpt.ops.verify import verify_block_crcs
     from objckpt.checksum import combine_blocks, block_crcs
 
     ck, state = _blocked(tmp_path)

@@ -21,9 +21,11 @@ LAYERS: list[set[str]] = [
     {"distributed", "statedict", "stateful", "testing"},
     {"layout"},
     {"save", "load"},
-    {"api", "deletion", "transfer", "compare"},
+    {"ops"},
+    {"api"},
     {"manager", "integrations"},
-    {"__init__", "garbage", "cli", "cli_ops", "demo", "bench", "dcp", "lightning"},
+    {"__init__", "dcp", "lightning"},
+    {"cli", "cli_ops", "demo", "bench"},
 ]
 
 

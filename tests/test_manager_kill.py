@@ -14,7 +14,7 @@ import torch
 
 import objckpt
 from objckpt.runtime import loop as _runtime
-from objckpt.garbage import collect_garbage
+from objckpt.ops.gc import collect_garbage
 from objckpt.storage import open_store
 from conftest import assert_same
 

@@ -73,7 +73,7 @@ def test_save_delete_and_gc_in_a_new_process_import_no_botocore_client(moto_s3: 
     code = textwrap.dedent(f"""
         import sys, torch, objckpt
         from objckpt.runtime import loop as _runtime
-        from objckpt.garbage import collect_garbage
+        from objckpt.ops.gc import collect_garbage
         from objckpt.storage import open_store
         opts = {opts!r}
         objckpt.save({{"w": torch.arange(10.0)}}, "s3://{bucket}/a", storage_options=opts)

@@ -22,7 +22,7 @@ from objckpt.runtime import loop as _runtime
 from objckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from objckpt.format import manifest as mf
 from objckpt.format import spread
-from objckpt.garbage import collect_garbage
+from objckpt.ops.gc import collect_garbage
 from objckpt.storage import open_store
 
 from conftest import assert_same

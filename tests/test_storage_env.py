@@ -91,7 +91,7 @@ def test_credential_change_builds_a_client_with_the_new_keys(
 _CHILD = r"""
 import json, logging, sys, torch, objckpt
 from objckpt.runtime import loop as _runtime
-from objckpt.garbage import collect_garbage
+from objckpt.ops.gc import collect_garbage
 from objckpt.storage import open_store
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
 uri, opts = sys.argv[1], json.loads(sys.argv[2])

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..runtime import loop as _runtime
-from ..deletion import delete_checkpoint
+from ..ops.delete import delete_checkpoint
 from ..format import keys
 from ..storage import open_store, split_uri
 from .index import INDEX_DIR, HEAD_NAME, StepIndex

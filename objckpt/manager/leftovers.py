@@ -1,6 +1,6 @@
 """What is left under a step after retention deleted it: the leftovers of killed saves.
 
-Why: :func:`objckpt.deletion.delete_checkpoint` removes the manifest and the
+Why: :func:`objckpt.ops.delete.delete_checkpoint` removes the manifest and the
 objects that manifest names, nothing else, because anything else under the
 prefix might belong to a save in progress.  A save of the same step that was
 killed earlier (then saved again by the restarted job) leaves its blobs,

@@ -40,7 +40,7 @@ from ..runtime import loop as _runtime
 from ..api import async_save as _async_save
 from ..api import load as _load
 from ..api import save as _save
-from ..deletion import DeleteReport, delete_checkpoint
+from ..ops.delete import DeleteReport, delete_checkpoint
 from ..distributed.comm import Comm, LocalComm, decide_on_root, get_comm
 from ..errors import CheckpointExistsError, ConditionalWriteIgnoredError, NotFoundError
 from ..format import keys

@@ -12,7 +12,7 @@ Deletion order for each step out of policy: first the step leaves the index
 (in the same conditional index update that adds the newly committed step, the
 policy evaluated on the version that update is based on, so a concurrent
 writer's new step is never lost),
-then :func:`objckpt.deletion.delete_checkpoint` removes its manifest (the
+then :func:`objckpt.ops.delete.delete_checkpoint` removes its manifest (the
 checkpoint stops existing) and then the objects that manifest names.  A step
 that is not in the index — a save of another manager still in flight — is
 never a candidate, so retention never deletes a step someone is writing.
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..runtime import loop as _runtime
-from ..deletion import delete_checkpoint
+from ..ops.delete import delete_checkpoint
 from ..errors import NotFoundError
 from ..save.background import SaveHandle
 from .index import IndexDoc, StepIndex

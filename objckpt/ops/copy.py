@@ -27,18 +27,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .runtime import loop as _runtime
-from .checksum import crc32c, crc32c_combine
-from .errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
+from ..runtime import loop as _runtime
+from ..checksum import crc32c, crc32c_combine
+from ..errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
                      NotFoundError, ObjckptError, PreconditionFailed)
-from .format import keys
-from .format.manifest import Chunk, Manifest, RankIndexRef, decode
-from .layout import resolver_for
-from .load.pipeline import manifest_bytes
-from .logs import get_logger
-from .save.commit import replaced_keys
-from .storage import BlobWriter, ObjectStore, open_store, split_uri
-from .units import MiB
+from ..format import keys
+from ..format.manifest import Chunk, Manifest, RankIndexRef, decode
+from ..layout import resolver_for
+from ..load.pipeline import manifest_bytes
+from ..logs import get_logger
+from ..save.commit import replaced_keys
+from ..storage import BlobWriter, ObjectStore, open_store, split_uri
+from ..units import MiB
 
 log = get_logger("objckpt.copy")
 

@@ -19,12 +19,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .format.manifest import Manifest, TensorEntry
-from .format.tree import iter_leaves
-from .load.pipeline import inspect_checkpoint, read_checkpoint
-from .runtime.memory import Budget
-from .storage import ObjectStore, open_store, split_uri
-from .units import MiB
+from ..format.manifest import Manifest, TensorEntry
+from ..format.tree import iter_leaves
+from ..load.pipeline import inspect_checkpoint, read_checkpoint
+from ..runtime.memory import Budget
+from ..storage import ObjectStore, open_store, split_uri
+from ..units import MiB
 
 #: bytes of tensors read from each side at once when bytes must be compared
 MEMORY_BYTES = 256 * MiB

@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .format import keys, spread
-from .format.manifest import Manifest, decode
-from .storage import ObjectStore
-from .storage.base import ObjectInfo, UploadInfo
+from ..format import keys, spread
+from ..format.manifest import Manifest, decode
+from ..storage import ObjectStore
+from ..storage.base import ObjectInfo, UploadInfo
 
 TMP_MARK = f"{keys.MANIFEST_NAME}.tmp-"
 

@@ -7,7 +7,7 @@ names (its blobs and, in format v2, its rank index objects; in v4 these may be
 spread under hashed prefixes outside the checkpoint's prefix, and are deleted
 only where they lie in this checkpoint's own spread namespace) are deleted
 afterwards; anything else under the prefix (a save in progress to the same
-URI, leftovers of a killed save) is left to :func:`objckpt.garbage.collect_garbage`,
+URI, leftovers of a killed save) is left to :func:`objckpt.ops.gc.collect_garbage`,
 which judges age.  A delete interrupted after the manifest went leaves only
 unreferenced objects, which ``gc`` removes.
 """
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import CorruptCheckpointError
-from .format import keys
-from .format.manifest import decode
-from .load.pipeline import manifest_bytes
-from .storage import ObjectStore
+from ..errors import CorruptCheckpointError
+from ..format import keys
+from ..format.manifest import decode
+from ..load.pipeline import manifest_bytes
+from ..storage import ObjectStore
 
 
 @dataclass
