@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"format", "results"},
     {"planning"},
     {"storage"},
-    {"distributed", "statedict", "stateful", "testing"},
+    {"distributed", "state", "testing"},
     {"layout"},
     {"save", "load"},
     {"ops"},

@@ -7,7 +7,7 @@ checkpointing (keys taken without its hooks, e.g. from ``named_parameters()``)
 way round) every key differs, and nothing would load.
 
 :func:`reconcile` pairs such keys.  It drops a wrapper component (the names in
-:data:`objckpt.stateful.WRAPPER_COMPONENTS`) under a key prefix (a *scope*: ``""``,
+:data:`objckpt.state.WRAPPER_COMPONENTS`) under a key prefix (a *scope*: ``""``,
 ``model``, ``layers.0``) of one side only when **every** key of that side under the
 scope carries the component right after the scope, **no** key of the other side does,
 and the keys then have names in common; it repeats for nested wrappers
@@ -28,7 +28,7 @@ from typing import Iterable, Optional, Sequence
 
 from ..errors import StateDictMismatchError
 from ..logs import get_logger
-from ..stateful import WRAPPER_COMPONENTS, StatefulValue
+from ..state import WRAPPER_COMPONENTS, StatefulValue
 
 log = get_logger("objckpt.load")
 

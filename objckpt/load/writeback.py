@@ -1,4 +1,7 @@
-"""After a Stateful value's ``load_state_dict()``: did the loaded tensors reach the object?
+"""The hand-back to Stateful values, and its check: did the loaded tensors reach the object?
+
+:func:`hand_back` calls each Stateful value's ``load_state_dict()`` with its filled
+state dict (:mod:`objckpt.state`), then runs the check below.
 
 A load fills the tensors of each object's ``state_dict()`` in place.  For most
 objects those tensors *are* the object's state (an ``nn.Module``'s parameters and
@@ -29,7 +32,7 @@ import torch
 
 from ..errors import StateDictMismatchError
 from ..format.tree import _child_key
-from ..stateful import StatefulValue, is_stateful
+from ..state import StatefulValue, is_stateful
 
 #: how many keys an error names before it counts the rest
 _NAMED = 12
@@ -140,3 +143,19 @@ def check_written_back(sv: StatefulValue, loaded: Mapping[str, torch.Tensor], ur
     found = find_not_written_back(sv, loaded)
     if found is not None:
         raise_not_written_back(found, uri)
+
+
+def hand_back(stateful: Mapping[str, StatefulValue], uri: str) -> None:
+    """Call each Stateful value's ``load_state_dict()`` with its filled state dict, then check
+    that each object now holds the loaded tensors (this module's docstring)."""
+    loaded = {key: snapshot(sv) for key, sv in stateful.items()}
+    for sv in stateful.values():
+        try:
+            sv.obj.load_state_dict(sv.state)
+        except Exception as e:  # the object's own check: named, typed, chained
+            raise StateDictMismatchError(
+                f"cannot load {uri!r}: {type(sv.obj).__qualname__}.load_state_dict() at key "
+                f"{sv.key or '<root>'!r} refused the checkpoint's state ({type(e).__name__}: {e}); "
+                "its tensors are filled, its other state may be unchanged") from e
+    for key, sv in stateful.items():
+        check_written_back(sv, loaded[key], uri)

@@ -20,7 +20,7 @@ from ..format.manifest import Mesh
 from ..planning.assign import TensorMeta
 from ..planning.boxes import Box
 from ..planning.symbolic import SymbolicDescription, TensorDesc, cell_box
-from ..statedict import collect
+from ..state import collect
 from .fingerprint import fingerprint
 
 #: ``mirror(key, local)`` starts a host copy of ``local`` and returns the tensor to read from
