@@ -191,7 +191,7 @@ def load(
     modules, optimizers, schedulers...) are loaded through them: their current
     ``state_dict()`` is the template, then ``load_state_dict()`` receives it
     filled.  A freshly built optimizer's missing per-parameter state is created
-    from the checkpoint (see :mod:`objckpt.load.stateful` for the rule).
+    from the checkpoint (see :mod:`objckpt.state` for the rule).
 
     ``read_strategy`` says how ranks that need the same bytes (replicated
     tensors, the DP groups of a DP x TP layout) read them: ``"direct"`` (each

@@ -27,15 +27,14 @@ from ..logs import get_logger
 from ..options import LoadOptions
 from ..planning.boxes import whole
 from ..results import IOStats, LoadResult
-from ..stateful import StatefulValue, find_stateful
-from ..statedict import Slot, template_slots
+from ..state import Slot, StatefulValue, create_optimizer_state, find_stateful, template_slots
 from ..storage import ObjectStore
 from .collective import CollectiveReader
 from . import prefault
 from .fill import FillTarget, fill_boxes
 from .key_match import KeyCheck, check_key_match, reconcile, renamed_leaves
 from .read_keys import ReadSelection, select_keys
-from .stateful import create_optimizer_state, hand_back
+from .writeback import hand_back
 
 log = get_logger("objckpt.load")
 
