@@ -143,7 +143,7 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0, model: str = "70b
     """One world size: two sample save ranks, rank 0's commit, two sample load ranks
     (``fetch_samples`` more load ranks only count the rank indexes they would fetch)."""
     ock = internals()
-    run_ = ock.runtime.loop.run
+    run_ = ock._runtime.run
     rng = random.Random(seed)
     defs, state = model_defs(model, layers)
     if not any(KIND_MESH[d.kind] == 2 for d in defs):
@@ -159,7 +159,7 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0, model: str = "70b
     # the load's target layout, and the ranks whose index objects its sample ranks need
     lw = int(world * load_ratio)
     descs, meshes, digest, _ = describe(defs, world, tp, ep, 0)
-    layouts = ock.assign_layouts(descs, meshes)
+    layouts = ock.assign_shard_specs(descs, meshes)
     lmeshes = [ock.Mesh(shape, tuple(range(lw))) for shape in mesh_list(lw, tp, ep, {d.kind for d in defs})[0]]
     memo: dict = {}
     samples = (0, lw // 2 + 3)
@@ -198,7 +198,7 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0, model: str = "70b
         r["per_rank_s"] += t.t
     with Timer() as t:
         lay = layout(defs, tree, descs, meshes, digest)
-        lay.layouts = layouts
+        lay.specs = layouts
         m = lay.manifest(results, ock.ManifestCommon(ATTEMPT, {}, CRC_BLOCK))
         m.spread_up = up
         data = ock.encode(m)

@@ -72,7 +72,7 @@ def internals() -> types.SimpleNamespace:
     from objckpt.planning.assign import TensorMeta, assign_writes, check_consistent
     from objckpt.planning.pack import PackLimits, pack_items
     from objckpt.planning.read_plan import ChunkIndex, plan_piece
-    from objckpt.planning.symbolic import (SymbolicDescription, TensorDesc, assign_layouts, cell_box, overlapping_pieces,
+    from objckpt.planning.symbolic import (SymbolicDescription, TensorDesc, assign_shard_specs, cell_box, overlapping_pieces,
                                            plan_rank_writes_symbolic)
     from objckpt.save.pipeline import _tree_digest
     from objckpt.storage.memory import MemoryStore

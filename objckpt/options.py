@@ -53,8 +53,11 @@ class ReadStrategy(str, enum.Enum):
             raise ValueError(f"read_strategy must be one of {names}, got {value!r}") from None
 
 
-class KeyLayout(str, enum.Enum):
-    """Where a save puts its blobs and rank indexes (see :mod:`objckpt.format.spread`)."""
+class KeyScheme(str, enum.Enum):
+    """How a save names its blobs and rank indexes: under the checkpoint prefix, or spread
+    under hashed prefixes (see :mod:`objckpt.format.spread`).  Chosen with ``save(...,
+    key_layout=...)``; the argument keeps its name, "layout" in objckpt otherwise means
+    :mod:`objckpt.layout` (the v1/v2 strategies).  Was ``KeyLayout``."""
 
     DEFAULT = "default"  # under <prefix>/blobs/<attempt>/
     SPREAD = "spread"  # under hashed prefixes <root>/.spread-<hh>/..., for jobs of thousands of ranks on S3
@@ -63,7 +66,7 @@ class KeyLayout(str, enum.Enum):
         return self.value
 
     @classmethod
-    def parse(cls, value: "str | KeyLayout") -> "KeyLayout":
+    def parse(cls, value: "str | KeyScheme") -> "KeyScheme":
         try:
             return cls(value)
         except ValueError:
@@ -109,7 +112,7 @@ class SaveOptions:
     #: seconds to wait for the other ranks to join (None: $OBJCKPT_COLLECTIVE_TIMEOUT, else 600)
     collective_timeout: Optional[float] = None
     #: "spread": blobs and rank indexes under hashed prefixes (docs/s3-scale.md)
-    key_layout: KeyLayout = KeyLayout.DEFAULT
+    key_layout: KeyScheme = KeyScheme.DEFAULT
     #: spread layout: URI or path of an ancestor of the checkpoint shared by the job's saves (None: its parent)
     spread_root: Optional[str] = None
     #: spread layout: hex digits of the hashed prefix (1 to 4: 16 to 65,536 prefixes)
@@ -130,7 +133,7 @@ class SaveOptions:
         if not (isinstance(self.spread_digits, int) and 1 <= self.spread_digits <= 4):
             raise ValueError(f"spread_digits must be 1 to 4, got {self.spread_digits!r}")
         return dataclasses.replace(self, metadata=check_metadata(self.metadata),
-                                   key_layout=KeyLayout.parse(self.key_layout))
+                                   key_layout=KeyScheme.parse(self.key_layout))
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ class SaveArgs(TypedDict, total=False):
     crc_block: Optional[int]
     no_dist: bool
     collective_timeout: Optional[float]
-    key_layout: "str | KeyLayout"
+    key_layout: "str | KeyScheme"
     spread_root: Optional[str]
     spread_digits: int
     store: Any  # an objckpt.storage.ObjectStore
@@ -189,3 +192,13 @@ def split_save_args(fn: str, kwargs: dict[str, Any]) -> tuple[SaveOptions, dict[
     names = {f.name for f in fields(SaveOptions)}
     opts = {k: v for k, v in kwargs.items() if k in names}
     return SaveOptions(**opts), {k: kwargs.get(k) for k in _WHERE}
+
+
+def __getattr__(name: str) -> Any:
+    """``KeyLayout``: the old name of :class:`KeyScheme`, still importable, with a DeprecationWarning."""
+    if name == "KeyLayout":
+        import warnings
+
+        warnings.warn("objckpt.options.KeyLayout is deprecated: use KeyScheme", DeprecationWarning, stacklevel=2)
+        return KeyScheme
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

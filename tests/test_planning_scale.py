@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from objckpt.format.manifest import Mesh, TensorLayout
+from objckpt.format.manifest import Mesh, ShardSpec
 from objckpt.planning import symbolic
-from objckpt.planning.symbolic import TensorDesc, assign_layouts, cell_box, my_pieces, overlapping_pieces
+from objckpt.planning.symbolic import TensorDesc, assign_shard_specs, cell_box, my_pieces, overlapping_pieces
 
 
 def _moe(dp: int, ep: int, tp: int) -> tuple[list[TensorDesc], list[Mesh]]:
@@ -38,7 +38,7 @@ def _moe(dp: int, ep: int, tp: int) -> tuple[list[TensorDesc], list[Mesh]]:
 def test_moe_plan_covers_every_element_once_and_half_world_reads_only_overlapping_writers(split_bytes: int) -> None:
     dp, ep, tp = 4, 2, 2
     descs, meshes = _moe(dp, ep, tp)
-    lays = assign_layouts(descs, meshes, split_bytes=split_bytes, tiny_bytes=8)
+    lays = assign_shard_specs(descs, meshes, split_bytes=split_bytes, tiny_bytes=8)
     if split_bytes == 16:
         assert lays["router.gate"].split == 2  # the replica split is exercised
     world = dp * ep * tp
@@ -94,7 +94,7 @@ def test_overlap_query_on_a_65536_rank_mesh_does_not_walk_the_mesh(monkeypatch: 
     listing the 65,536 pieces of the dim (which every rank of the job would redo)."""
     mesh = Mesh((8192, 8), tuple(range(65536)))
     shape = (65536 * 3 + 5, 16)
-    lay = TensorLayout(0, ("S0", "S0"))
+    lay = ShardSpec(0, ("S0", "S0"))
     # the box a rank of a (4096, 8) mesh holds: it spans about two stored cells
     box = cell_box(shape, (4096, 8), ("S0", "S0"), (1234, 5))
     calls = _counting(monkeypatch, "chunk_piece")
@@ -113,7 +113,7 @@ def test_my_pieces_of_a_tensor_split_over_65536_replicas_visits_only_its_own(mon
     each rank finds its one piece directly instead of walking the group's 65,536 pieces."""
     world = Mesh((65536,), tuple(range(65536)))
     shape = (65536 * 2 + 7, 16)  # 8.4 MB: split over the replicas
-    lay = assign_layouts([TensorDesc("w", shape, 4, 0, ("R",))], [world])["w"]
+    lay = assign_shard_specs([TensorDesc("w", shape, 4, 0, ("R",))], [world])["w"]
     assert lay.split == 65536
     calls = _counting(monkeypatch, "piece_rows")
     rows = []

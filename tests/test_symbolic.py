@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import objckpt
 from objckpt.errors import CorruptCheckpointError
 from objckpt.format import manifest as mf
-from objckpt.format.manifest import Mesh, TensorLayout
-from objckpt.planning.symbolic import TensorDesc, assign_layouts, cell_box, my_pieces, overlapping_pieces
+from objckpt.format.manifest import Mesh, ShardSpec
+from objckpt.planning.symbolic import TensorDesc, assign_shard_specs, cell_box, my_pieces, overlapping_pieces
 
 from mp import run_multiprocess
 
@@ -57,7 +57,7 @@ def test_cell_box_is_torchs_rule(case: Any) -> None:
 @given(layouts(), st.integers(1, 5), st.integers(0, 7), st.data())
 def test_pieces_tile_once_and_overlap_query_matches_brute_force(case: Any, split: int, rot: int, data: Any) -> None:
     shape, mesh, placements = case
-    lay = TensorLayout(0, placements, split, rot)
+    lay = ShardSpec(0, placements, split, rot)
     written = {r: my_pieces(shape, mesh, lay, r) for r in mesh.ranks}
     vol = sum(math.prod(p[1]) if p[1] else 1 for ps in written.values() for p in ps)
     assert vol == (math.prod(shape) if shape else 1)  # every element written exactly once (no overlap below)
@@ -74,12 +74,12 @@ def test_pieces_tile_once_and_overlap_query_matches_brute_force(case: Any, split
     assert got == sorted(brute)
 
 
-def test_assign_layouts_splits_big_replicated_and_spreads_small() -> None:
+def test_assign_shard_specs_splits_big_replicated_and_spreads_small() -> None:
     world = Mesh((16,), tuple(range(16)))
     descs = [TensorDesc("big", (1024, 1024), 4, 0, ("R",))]
     descs += [TensorDesc(f"small{i}", (100, 256), 4, 0, ("R",)) for i in range(16)]  # 100 KiB: spread
     descs += [TensorDesc(f"tiny{i}", (10,), 4, 0, ("R",)) for i in range(5)]  # all on slot 0
-    lays = assign_layouts(descs, [world])
+    lays = assign_shard_specs(descs, [world])
     assert lays["big"].split == 16
     assert sorted(lays[f"small{i}"].rot for i in range(16)) == sorted(list(range(8)) * 2)  # first 8 slots
     assert all(lays[f"tiny{i}"].rot == 0 for i in range(5))
@@ -91,7 +91,7 @@ def test_assign_layouts_splits_big_replicated_and_spreads_small() -> None:
 
 def _v2_manifest() -> mf.Manifest:
     mesh = Mesh((2, 2), (0, 1, 2, 3))
-    t = mf.TensorEntry("w", "float32", (8, 4), layout=TensorLayout(0, ("S0", "R"), 2, 1))
+    t = mf.TensorEntry("w", "float32", (8, 4), layout=ShardSpec(0, ("S0", "R"), 2, 1))
     refs = [mf.RankIndexRef(f"blobs/a/r{r:05d}.index.json", 10 + r, r) for r in range(4)]
     return mf.Manifest({"w": t}, [mf.Blob("blobs/a/r00000-0000.bin", 64, 0)], {"w": {"__tensor__": "w"}},
                        attempt="a", world_size=4, meshes=[mesh], rank_indexes=refs, format_version=2)

@@ -105,15 +105,20 @@ class Mesh:
 
 
 @dataclass(frozen=True)
-class TensorLayout:
-    """A tensor's layout (v2): ``mesh`` indexes ``Manifest.meshes``; placements are
-    "R" or "S<dim>" per mesh dim; each cell is stored as ``split`` pieces along
+class ShardSpec:
+    """How a tensor is cut over a mesh and who wrote each piece (v2; stored under the
+    JSON key ``"layout"``, which stays): ``mesh`` indexes ``Manifest.meshes``;
+    placements are "R" or "S<dim>" per mesh dim; each cell is stored as ``split`` pieces along
     dim 0, piece i written by replica slot (i + ``rot``) mod group size."""
 
     mesh: int
     placements: tuple[str, ...]
     split: int = 1
     rot: int = 0
+
+
+#: the old name of :class:`ShardSpec` ("layout" now means :mod:`objckpt.layout` only)
+TensorLayout = ShardSpec
 
 
 @dataclass(frozen=True)
@@ -135,8 +140,8 @@ class TensorEntry:
     chunks: list[Chunk] = field(default_factory=list)
     #: key of the tensor this one shares storage with (bytes stored once)
     alias_of: Optional[str] = None
-    #: v2: the chunks are described by this layout and listed in the rank indexes
-    layout: Optional[TensorLayout] = None
+    #: v2: the chunks are described by this shard spec and listed in the rank indexes
+    layout: Optional[ShardSpec] = None
 
     @property
     def numel(self) -> int:
@@ -355,7 +360,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
         entry = TensorEntry(k, t["dtype"], tuple(t["shape"]), alias_of=alias)
         if alias is None and "layout" in t:
             _need(version >= 2 and "chunks" not in t, where, f"tensor {k!r}: 'layout' needs format v2 and no chunks")
-            entry.layout = _layout(t["layout"], entry.shape, meshes, where, k)
+            entry.layout = _shard_spec(t["layout"], entry.shape, meshes, where, k)
         elif alias is None:
             _need(isinstance(t.get("chunks"), list), where, f"tensor {k!r}: chunks missing")
             seen: set[tuple[int, ...]] = set()
@@ -461,7 +466,7 @@ def _v2_tables(obj: dict, version: int, where: str, attempt: str,
     return meshes, refs
 
 
-def _layout(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, key: str) -> TensorLayout:
+def _shard_spec(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, key: str) -> ShardSpec:
     ok = isinstance(raw, dict) and _int(raw.get("mesh"), 0, len(meshes) - 1)
     ok = ok and isinstance(raw.get("placements"), list) and _int(raw.get("split", 1), 1) and _int(raw.get("rot", 0))
     _need(ok, where, f"tensor {key!r}: layout malformed")
@@ -474,4 +479,4 @@ def _layout(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, ke
     for p in pl:
         ok = p == "R" or (isinstance(p, str) and len(p) >= 2 and p[0] == "S" and p[1:].isdigit() and int(p[1:]) < len(shape))
         _need(ok, where, f"tensor {key!r}: placement {p!r} malformed")
-    return TensorLayout(raw["mesh"], tuple(pl), raw.get("split", 1), raw.get("rot", 0))
+    return ShardSpec(raw["mesh"], tuple(pl), raw.get("split", 1), raw.get("rot", 0))

@@ -1,8 +1,8 @@
-"""The "spread" key layout: blob and rank-index keys under hashed prefixes.
+"""The "spread" key scheme (``KeyScheme.SPREAD``): blob and rank-index keys under hashed prefixes.
 
 S3 serves about 3,500 writes and 5,500 reads per second per *partitioned*
 prefix, and partitions a bucket by key ranges it splits while the load lasts
-(answering 503 SlowDown meanwhile).  With the default layout every object of a
+(answering 503 SlowDown meanwhile).  With the default key scheme every object of a
 save lies under ``<prefix>/blobs/<attempt>/``: a key range that did not exist
 before the save, so each save of a 16,384-rank job starts on one cold
 partition, however the keys below it are named.  A hash helps only where it
@@ -22,7 +22,7 @@ manifest stays at ``<prefix>/manifest.json`` and records, per object, its name
 (``spread/<attempt>/<file>``) and its ``<hh>``, and once how many segments
 ``<root>`` lies above the prefix (``spread_up``): docs/format.md §13.
 
-The names differ from the default layout's (``spread/``, not ``blobs/``) so a
+The names differ from the default scheme's (``spread/``, not ``blobs/``) so a
 garbage collector of an older release, which takes ``.../blobs/<attempt>/<file>``
 keys without a manifest beside them for garbage, never touches a spread object.
 The key parses back to exactly one owning checkpoint (:func:`parse_key`),
@@ -167,7 +167,7 @@ def up_for(prefix: str, spread_root: Optional[str]) -> int:
 @dataclass(frozen=True)
 class Placement:
     """Where one rank of a save puts its objects: under the checkpoint prefix
-    (``up == 0``, the default layout) or spread (``up`` segments above it)."""
+    (``up == 0``, the default scheme) or spread (``up`` segments above it)."""
 
     prefix: str
     rank: int = 0

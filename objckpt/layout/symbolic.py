@@ -22,7 +22,7 @@ from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
 from ..format import rank_index
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.spread import Placement
-from ..format.manifest import SEALED_VERSION, Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, TensorEntry, TensorLayout
+from ..format.manifest import SEALED_VERSION, Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, TensorEntry, ShardSpec
 from ..planning.assign import RankWrites
 from ..planning.boxes import Box, intersect
 from ..planning.pack import PackLimits
@@ -45,12 +45,12 @@ class SymbolicLayout(SaveLayout):
         self.aliases = aliases
         self.tree = tree
         self.rank_trees = rank_trees
-        self.layouts: dict[str, TensorLayout] = {}
+        self.specs: dict[str, ShardSpec] = {}
 
     def plan(self, rank: int, boxes: dict[str, Box], limits: PackLimits) -> RankWrites:
         d = self.desc
         digest = hashlib.blake2b(d.digest + pickle.dumps((rank, limits)), digest_size=20).digest()
-        self.layouts, writes = PLAN_CACHE.get(
+        self.specs, writes = PLAN_CACHE.get(
             digest, lambda: plan_rank_writes_symbolic(d.descs, d.meshes, boxes, rank, limits))
         return writes
 
@@ -72,7 +72,7 @@ class SymbolicLayout(SaveLayout):
             if k in self.aliases:
                 entries[k] = TensorEntry(k, dt, by_key[self.aliases[k]].shape, alias_of=self.aliases[k])
             else:
-                entries[k] = TensorEntry(k, dt, by_key[k].shape, layout=self.layouts[k])
+                entries[k] = TensorEntry(k, dt, by_key[k].shape, layout=self.specs[k])
         blobs = [b for out in outcomes for b in out.blobs]
         refs = []
         for rank, out in enumerate(outcomes):
@@ -100,7 +100,7 @@ class RankIndexResolver(InlineResolver):
         self._pieces: dict[tuple[str, Box], list[StoredPiece]] = {}
         self._rank_idx: dict[tuple[int, str], ChunkIndex] = {}
 
-    def _layout_pieces(self, key: str, box: Box) -> list[StoredPiece]:
+    def _placed_pieces(self, key: str, box: Box) -> list[StoredPiece]:
         hit = self._pieces.get((key, box))
         if hit is None:
             e = self.m.tensors[key]
@@ -115,7 +115,7 @@ class RankIndexResolver(InlineResolver):
         need: set[int] = set()
         for key, box in wanted:
             if self.m.tensors[key].layout is not None:
-                need.update(r for r, _, _ in self._layout_pieces(key, box))
+                need.update(r for r, _, _ in self._placed_pieces(key, box))
         need -= set(self._ranks)
         if need:
             got = await asyncio.gather(*(self._fetch(r, stats) for r in sorted(need)))
@@ -150,7 +150,7 @@ class RankIndexResolver(InlineResolver):
             return super().overlapping(key, box)
         isz = itemsize(dtype_from_name(e.dtype, key))
         out: list[Overlap] = []
-        for rank, piece, _ in self._layout_pieces(key, box):
+        for rank, piece, _ in self._placed_pieces(key, box):
             for c in self._piece_chunks(rank, key, piece, isz):
                 inter = intersect((c.offsets, c.shape), box) if c.shape else ((), ())
                 if inter is not None:

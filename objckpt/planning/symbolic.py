@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Optional, Sequence
 
-from ..format.manifest import Mesh, TensorLayout
+from ..format.manifest import Mesh, ShardSpec
 from .assign import RankWrites, WriteItem
 from .boxes import Box, intersect
 from .pack import PackLimits, pack_items
@@ -151,7 +151,7 @@ def cell_pieces(box: Box, split: int) -> Iterator[tuple[int, Box]]:
             yield i, piece
 
 
-def my_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, rank: int) -> list[Box]:
+def my_pieces(shape: Sequence[int], mesh: Mesh, lay: ShardSpec, rank: int) -> list[Box]:
     """The pieces ``rank`` writes of a tensor (possibly none).
 
     Only the pieces of this rank's slot are visited (i = slot - rot mod g, then
@@ -233,7 +233,7 @@ class StoredPiece(NamedTuple):
 Intervals = dict[tuple[int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
 
-def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: TensorLayout, box: Box,
+def overlapping_pieces(shape: Sequence[int], mesh: Mesh, lay: ShardSpec, box: Box,
                        memo: Optional[Intervals] = None) -> list[StoredPiece]:
     """(writer rank, stored piece box, intersection with ``box``) of every stored
     piece overlapping ``box``: per dim the overlapping cells by division
@@ -293,8 +293,8 @@ class SymbolicDescription:
     digest: bytes
 
 
-def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
-                   split_bytes: int = 4 << 20, small_spread: int = 8, tiny_bytes: int = 64 << 10) -> dict[str, TensorLayout]:
+def assign_shard_specs(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
+                       split_bytes: int = 4 << 20, small_spread: int = 8, tiny_bytes: int = 64 << 10) -> dict[str, ShardSpec]:
     """``split`` and ``rot`` of every tensor, the same on every rank.
 
     A cell of at least ``split_bytes`` is split over its replicas (replica-
@@ -310,12 +310,12 @@ def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
     """
     heaps: dict[int, list[tuple[int, int]]] = {}
     loads: dict[int, list[int]] = {}
-    out: dict[str, TensorLayout] = {}
+    out: dict[str, ShardSpec] = {}
     for t in descs:
         mesh = meshes[t.mesh]
         g = group_size(mesh.shape, t.placements)
         if g == 1:
-            out[t.key] = TensorLayout(t.mesh, t.placements)
+            out[t.key] = ShardSpec(t.mesh, t.placements)
             continue
         per_dim, _ = _sharding(len(t.shape), t.placements)
         ncells = math.prod(mesh.shape[md] for mds in per_dim for md in mds)
@@ -340,21 +340,21 @@ def assign_layouts(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], *,
             s = (i + rot) % g
             load[s] += nbytes * (b - a) // max(rows, 1) * ncells
             heapq.heappush(heap, (load[s], s))
-        out[t.key] = TensorLayout(t.mesh, t.placements, split, rot)
+        out[t.key] = ShardSpec(t.mesh, t.placements, split, rot)
     return out
 
 
 def plan_rank_writes_symbolic(descs: Sequence[TensorDesc], meshes: Sequence[Mesh], boxes: dict[str, Box],
-                              rank: int, limits: PackLimits) -> tuple[dict[str, TensorLayout], RankWrites]:
-    """Every tensor's layout (the same on every rank) and this rank's writes.
+                              rank: int, limits: PackLimits) -> tuple[dict[str, ShardSpec], RankWrites]:
+    """Every tensor's shard spec (the same on every rank) and this rank's writes.
 
     ``boxes`` are this rank's local boxes, which the pieces are rows of."""
-    layouts = assign_layouts(descs, meshes)
+    specs = assign_shard_specs(descs, meshes)
     own: list[WriteItem] = []
     shared: list[WriteItem] = []  # pieces of replicated cells: many ranks read them
     for t in descs:
         g = group_size(meshes[t.mesh].shape, t.placements)
-        for p_off, p_shape in my_pieces(t.shape, meshes[t.mesh], layouts[t.key], rank):
+        for p_off, p_shape in my_pieces(t.shape, meshes[t.mesh], specs[t.key], rank):
             box = boxes[t.key]
             r0 = p_off[0] - box[0][0] if p_off else 0
             (own if g == 1 else shared).append(WriteItem(t.key, box, r0, r0 + (p_shape[0] if p_shape else 1)))
@@ -362,4 +362,4 @@ def plan_rank_writes_symbolic(descs: Sequence[TensorDesc], meshes: Sequence[Mesh
     # reader that needs them all (every rank, for plain tensors) gets them in
     # one merged range instead of one small range per tensor
     items = own + shared
-    return layouts, RankWrites(items, pack_items(items, {t.key: t.itemsize for t in descs}, limits))
+    return specs, RankWrites(items, pack_items(items, {t.key: t.itemsize for t in descs}, limits))

@@ -33,7 +33,7 @@ from ..format.spread import Placement, up_for
 from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
 from ..runtime.memory import Budget, HostPool
-from ..options import KeyLayout, SaveOptions
+from ..options import KeyScheme, SaveOptions
 from ..planning import crc_blocks
 from ..planning.pack import PackLimits, SavePlan
 from ..results import IOStats, SaveResult
@@ -139,7 +139,7 @@ def spread_up(uri: str, prefix: str, opts: SaveOptions) -> int:
     """How far above ``prefix`` the spread root lies (0: default layout).  ``spread_root``
     is a URI or path like the checkpoint's, naming an ancestor in the same bucket or
     directory tree."""
-    if opts.key_layout != KeyLayout.SPREAD:
+    if opts.key_layout != KeyScheme.SPREAD:
         return 0
     root_prefix = None
     if opts.spread_root is not None:
