@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -61,3 +63,18 @@ def test_bench_measures_and_cleans_up(tmp_path: Any, capsys: pytest.CaptureFixtu
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("save", "load"))]
     assert len(rows) == 2 and all(float(r[1]) > 0 for r in rows)
     assert not any(p.is_file() for p in tmp_path.rglob("*"))  # the scratch checkpoint is deleted
+
+
+def test_python_dash_m_runs_the_command_line(tmp_path: Any) -> None:
+    """``python -m objckpt`` and ``python -m objckpt.cli`` run the ``objckpt`` command line,
+    every command listed in one order, for machines where the console script is not on PATH."""
+    uri = str(tmp_path / "ck")
+    objckpt.save({"w": torch.ones(3)}, uri)
+    r = subprocess.run([sys.executable, "-m", "objckpt", "--help"], capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "{demo,bench,convert,export,info,ls,gc,cp,diff,verify,rm,prune}" in r.stdout.replace("\n", "").replace(" ", "")
+    r = subprocess.run([sys.executable, "-m", "objckpt.cli", "info", uri], capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == uri and "1 tensors" in r.stdout

@@ -12,7 +12,7 @@ import torch
 
 import objckpt
 from objckpt.cli import main
-from objckpt.cli_ops import storage_options
+from objckpt.cli.options import storage_options
 from objckpt.logs import Progress, wanted
 
 

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"api"},
     {"manager", "integrations"},
     {"__init__", "dcp", "lightning"},
-    {"cli", "cli_ops", "demo", "bench"},
+    {"cli", "__main__"},
 ]
 
 

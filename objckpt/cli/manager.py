@@ -1,4 +1,4 @@
-"""``objckpt ls | rm | prune``: the command logic (``objckpt.cli`` only registers the parsers).
+"""``objckpt ls | rm | prune``: commands on a manager root and its steps.
 
 * ``ls ROOT``: the steps of a manager root from its index (one or two GETs,
   no LIST), with size, date and metadata; a prefix without an index (plain
@@ -17,30 +17,29 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from ..runtime import loop as _runtime
-from ..ops.delete import delete_checkpoint
 from ..format import keys
+from ..manager.index import HEAD_NAME, INDEX_DIR, StepIndex
+from ..manager.retention import RetentionPolicy, RetentionPolicyError
+from ..manager.worker import apply_retention
+from ..ops.delete import delete_checkpoint
+from ..runtime import loop as _runtime
 from ..storage import open_store, split_uri
-from .index import INDEX_DIR, HEAD_NAME, StepIndex
-from .retention import RetentionPolicy, RetentionPolicyError
-from .worker import apply_retention
-
-Opts = Callable[[argparse.Namespace], Optional[dict[str, Any]]]
+from .options import add_command, storage_options
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
+        n /= 1000
     return f"{n} B"
 
 
-def raw_listing(uri: str, storage_options: Optional[dict[str, Any]]) -> list[str]:
+def raw_listing(uri: str, options: Optional[dict[str, Any]]) -> list[str]:
     """URIs of the committed checkpoints under ``uri`` (one LIST): every ``.../manifest.json``."""
-    store, prefix = open_store(uri, storage_options)
+    store, prefix = open_store(uri, options)
     scheme, root, _ = split_uri(uri)
     base = "/" if scheme == "file" else f"{scheme}://{root}/"
     objs = _runtime.run(store.list(prefix.rstrip("/") + "/" if prefix else ""))
@@ -48,17 +47,21 @@ def raw_listing(uri: str, storage_options: Optional[dict[str, Any]]) -> list[str
     return [base + p for p in found]
 
 
-def cmd_ls(args: argparse.Namespace, opts: Opts) -> int:
+def _print_listing(uri: str, options: Optional[dict[str, Any]]) -> int:
+    for u in raw_listing(uri, options):
+        print(u)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """A manager root's steps from its index; else (or ``--objects``) the checkpoints under a prefix."""
+    opts = storage_options(args)
     if getattr(args, "objects", False):
-        for u in raw_listing(args.uri, opts(args)):
-            print(u)
-        return 0
-    store, prefix = open_store(args.uri, opts(args))
+        return _print_listing(args.uri, opts)
+    store, prefix = open_store(args.uri, opts)
     doc = _runtime.run(StepIndex(store, prefix).read(repair=False))
     if doc.seq < 0 and not doc.steps:  # not a manager root: the plain listing
-        for u in raw_listing(args.uri, opts(args)):
-            print(u)
-        return 0
+        return _print_listing(args.uri, opts)
     if getattr(args, "json", False):
         print(json.dumps([e.to_json() for e in doc.steps], indent=1))
         return 0
@@ -71,8 +74,9 @@ def cmd_ls(args: argparse.Namespace, opts: Opts) -> int:
     return 0
 
 
-def cmd_rm(args: argparse.Namespace, opts: Opts) -> int:
-    store, prefix = open_store(args.uri, opts(args))
+def cmd_rm(args: argparse.Namespace) -> int:
+    """Delete one checkpoint; a step of a manager root leaves its index first."""
+    store, prefix = open_store(args.uri, storage_options(args))
     parent, _, last = prefix.rpartition("/")
     if _runtime.run(store.head(keys.join(parent, INDEX_DIR, HEAD_NAME))) is not None:
         index = StepIndex(store, parent)  # the index says how its steps' folders are named
@@ -87,14 +91,15 @@ def cmd_rm(args: argparse.Namespace, opts: Opts) -> int:
     return 0
 
 
-def cmd_prune(args: argparse.Namespace, opts: Opts) -> int:
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Apply a retention policy to a manager root once; exit 1 when a step could not be deleted."""
     policy = RetentionPolicy(args.keep_last, args.keep_every, args.keep_best, args.best_key, args.best_mode,
                              getattr(args, "keep_every_seconds", None))
     if not policy.deletes:
         raise RetentionPolicyError("prune: give at least one of --keep-last, --keep-every, --keep-best, "
                                    "--keep-every-seconds")
     root = args.uri.rstrip("/")
-    store, prefix = open_store(root, opts(args))
+    store, prefix = open_store(root, storage_options(args))
     index = StepIndex(store, prefix)
     before = _runtime.run(index.survey()).step_numbers()
     report = apply_retention(index, policy, root, dry_run=args.dry_run, adopt=True)
@@ -108,13 +113,22 @@ def cmd_prune(args: argparse.Namespace, opts: Opts) -> int:
     return 1 if report.failed else 0
 
 
-def register(sub: Any, opts: Opts, common: Any) -> None:
-    """Add the ``rm`` and ``prune`` sub-commands (``ls`` is registered with the others);
-    ``common`` is the parent parser of the storage flags every command takes."""
-    r = sub.add_parser("rm", parents=[common], help="delete one checkpoint (manifest first, then its objects)")
-    r.add_argument("uri")
-    r.set_defaults(fn=lambda a: cmd_rm(a, opts))
-    p = sub.add_parser("prune", parents=[common], help="delete the steps of a manager root that a retention policy drops")
+def add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = add_command(sub, common, "ls", "list the steps of a manager root (or the checkpoints under a prefix)", cmd_ls)
+    p.add_argument("uri")
+    p.add_argument("--objects", action="store_true",
+                   help="the raw listing of committed checkpoints instead of the manager's index")
+    p.add_argument("--json", action="store_true", help="the index entries as JSON")
+
+
+def add_rm(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = add_command(sub, common, "rm", "delete one checkpoint (manifest first, then its objects)", cmd_rm)
+    p.add_argument("uri")
+
+
+def add_prune(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = add_command(sub, common, "prune", "delete the steps of a manager root that a retention policy drops",
+                    cmd_prune)
     p.add_argument("uri", metavar="ROOT")
     p.add_argument("--keep-last", type=int, help="keep the M newest steps")
     p.add_argument("--keep-every", type=int, help="also keep every step divisible by K")
@@ -124,10 +138,3 @@ def register(sub: Any, opts: Opts, common: Any) -> None:
     p.add_argument("--keep-every-seconds", type=float,
                    help="also keep one step per this many seconds of save time (e.g. 3600: one an hour)")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
-    p.set_defaults(fn=lambda a: cmd_prune(a, opts))
-
-
-def add_ls_flags(ls: Any) -> None:
-    ls.add_argument("--objects", action="store_true",
-                    help="the raw listing of committed checkpoints instead of the manager's index")
-    ls.add_argument("--json", action="store_true", help="the index entries as JSON")

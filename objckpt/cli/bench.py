@@ -10,6 +10,7 @@ measures objckpt alone, on the target you point it at.
 """
 from __future__ import annotations
 
+import argparse
 import resource
 import statistics
 import time
@@ -18,13 +19,13 @@ from typing import Any, Optional
 
 import torch
 
-from . import api
-from .runtime import loop as _runtime
-from .logs import Progress
-from .storage import open_store
-from .units import MiB
-
-
+from .. import api
+from ..logs import Progress
+from ..runtime import loop as _runtime
+from ..storage import open_store
+from ..units import MiB
+from .demo import embedded_s3
+from .options import add_command, bar, storage_options
 
 
 def synthetic_state(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -115,23 +116,29 @@ def _cleanup(ck: str, storage_options: Optional[dict[str, Any]]) -> None:
         pass  # best effort: `objckpt gc` sweeps what is left
 
 
-def main(uri: Optional[str], storage_options: Optional[dict[str, Any]], size_mb: int, repeat: int,
-         progress: bool = False) -> int:
-    """``progress``: draw a bar on stderr (the CLI decides: terminals only, not ``--no-progress``)."""
-    from .demo import embedded_s3
-
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Bench the target (default: an embedded moto S3) and print the medians."""
+    size_mb, repeat = args.size_mb, args.repeat
     rss0 = _rss_peak_mb()
-    with Progress(3 * (repeat + 1), "bench", enabled=progress, unit="ops") as bar:
-        if uri is None:
+    with bar(args, "bench", 3 * (repeat + 1), unit="ops") as pb:
+        if args.uri is None:
             with embedded_s3() as (u, opts):
                 print(f"target: embedded moto S3 at {opts['endpoint_url']} (pass a URI to measure a real target)")
-                figs = run_bench(u, opts, size_mb, repeat, bar)
+                figs = run_bench(u, opts, size_mb, repeat, pb)
         else:
-            print(f"target: {uri}")
-            figs = run_bench(uri, storage_options, size_mb, repeat, bar)
+            print(f"target: {args.uri}")
+            figs = run_bench(args.uri, storage_options(args), size_mb, repeat, pb)
     print(f"{size_mb} MB synthetic state, median of {repeat}:")
     print(f"  {'op':<16} {'seconds':>8} {'GB/s':>7} {'CPU-s/GB':>9} {'requests':>9}")
     for f in figs:
         print(f"  {f.op:<16} {f.seconds:>8.3f} {f.gbps:>7.2f} {f.cpu_s_per_gb:>9.2f} {f.requests:>9}")
     print(f"  peak RSS grew by {_rss_peak_mb() - rss0:.0f} MB (the state and the load target included: 2 x {size_mb} MB)")
     return 0
+
+
+def add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = add_command(sub, common, "bench", "measure save/load speed against a target (default: embedded moto S3)",
+                    cmd_bench)
+    p.add_argument("uri", nargs="?", help="a prefix to write a scratch checkpoint under (deleted afterwards)")
+    p.add_argument("--size-mb", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=3)

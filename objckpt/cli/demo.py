@@ -5,15 +5,17 @@ HTTP on a free loopback port), so the demo needs no cloud account.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import time
 from typing import Any, Iterator, Optional
 
 import torch
 
-from . import api
-from .storage import open_store
-from .testing.stores import CountingStore
+from .. import api
+from ..storage import open_store
+from ..testing.stores import CountingStore
+from .options import add_command, storage_options
 
 
 def build_model(d_model: int = 512, layers: int = 4, vocab: int = 8192, seed: int = 0) -> torch.nn.Module:
@@ -137,3 +139,14 @@ def run_demo(uri: Optional[str] = None, storage_options: Optional[dict[str, Any]
         print(f"  [{'ok' if good else 'FAILED'}] {name}")
     print("verified" if ok else "VERIFICATION FAILED")
     return 0 if ok else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(args.uri, storage_options(args), d_model=args.d_model, layers=args.layers)
+
+
+def add_demo(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = add_command(sub, common, "demo", "save, restore and verify a small transformer's state", cmd_demo)
+    p.add_argument("--uri", help="s3://bucket/path, file:///dir or a path (default: embedded moto S3)")
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--layers", type=int, default=4)
