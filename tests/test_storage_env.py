@@ -63,6 +63,36 @@ def test_endpoint_change_reaches_the_new_server(
     torch.testing.assert_close(objckpt.read(f"s3://{name}/three")["w"], state["w"])
 
 
+def test_config_file_edit_and_objckpt_settings_between_calls_make_a_new_store(
+    monkeypatch: pytest.MonkeyPatch, moto_endpoint: str, fast_endpoint: str, tmp_path: Path
+) -> None:
+    """What the S3 settings are read from besides the options is one list
+    (``config.environment_state``): an ``endpoint_url`` edited in the AWS config file and
+    an ``OBJCKPT_S3_DEADLINE_FLOOR`` set between two calls of one process both take effect."""
+    name = f"cfgedit-{os.getpid()}"
+    a, b = _bucket(moto_endpoint, name), _bucket(fast_endpoint, name)
+    for k, v in _KEYS.items():
+        monkeypatch.setenv(k, v)
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "OBJCKPT_S3_DEADLINE_FLOOR"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = tmp_path / "config"
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(cfg))
+    state = {"w": torch.arange(6.0)}
+
+    cfg.write_text(f"[default]\nendpoint_url = {moto_endpoint}\n")
+    objckpt.save(state, f"s3://{name}/one")
+    first, _ = open_store(f"s3://{name}/one")
+    cfg.write_text(f"[default]\nendpoint_url = {fast_endpoint}\n")
+    objckpt.save(state, f"s3://{name}/two")
+    assert any(k.startswith("one/") for k in _keys(a, name)) and not any(k.startswith("one/") for k in _keys(b, name))
+    assert any(k.startswith("two/") for k in _keys(b, name)) and not any(k.startswith("two/") for k in _keys(a, name))
+
+    monkeypatch.setenv("OBJCKPT_S3_DEADLINE_FLOOR", "7")
+    again, _ = open_store(f"s3://{name}/two")
+    assert again is not first and again.policy.deadline_floor == 7.0
+    torch.testing.assert_close(objckpt.read(f"s3://{name}/two")["w"], state["w"])
+
+
 def test_credential_change_builds_a_client_with_the_new_keys(
     monkeypatch: pytest.MonkeyPatch, moto_endpoint: str
 ) -> None:

@@ -5,11 +5,11 @@ local files, ``memory://name/prefix`` -> in-process (tests), any other
 ``proto://`` -> fsspec.  Stores are cached per (URI root, options) so a
 training job reuses one connection pool across saves.
 
-An S3 client reads its endpoint, region and credentials from the environment
-when it is built, so the cache key of an S3 store also holds a fingerprint of
-those environment variables, read on every call: a process that changes
-``AWS_ENDPOINT_URL`` or its keys between saves (a test fixture, a credential
-refresh) gets a new client, and the superseded one is closed.
+An S3 store's settings are resolved from the environment and the AWS config
+files when it is built, so the cache key of an S3 store also holds what those
+settings were read from (``s3.config.environment_state``), read on every call: a
+process that changes ``AWS_ENDPOINT_URL``, its keys, ``OBJCKPT_S3_DEADLINE_FLOOR``
+or its config file between saves gets a new store, and the superseded one is closed.
 """
 from __future__ import annotations
 
@@ -36,24 +36,14 @@ _cache_lock = threading.Lock()
 _runtime.on_reset(_cache.clear)
 _runtime.on_reset(_current.clear)
 
-# What botocore reads from the environment when it builds a client.
-_S3_ENV = (
-    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
-    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-    "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
-    "AWS_CA_BUNDLE", "AWS_S3_ADDRESSING_STYLE", "AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT",
-    "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_EC2_METADATA_DISABLED", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE",
-    "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy", "OBJCKPT_S3_DIRECT_HTTP",
-    "NO_PROXY", "no_proxy", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
-)
-
-
-def env_fingerprint(scheme: str) -> list[Optional[str]]:
-    """The environment a store of ``scheme`` depends on (cheap: a few dict lookups)."""
+def env_fingerprint(scheme: str) -> Any:
+    """The environment a store of ``scheme`` depends on, as the S3 configuration reads it
+    (:func:`.s3.config.environment_state`: one list, beside the code that reads it)."""
     if scheme not in ("s3", "s3a"):
         return []
-    return [os.environ.get(k) for k in _S3_ENV]
+    from .s3.config import environment_state
+
+    return environment_state()
 
 
 def split_uri(uri: str) -> tuple[str, str, str]:

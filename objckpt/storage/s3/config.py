@@ -144,6 +144,26 @@ def _aws_state(profile: Optional[str]) -> tuple[Any, ...]:
     return profile, env, tuple(files)
 
 
+#: variables outside AWS_* and OBJCKPT_S3* that a resolved configuration depends on:
+#: proxies (botocore's ``get_environ_proxies``), CA files, the CRT switch, and HOME
+#: (where ``~/.aws`` is)
+_OTHER_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy",
+              "no_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "BOTO_DISABLE_CRT",
+              "OBJCKPT_SPLICE_BODIES", "HOME")
+
+
+def environment_state() -> tuple[Any, ...]:
+    """Everything besides the storage options that :meth:`S3Config.resolve` reads: every
+    ``AWS_*`` and ``OBJCKPT_S3*`` variable, the few others in :data:`_OTHER_ENV`, and
+    the AWS config and credentials files' bytes.  The store cache keys S3 stores on it
+    (``storage.open_store``, on every call), so a change between two calls (a new
+    endpoint, keys refreshed, a deadline set, ``aws configure`` run meanwhile) gets a
+    store resolved anew.  It lives here, beside the code that reads these, so the list
+    cannot drift from what is read (~30 µs a call)."""
+    own = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OBJCKPT_S3")))
+    return _aws_state(None)[1:] + (own, tuple(os.environ.get(k) for k in _OTHER_ENV))
+
+
 def _session(profile: Optional[str]) -> Any:
     """The botocore session for ``profile`` in the current AWS environment: made once per
     state (:func:`_aws_state`; a session costs ~30 ms of handler registration), sharing
