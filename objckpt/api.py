@@ -15,23 +15,18 @@ from .ops.delete import DeleteReport, delete_checkpoint
 from .distributed.join import join
 from .format.manifest import Manifest
 from .load.collective import CollectiveReader
-from .load.pipeline import inspect_checkpoint, load_into, read_checkpoint
+from .load.pipeline import load_into
+from .load.session import ReadSession, open_location
 from .runtime.memory import Budget, host_pool
 from .options import LoadOptions, ReadStrategy, ReadStrategyName, SaveArgs, split_save_args
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle, start_save
 from .save.pipeline import save_now
 from .runtime import loop as _runtime
-from .storage import ObjectStore, open_store, split_uri
+from .storage import ObjectStore
 from .units import MiB
 
 __all__ = ["save", "async_save", "load", "read", "inspect", "delete", "SaveResult", "LoadResult", "SaveHandle"]
-
-
-def _open(uri: str, storage_options: Optional[dict[str, Any]], store: Optional[ObjectStore]) -> tuple[ObjectStore, str]:
-    if store is None:
-        return open_store(uri, storage_options)
-    return store, split_uri(uri)[2].strip("/")
 
 
 def _comm(no_dist: bool, process_group: Any) -> Comm:
@@ -83,7 +78,7 @@ def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
     """
     opts, where = split_save_args("save", dict(kwargs))
     comm = _comm(opts.no_dist, where["process_group"])
-    st, prefix = _open(uri, where["storage_options"], where["store"])
+    st, prefix = open_location(uri, where["storage_options"], where["store"])
     return save_now(state_dict, uri, st, prefix, comm, opts, host_pool())
 
 
@@ -104,7 +99,7 @@ def async_save(state_dict: Any, uri: str, *, lazy: bool = False, max_in_flight: 
     # before background_comm, whose first call creates a gloo group (a collective) on NCCL jobs
     join(comm, f"async save to {uri!r}", opts.collective_timeout)
     bg_comm = background_comm(comm, where["process_group"])
-    st, prefix = _open(uri, where["storage_options"], where["store"])
+    st, prefix = open_location(uri, where["storage_options"], where["store"])
     return start_save(state_dict, uri, st, prefix, comm, bg_comm, opts, lazy=lazy, max_in_flight=max_in_flight)
 
 
@@ -117,8 +112,7 @@ def inspect(
     A multi-rank checkpoint in format v2 keeps its chunk records in one index
     object per rank; ``chunks=True`` fetches them all so every tensor lists its
     chunks, ``chunks=False`` returns the manifest alone (one GET)."""
-    st, prefix = _open(uri, storage_options, store)
-    return inspect_checkpoint(st, prefix, uri, chunks)
+    return ReadSession(uri, storage_options, store).inspect(chunks)
 
 
 def read(
@@ -148,8 +142,7 @@ def read(
     del no_dist  # read is always this rank alone
     if isinstance(keys, str):
         keys = [keys]  # not its characters
-    st, prefix = _open(uri, storage_options, store)
-    return read_checkpoint(st, prefix, uri, keys, allow_pickle)
+    return ReadSession(uri, storage_options, store).read_tree(keys, allow_pickle)
 
 
 def load(
@@ -216,8 +209,7 @@ def load(
     with reader.failing_together():
         opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes,  # type: ignore[arg-type]
                            no_dist, collective_timeout, cast)
-        st, prefix = _open(uri, storage_options, store)
-        return load_into(state_dict, uri, st, prefix, reader, opts)
+        return load_into(state_dict, ReadSession(uri, storage_options, store), reader, opts)
 
 
 def delete(uri: str, *, storage_options: Optional[dict[str, Any]] = None,
@@ -227,5 +219,5 @@ def delete(uri: str, *, storage_options: Optional[dict[str, Any]] = None,
     manifest names.  :class:`NotFoundError` when no checkpoint is committed there.
     Objects the manifest does not name (a killed save's leftovers) are ``gc``'s.
     Not a collective: call it from one rank."""
-    st, prefix = _open(uri, storage_options, store)
+    st, prefix = open_location(uri, storage_options, store)
     return _runtime.run(delete_checkpoint(st, prefix, uri))

@@ -31,7 +31,7 @@ from ..runtime import loop as _runtime
 from ..errors import CheckpointExistsError, NotFoundError, UnsupportedFormatError
 from ..format import keys
 from .dcp_tree import materialize
-from .reading import OpenCheckpoint, open_uri
+from ..load.session import ReadSession, open_location
 from .sources import DcpSource, SafetensorsSource, Source, TorchSaveSource, fsspec_options
 from .stream_write import WriteOptions, write_checkpoint
 
@@ -68,7 +68,7 @@ def _parse_format(value: "str | Format", what: str) -> Format:
 
 def _is_objckpt(uri: str, storage_options: Optional[dict[str, Any]]) -> bool:
     try:
-        st, prefix = open_uri(uri, storage_options)
+        st, prefix = open_location(uri, storage_options)
         return _runtime.run(st.head(keys.manifest_key(prefix))) is not None
     except (NotFoundError, ValueError, OSError):
         return False
@@ -188,7 +188,7 @@ def objckpt_to_dcp(src: str, dst: str, storage_options: Optional[dict[str, Any]]
 
     from .dcp import StorageReader
 
-    ck = OpenCheckpoint(src, storage_options)
+    ck = ReadSession.open(src, storage_options)
     view = StorageReader(src, storage_options=storage_options)._view_for(ck, ck.manifest.tree)
     if "://" in dst:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter

@@ -47,7 +47,7 @@ from ..save.source import (PackSizes, SourcePiece, SourceTarget, abandon_pieces,
 from ..storage import ObjectStore, split_uri
 from ..units import MiB
 from .dcp_tree import META_KEY, DcpView, TensorRef, dcp_view, plain_value, tree_from_flat, value_bytes
-from .reading import OpenCheckpoint, open_uri
+from ..load.session import ReadSession, open_location
 
 log = logging.getLogger("objckpt.dcp")
 
@@ -242,7 +242,7 @@ class StorageWriter(_AtUri, dstore.StorageWriter):
         return self.uri
 
     def _open(self) -> tuple[ObjectStore, str]:
-        return open_uri(self._require_uri(), self.storage_options, self._store)
+        return open_location(self._require_uri(), self.storage_options, self._store)
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable for DCP's process-based async save: the store is reopened there."""
@@ -312,7 +312,7 @@ class StorageReader(_AtUri, dstore.StorageReader):
         self.storage_options = dict(storage_options or {})
         self._store = store
         self.allow_pickle = allow_pickle
-        self._ckpt: Optional[OpenCheckpoint] = None
+        self._ckpt: Optional[ReadSession] = None
         self._view: Optional[DcpView] = None
         self.rank = 0
 
@@ -324,7 +324,7 @@ class StorageReader(_AtUri, dstore.StorageReader):
         """DCP's Metadata, rebuilt from the manifest (nothing pickled is read)."""
         if not self.uri:
             raise ObjckptError("objckpt.dcp.StorageReader has no URI: pass one, or checkpoint_id= to dcp.load")
-        ck = self._ckpt = OpenCheckpoint(self.uri, self.storage_options, self._store)
+        ck = self._ckpt = ReadSession.open(self.uri, self.storage_options, self._store)
         view = self._view = self._view_for(ck, ck.manifest.tree)
         sdm: dict[str, Any] = {}
         for fqn, (_key, dtype, shape) in view.tensors.items():
@@ -336,7 +336,7 @@ class StorageReader(_AtUri, dstore.StorageReader):
         return dmeta.Metadata(state_dict_metadata=sdm, planner_data=view.mappings,
                               storage_meta=dmeta.StorageMeta(checkpoint_id=self.uri, load_id=ck.manifest.attempt))
 
-    def _view_for(self, ck: OpenCheckpoint, tree: Any) -> DcpView:
+    def _view_for(self, ck: ReadSession, tree: Any) -> DcpView:
         dcp_meta = ck.manifest.metadata.get(META_KEY)
         torch_save = set(dcp_meta.get("torch_save", [])) if isinstance(dcp_meta, dict) else set()
         return dcp_view(tree, lambda k: (ck.dtype(k), ck.shape(k)), torch_save, repr(self.uri), self.allow_pickle)

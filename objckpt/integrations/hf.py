@@ -24,7 +24,7 @@ import torch
 
 from ..errors import MissingKeyError, UnsupportedValueError
 from ..storage import ObjectStore
-from .reading import OpenCheckpoint
+from ..load.session import ReadSession
 from .safetensors_io import st_dtype, write_safetensors
 
 #: ``--dtype`` names
@@ -85,7 +85,7 @@ def export_safetensors(uri: str, directory: str, opts: ExportOptions = ExportOpt
     limit = parse_size(opts.max_shard_size)
     if limit <= 0:
         raise UnsupportedValueError(f"max shard size must be positive, got {opts.max_shard_size!r}")
-    ck = OpenCheckpoint(uri, storage_options, store)
+    ck = ReadSession.open(uri, storage_options, store)
     picked: list[tuple[str, str, torch.dtype, tuple[int, ...]]] = []  # (checkpoint key, name, out dtype, shape)
     for key in ck.manifest.tensors:
         if not key.startswith(opts.prefix):

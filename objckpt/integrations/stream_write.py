@@ -24,7 +24,7 @@ from ..results import IOStats
 from ..save.source import (PackSizes, SourcePiece, SourceTarget, commit_pieces, crc_block_for, refuse_existing,
                            stream_pieces)
 from ..storage import ObjectStore
-from .reading import open_uri
+from ..load.session import open_location
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def write_checkpoint(uri: str, sources: Sequence[SourceTensor], load: Callable[[
     twice = [k for k, n in collections.Counter(s.key for s in sources).items() if n > 1]
     if twice:
         raise UnsupportedValueError(f"the source names tensor(s) {twice[:10]} more than once")
-    st, prefix = open_uri(uri, storage_options, store)
+    st, prefix = open_location(uri, storage_options, store)
     refuse_existing(st, prefix, uri, opts.overwrite)
     pieces = [SourcePiece(s.key, s.dtype, tuple(s.shape)) for s in sources]
     target = SourceTarget(st, prefix, uri, keys.new_attempt_id())

@@ -1,7 +1,8 @@
 """The load pipeline: manifest -> template match -> resolve -> read plan -> execute.
 
-:func:`load_into` fills a caller's template in place, :func:`read_checkpoint`
-builds fresh CPU tensors, :func:`inspect_checkpoint` returns the manifest.
+:func:`load_into` fills a caller's template in place, from a read session
+(:mod:`objckpt.load.session`: the store, the manifest, the stored keys; reads
+without a template and ``inspect`` are the session's own).
 Matching a template to the manifest happens here, before any tensor byte is
 read, so a mismatch costs one GET and names every key it concerns.
 """
@@ -13,151 +14,25 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..runtime import loop as _runtime
 from ..distributed.placements import Shard, local_part, local_view
-from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointError, NotFoundError,
-                      ObjckptError, StateDictMismatchError)
-from ..format import keys as objkeys
-from ..format.dtypes import converts_between_floats, dtype_from_name, itemsize, new_empty
-from ..format.manifest import Manifest, decode
+from ..errors import BlobMissingError, ObjckptError, StateDictMismatchError
+from ..format.dtypes import converts_between_floats, dtype_from_name, itemsize
+from ..format.manifest import Manifest
 from ..format.subtree import NOTHING, find
 from ..format.tree import decode_tree, iter_leaves
-from ..layout import resolver_for
 from ..logs import get_logger
 from ..options import LoadOptions
-from ..planning.boxes import whole
 from ..results import IOStats, LoadResult
 from ..state import Slot, StatefulValue, create_optimizer_state, find_stateful, template_slots
 from ..storage import ObjectStore
 from .collective import CollectiveReader
 from . import prefault
-from .fill import FillTarget, fill_boxes
+from .fill import FillTarget
 from .key_match import KeyCheck, check_key_match, reconcile, renamed_leaves
-from .read_keys import ReadSelection, select_keys
+from .session import ReadSession, stored_key
 from .writeback import hand_back
 
 log = get_logger("objckpt.load")
-
-#: how many times a read or load starts over on a re-fetched manifest when the one it
-#: read was replaced meanwhile (an overwrite deletes the old attempt's blobs once the
-#: new manifest is in place: docs/format.md, "readers")
-REPLACED_RETRIES = 3
-
-
-async def manifest_bytes(store: ObjectStore, prefix: str, uri: str) -> bytes:
-    """The stored manifest of the checkpoint at ``prefix``, undecoded; :class:`NotFoundError`
-    saying there is no checkpoint at ``uri`` (a missing bucket keeps its own, more precise error)."""
-    try:
-        return await store.get(objkeys.manifest_key(prefix))
-    except BucketNotFoundError:
-        raise  # names the bucket: more precise than "no checkpoint"
-    except NotFoundError:
-        pass
-    if await _is_dcp_directory(store, prefix):
-        raise NotFoundError(
-            f"no objckpt checkpoint at {uri!r}: it is a torch.distributed.checkpoint (DCP) directory (a .metadata, "
-            f"no {objkeys.MANIFEST_NAME}). Convert it once, streaming: objckpt convert {uri} <new uri> "
-            "(objckpt.integrations.convert.convert in Python); or load it with torch.distributed.checkpoint")
-    raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)")
-
-
-async def _is_dcp_directory(store: ObjectStore, prefix: str) -> bool:
-    """Whether ``prefix`` holds DCP's ``.metadata`` (asked only once the manifest is known missing)."""
-    try:
-        return await store.head(objkeys.join(prefix, ".metadata")) is not None
-    except ObjckptError:
-        return False  # the hint is a courtesy: the NotFoundError stays the answer
-
-
-async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
-    t0 = time.perf_counter()
-    data = await manifest_bytes(store, prefix, uri)
-    m = decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
-    if stats is not None:
-        stats.add(len(data))
-        stats.timings.add("manifest", time.perf_counter() - t0)
-    if m.spread_up:
-        m.object_keys(prefix)  # a spread entry that places outside this checkpoint's namespace: corrupt, now
-    return m
-
-
-def inspect_checkpoint(st: ObjectStore, prefix: str, uri: str, chunks: bool) -> Manifest:
-    """The manifest; with ``chunks``, every tensor lists its chunks (v2: all rank indexes fetched)."""
-
-    async def go() -> Manifest:
-        m = await fetch_manifest(st, prefix, uri)
-        if chunks:
-            await resolver_for(m, st, prefix).resolve_all()
-        return m
-
-    return _runtime.run(go())
-
-
-def _stored_key(m: Manifest, key: str) -> str:
-    return m.tensors[key].alias_of or key
-
-
-def replaced_since(st: ObjectStore, prefix: str, uri: str, m: Manifest, err: BlobMissingError, tries: int) -> bool:
-    """True (retry) when the checkpoint's manifest is no longer the one ``m`` was read
-    from: the object ``err`` names went with the old attempt.  False: ``err`` is real."""
-    if tries >= REPLACED_RETRIES:
-        return False
-    try:
-        now = _runtime.run(fetch_manifest(st, prefix, uri)).attempt
-    except (NotFoundError, CorruptCheckpointError):
-        return False
-    if now == m.attempt:
-        return False
-    log.info("checkpoint %r was replaced while reading it (%s); reading attempt %s", uri, err, now)
-    return True
-
-
-def read_checkpoint(st: ObjectStore, prefix: str, uri: str, keys: Optional[Iterable[str]],
-                    allow_pickle: bool) -> Any:
-    """Tensors (on CPU) and values without a template; with ``keys``, only what they select
-    (:mod:`objckpt.load.read_keys`).
-
-    A checkpoint overwritten while it is read is read again from its new manifest."""
-    wanted_keys = list(keys) if keys is not None else None
-    tries = 0
-    while True:
-        t0 = time.perf_counter()
-        stats = IOStats()
-        m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
-        try:
-            sel = select_keys(m, wanted_keys, uri)
-            out = _read_from(st, prefix, uri, m, sel, allow_pickle, stats)
-            log.info("read %s: %d tensors, %d bytes, %d requests, %.3f s (%s)", uri, len(sel.tensors), stats.bytes,
-                     stats.requests, time.perf_counter() - t0, stats.timings.describe())
-            return out
-        except BlobMissingError as e:
-            if not replaced_since(st, prefix, uri, m, e, tries):
-                raise
-            tries += 1
-
-
-def _read_from(st: ObjectStore, prefix: str, uri: str, m: Manifest, sel: ReadSelection, allow_pickle: bool,
-               stats: IOStats) -> Any:
-    bufs: dict[str, torch.Tensor] = {}
-    for k in sel.tensors:
-        sk = _stored_key(m, k)
-        if sk not in bufs:
-            e = m.tensors[sk]
-            dt = dtype_from_name(e.dtype, sk)
-            stored = sum(c.length for c in e.chunks) if e.chunks else m.total_blob_bytes
-            if e.numel * itemsize(dt) > stored:  # refuse before allocating what no bytes back
-                raise CorruptCheckpointError(f"checkpoint {uri!r}: tensor {sk!r} of shape {list(e.shape)} needs "
-                                             f"{e.numel * itemsize(dt)} bytes but only {stored} are stored")
-            bufs[sk] = new_empty(e.shape, dt)
-    fill_boxes(st, prefix, m, [FillTarget(k, whole(t.shape), t) for k, t in bufs.items()], stats)
-
-    def get_tensor(k: str) -> torch.Tensor:
-        return bufs[_stored_key(m, k)]
-
-    if sel.nodes is None:
-        return decode_tree(m.tree, get_tensor, allow_pickle=allow_pickle, where=repr(uri))
-    return {k: decode_tree(n, get_tensor, allow_pickle=allow_pickle, where=repr(uri)) for k, n in sel.nodes.items()}
-
 
 @dataclass
 class Match:
@@ -296,7 +171,7 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
         if not part.pieces or part.local is None:
             continue  # this rank holds no part of it
         out.n_tensors += 1
-        sk = _stored_key(m, ck)
+        sk = stored_key(m, ck)
         if part.dtype != stored:  # cast=True: read into a temporary of the stored dtype, convert after
             ident = (local.device, local.data_ptr(), tuple(local.shape), tuple(local.stride()), sk, "cast")
             if ident not in seen or not local.numel():  # tied destination: fill once
@@ -316,14 +191,15 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
     return out
 
 
-def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: CollectiveReader,
-              opts: LoadOptions) -> LoadResult:
-    """Fill ``state_dict`` in place; ``reader`` reads directly or once per replica group.
+def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, opts: LoadOptions) -> LoadResult:
+    """Fill ``state_dict`` in place from ``session``'s checkpoint; ``reader`` reads directly or
+    once per replica group.
 
     A rank loading alone starts over from the new manifest when the checkpoint is
     overwritten meanwhile (ranks loading together cannot agree on that cheaply: they
     raise, saying the checkpoint was replaced)."""
     tries = 0
+    uri, st, prefix = session.uri, session.store, session.prefix
     stateful = find_stateful(state_dict)  # each Stateful value's state_dict(), taken once
     # A restarting job's template was just allocated: its large pieces are advised huge
     # pages where that pays (see prefault), before the manifest is fetched; a misspelt
@@ -333,11 +209,11 @@ def load_into(state_dict: Any, uri: str, st: ObjectStore, prefix: str, reader: C
         while True:
             t0 = time.perf_counter()
             stats = IOStats()
-            m = _runtime.run(fetch_manifest(st, prefix, uri, stats))
+            m = session.refresh(stats)
             try:
                 return _load_from(state_dict, stateful, uri, st, prefix, reader, opts, m, stats, t0, faults)
             except BlobMissingError as e:
-                replaced = replaced_since(st, prefix, uri, m, e, tries)
+                replaced = session.replaced_since(e, tries)
                 if replaced and reader.comm.world_size > 1:
                     e.args = (f"{e.args[0]} (the checkpoint was overwritten while it was loading: load again)",)
                 if not replaced or reader.comm.world_size > 1:

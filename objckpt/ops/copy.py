@@ -34,10 +34,10 @@ from ..errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsErr
 from ..format import keys
 from ..format.manifest import Chunk, Manifest, RankIndexRef, decode
 from ..layout import resolver_for
-from ..load.pipeline import manifest_bytes
+from ..load.session import manifest_bytes, open_location
 from ..logs import get_logger
 from ..save.commit import replaced_keys
-from ..storage import BlobWriter, ObjectStore, open_store, split_uri
+from ..storage import BlobWriter, ObjectStore
 from ..units import MiB
 
 log = get_logger("objckpt.copy")
@@ -291,8 +291,8 @@ def copy(src: str, dst: str, *, storage_options: Optional[dict[str, Any]] = None
     if part_size < 1 or memory_bytes < 1:
         raise ValueError(f"copy: part_size and memory_bytes must be positive, got {part_size}, {memory_bytes}")
     dopts = dst_storage_options if dst_storage_options is not None else storage_options
-    s_st, s_prefix = (src_store, split_uri(src)[2].strip("/")) if src_store else open_store(src, storage_options)
-    d_st, d_prefix = (dst_store, split_uri(dst)[2].strip("/")) if dst_store else open_store(dst, dopts)
+    s_st, s_prefix = open_location(src, storage_options, src_store)
+    d_st, d_prefix = open_location(dst, dopts, dst_store)
     if s_st is d_st and s_prefix == d_prefix:
         raise ObjckptError(f"copy: source and destination are the same checkpoint ({src!r})")
     return _runtime.run(copy_checkpoint(s_st, s_prefix, d_st, d_prefix, src, dst, overwrite=overwrite,

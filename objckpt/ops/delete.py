@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..errors import CorruptCheckpointError
 from ..format import keys
 from ..format.manifest import decode
-from ..load.pipeline import manifest_bytes
+from ..load.session import manifest_bytes
 from ..storage import ObjectStore
 
 

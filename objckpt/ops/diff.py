@@ -21,9 +21,9 @@ import torch
 
 from ..format.manifest import Manifest, TensorEntry
 from ..format.tree import iter_leaves
-from ..load.pipeline import inspect_checkpoint, read_checkpoint
+from ..load.session import ReadSession, stored_key
 from ..runtime.memory import Budget
-from ..storage import ObjectStore, open_store, split_uri
+from ..storage import ObjectStore
 from ..units import MiB
 
 #: bytes of tensors read from each side at once when bytes must be compared
@@ -55,8 +55,7 @@ class DiffReport:
 
 
 def _stored(m: Manifest, key: str) -> TensorEntry:
-    e = m.tensors[key]
-    return m.tensors[e.alias_of] if e.alias_of is not None else e
+    return m.tensors[stored_key(m, key)]
 
 
 def _by_crc(ea: TensorEntry, eb: TensorEntry) -> Optional[bool]:
@@ -114,18 +113,17 @@ def diff(a: str, b: str, *, storage_options: Optional[dict[str, Any]] = None,
 
     ``storage_options`` open ``a`` (and ``b`` unless ``b_storage_options``).
     ``progress(n, total)`` hears of the bytes read when tensors are compared byte by byte."""
-    sa, pa = (a_store, split_uri(a)[2].strip("/")) if a_store else open_store(a, storage_options)
-    sb, pb = (b_store, split_uri(b)[2].strip("/")) if b_store else open_store(
-        b, b_storage_options if b_storage_options is not None else storage_options)
-    ma = inspect_checkpoint(sa, pa, a, True)
-    mb = inspect_checkpoint(sb, pb, b, True)
+    sa = ReadSession(a, storage_options, a_store)
+    sb = ReadSession(b, b_storage_options if b_storage_options is not None else storage_options, b_store)
+    ma = sa.inspect(True)
+    mb = sb.inspect(True)
     report = DiffReport(a, b)
     to_read = diff_manifests(ma, mb, report)
     sizes = [sum(c.length for c in _stored(ma, k).chunks) for k in to_read]
     for batch in Budget(max(memory_bytes, 1)).batches(sizes):
         wanted = [to_read[i] for i in batch]
-        got_a = read_checkpoint(sa, pa, a, wanted, False)
-        got_b = read_checkpoint(sb, pb, b, wanted, False)
+        got_a = sa.read_tree(wanted, False)
+        got_b = sb.read_tree(wanted, False)
         n = 2 * sum(sizes[i] for i in batch)
         report.bytes_read += n
         for k in wanted:

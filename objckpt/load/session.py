@@ -1,0 +1,240 @@
+"""One read session: a committed checkpoint opened for reading, the one path every reader takes.
+
+:func:`objckpt.load`, :func:`objckpt.read` and :func:`objckpt.inspect`, the
+whole-checkpoint operations (copy, diff, verify) and the bridges (the DCP reader,
+the converters, the Hugging Face exporter) all open a checkpoint the same way,
+through one :class:`ReadSession`:
+
+* **where**: the store and key prefix of a URI (:func:`open_location`; a caller's
+  ``store`` replaces the backend the URI names, the URI's path is then the prefix);
+* **what**: the manifest, fetched once and held (:meth:`ReadSession.refresh` fetches
+  it anew, for the reads that start over when the checkpoint was overwritten
+  meanwhile), with its chunk resolver (format v2: the rank indexes already fetched);
+* **which bytes**: a tensor key resolves to the key whose chunks hold its bytes
+  (:func:`stored_key`: itself, or the tensor it is tied to);
+* **the reads**: fill caller-given boxes (:meth:`ReadSession.fill`), read a whole
+  tensor (:meth:`ReadSession.read`) or the whole tree without a template
+  (:meth:`ReadSession.read_tree`).  Every read is a resharding read: only the byte
+  ranges overlapping the box are fetched, and every byte is checked against its crc32c.
+
+A template load (:mod:`objckpt.load.pipeline`) takes its manifest and store from the
+session too; matching the template is its own work.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from ..errors import BlobMissingError, BucketNotFoundError, CorruptCheckpointError, NotFoundError, ObjckptError
+from ..format import keys as objkeys
+from ..format.dtypes import dtype_from_name, itemsize, new_empty
+from ..format.manifest import Manifest, decode
+from ..format.tree import decode_tree
+from ..layout import Resolver, resolver_for
+from ..logs import get_logger
+from ..planning.boxes import whole
+from ..results import IOStats
+from ..runtime import loop as _runtime
+from ..runtime.memory import Budget
+from ..storage import ObjectStore, open_store, split_uri
+from .fill import FillTarget, fill_boxes
+from .read_keys import ReadSelection, select_keys
+
+log = get_logger("objckpt.load")
+
+#: how many times a read or load starts over on a re-fetched manifest when the one it
+#: read was replaced meanwhile (an overwrite deletes the old attempt's blobs once the
+#: new manifest is in place: docs/format.md, "readers")
+REPLACED_RETRIES = 3
+
+#: temporaries one piece-by-piece fill may hold (pieces that cannot land in place): small,
+#: so a converter's memory stays near one tensor
+FILL_BUDGET = Budget(64 << 20)
+
+
+def open_location(uri: str, storage_options: Optional[dict[str, Any]] = None,
+                  store: Optional[ObjectStore] = None) -> tuple[ObjectStore, str]:
+    """The store and key prefix of ``uri`` (``store`` replaces the one the URI names)."""
+    if store is None:
+        return open_store(uri, storage_options)
+    return store, split_uri(uri)[2].strip("/")
+
+
+async def manifest_bytes(store: ObjectStore, prefix: str, uri: str) -> bytes:
+    """The stored manifest of the checkpoint at ``prefix``, undecoded; :class:`NotFoundError`
+    saying there is no checkpoint at ``uri`` (a missing bucket keeps its own, more precise error)."""
+    try:
+        return await store.get(objkeys.manifest_key(prefix))
+    except BucketNotFoundError:
+        raise  # names the bucket: more precise than "no checkpoint"
+    except NotFoundError:
+        pass
+    if await _is_dcp_directory(store, prefix):
+        raise NotFoundError(
+            f"no objckpt checkpoint at {uri!r}: it is a torch.distributed.checkpoint (DCP) directory (a .metadata, "
+            f"no {objkeys.MANIFEST_NAME}). Convert it once, streaming: objckpt convert {uri} <new uri> "
+            "(objckpt.integrations.convert.convert in Python); or load it with torch.distributed.checkpoint")
+    raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)")
+
+
+async def _is_dcp_directory(store: ObjectStore, prefix: str) -> bool:
+    """Whether ``prefix`` holds DCP's ``.metadata`` (asked only once the manifest is known missing)."""
+    try:
+        return await store.head(objkeys.join(prefix, ".metadata")) is not None
+    except ObjckptError:
+        return False  # the hint is a courtesy: the NotFoundError stays the answer
+
+
+async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
+    """The decoded manifest of the checkpoint at ``prefix`` (its bytes and time counted in ``stats``)."""
+    t0 = time.perf_counter()
+    data = await manifest_bytes(store, prefix, uri)
+    m = decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
+    if stats is not None:
+        stats.add(len(data))
+        stats.timings.add("manifest", time.perf_counter() - t0)
+    if m.spread_up:
+        m.object_keys(prefix)  # a spread entry that places outside this checkpoint's namespace: corrupt, now
+    return m
+
+
+def stored_key(m: Manifest, key: str) -> str:
+    """The key whose chunks hold ``key``'s bytes: itself, or the tensor it is tied to."""
+    return m.tensors[key].alias_of or key
+
+
+class ReadSession:
+    """A committed checkpoint opened for reading: where it is, its manifest, and reads of any box.
+
+    The manifest is fetched on first use (a load first walks its template, then asks),
+    once, and held; :meth:`refresh` fetches it anew."""
+
+    def __init__(self, uri: str, storage_options: Optional[dict[str, Any]] = None,
+                 store: Optional[ObjectStore] = None) -> None:
+        self.uri = uri
+        self.store, self.prefix = open_location(uri, storage_options, store)
+        self.stats = IOStats()
+        self._manifest: Optional[Manifest] = None
+        self._resolver: Optional[Resolver] = None
+
+    @classmethod
+    def open(cls, uri: str, storage_options: Optional[dict[str, Any]] = None,
+             store: Optional[ObjectStore] = None) -> "ReadSession":
+        """A session whose manifest is fetched now (a missing or corrupt checkpoint raises here)."""
+        session = cls(uri, storage_options, store)
+        session.refresh()
+        return session
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            return self.refresh()
+        return self._manifest
+
+    @property
+    def resolver(self) -> Resolver:
+        """The manifest's chunk resolver (v2: rank indexes fetched as reads need them, then kept)."""
+        if self._resolver is None:
+            self._resolver = resolver_for(self.manifest, self.store, self.prefix)
+        return self._resolver
+
+    def refresh(self, stats: Optional[IOStats] = None) -> Manifest:
+        """Fetch the manifest anew (counted in ``stats``, else in the session's own) and hold it."""
+        self._manifest = _runtime.run(fetch_manifest(self.store, self.prefix, self.uri,
+                                                     self.stats if stats is None else stats))
+        self._resolver = None
+        return self._manifest
+
+    def replaced_since(self, err: BlobMissingError, tries: int) -> bool:
+        """True (start over: :meth:`refresh`) when the checkpoint's manifest is no longer the one
+        this session holds: the object ``err`` names went with the old attempt.  False: ``err`` is real."""
+        if tries >= REPLACED_RETRIES:
+            return False
+        try:
+            now = _runtime.run(fetch_manifest(self.store, self.prefix, self.uri)).attempt
+        except (NotFoundError, CorruptCheckpointError):
+            return False
+        if now == self.manifest.attempt:
+            return False
+        log.info("checkpoint %r was replaced while reading it (%s); reading attempt %s", self.uri, err, now)
+        return True
+
+    def inspect(self, chunks: bool) -> Manifest:
+        """The manifest; with ``chunks``, every tensor lists its chunks (v2: all rank indexes fetched)."""
+        m = self.manifest
+        if chunks:
+            _runtime.run(self.resolver.resolve_all())
+        return m
+
+    def stored_key(self, key: str) -> str:
+        """The key whose chunks hold ``key``'s bytes (itself, or its alias target)."""
+        return stored_key(self.manifest, key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return dtype_from_name(self.manifest.tensors[key].dtype, key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.manifest.tensors[key].shape)
+
+    def fill(self, targets: Sequence[FillTarget], stats: Optional[IOStats] = None,
+             budget: Budget = FILL_BUDGET) -> None:
+        """Fill each target's ``dest`` with its box (keys may be aliases); temporaries within ``budget``."""
+        real = [FillTarget(self.stored_key(t.key), t.box, t.dest) for t in targets if t.dest.numel()]
+        if real:
+            fill_boxes(self.store, self.prefix, self.manifest, real, self.stats if stats is None else stats,
+                       budget=budget, resolver=self.resolver)
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` as a new CPU tensor."""
+        out = torch.empty(self.shape(key), dtype=self.dtype(key))
+        self.fill([FillTarget(key, whole(out.shape), out)])
+        return out
+
+    def read_tree(self, keys: Optional[Iterable[str]], allow_pickle: bool) -> Any:
+        """Tensors (on CPU) and values without a template; with ``keys``, only what they select
+        (:mod:`objckpt.load.read_keys`).
+
+        A checkpoint overwritten while it is read is read again from its new manifest."""
+        wanted_keys = list(keys) if keys is not None else None
+        tries = 0
+        while True:
+            t0 = time.perf_counter()
+            stats = IOStats()
+            m = self.refresh(stats)
+            try:
+                sel = select_keys(m, wanted_keys, self.uri)
+                out = self._read_selection(sel, allow_pickle, stats)
+                log.info("read %s: %d tensors, %d bytes, %d requests, %.3f s (%s)", self.uri, len(sel.tensors),
+                         stats.bytes, stats.requests, time.perf_counter() - t0, stats.timings.describe())
+                return out
+            except BlobMissingError as e:
+                if not self.replaced_since(e, tries):
+                    raise
+                tries += 1
+
+    def _read_selection(self, sel: ReadSelection, allow_pickle: bool, stats: IOStats) -> Any:
+        m = self.manifest
+        bufs: dict[str, torch.Tensor] = {}
+        for k in sel.tensors:
+            sk = stored_key(m, k)
+            if sk not in bufs:
+                e = m.tensors[sk]
+                dt = dtype_from_name(e.dtype, sk)
+                held = sum(c.length for c in e.chunks) if e.chunks else m.total_blob_bytes
+                if e.numel * itemsize(dt) > held:  # refuse before allocating what no bytes back
+                    raise CorruptCheckpointError(
+                        f"checkpoint {self.uri!r}: tensor {sk!r} of shape {list(e.shape)} needs "
+                        f"{e.numel * itemsize(dt)} bytes but only {held} are stored")
+                bufs[sk] = new_empty(e.shape, dt)
+        fill_boxes(self.store, self.prefix, m, [FillTarget(k, whole(t.shape), t) for k, t in bufs.items()], stats)
+
+        def get_tensor(k: str) -> torch.Tensor:
+            return bufs[stored_key(m, k)]
+
+        where = repr(self.uri)
+        if sel.nodes is None:
+            return decode_tree(m.tree, get_tensor, allow_pickle=allow_pickle, where=where)
+        return {k: decode_tree(n, get_tensor, allow_pickle=allow_pickle, where=where) for k, n in sel.nodes.items()}
+
