@@ -12,6 +12,12 @@ configuration, credentials, threads, connections, all of it) and the median of t
 loads (**warm**). What bench_cold_warm leaves out of its timed op (the store's opening
 in ``setup``) is inside the cold figure here: this is what a restarting job waits on.
 Medians (min–max) over rounds; the ratio cold / warm is the figure issue 26 targets.
+
+``--peers boto3,s3tc`` times the same first call with other clients in their own new
+processes, for scale: ``boto3`` (import, client, eight ``get_object`` reads of the same
+tensors stored as objects, copied into fresh tensors) and ``s3tc`` (s3torchconnector's
+``S3Checkpoint`` with its CRT client, ``torch.load`` of the same tensors saved with
+``torch.save``). Their "import" column is their client library's import.
 """
 from __future__ import annotations
 
@@ -73,6 +79,60 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "modules": mods}
 
 
+def peer_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One new process of a peer client (``--one --peer NAME``): import, one cold read, three warm."""
+    import torch
+
+    n = args.mib * (1 << 20) // 4 // 8
+    t0 = time.perf_counter()
+    if args.peer == "boto3":
+        import boto3  # noqa: F401  (its import is what the column shows)
+
+        imported = time.perf_counter() - t0
+
+        def once() -> None:
+            client = once.client if hasattr(once, "client") else h.boto3_client(args.endpoint_url)
+            once.client = client  # type: ignore[attr-defined]
+            for i in range(8):
+                body = client.get_object(Bucket=args.bucket, Key=f"first-call-peer/t{i}")["Body"].read()
+                torch.empty(n).view(torch.uint8).copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+    else:
+        from s3torchconnector import S3Checkpoint
+
+        imported = time.perf_counter() - t0
+
+        def once() -> None:
+            ckpt = once.ckpt if hasattr(once, "ckpt") else S3Checkpoint(h.REGION, endpoint=args.endpoint_url)
+            once.ckpt = ckpt  # type: ignore[attr-defined]
+            with ckpt.reader(f"s3://{args.bucket}/first-call-peer.pt") as f:
+                torch.load(f, weights_only=True)
+
+    t1, cpu1 = time.perf_counter(), time.process_time()
+    once()
+    cold, cold_cpu = time.perf_counter() - t1, time.process_time() - cpu1
+    warm = []
+    for _ in range(3):
+        t = time.perf_counter()
+        once()
+        warm.append(time.perf_counter() - t)
+    return {"import_s": imported, "cold_s": cold, "cold_cpu_s": cold_cpu, "warm_s": statistics.median(warm),
+            "modules": [args.peer]}
+
+
+def _store_for_peers(url: str, bucket: str, state: dict[str, Any]) -> None:
+    """The same tensors as objects (boto3) and as one ``torch.save`` file (s3torchconnector)."""
+    import io
+
+    import torch
+
+    client = h.boto3_client(url)
+    for k, t in state.items():
+        client.put_object(Bucket=bucket, Key=f"first-call-peer/{k}", Body=t.numpy().tobytes())
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    client.put_object(Bucket=bucket, Key="first-call-peer.pt", Body=buf.getvalue())
+
+
 def _export(ref: str) -> str:
     """``ref``'s objckpt/ in a temporary directory (put first on ``sys.path`` by its processes)."""
     commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=h.REPO_ROOT, capture_output=True, text=True,
@@ -91,7 +151,8 @@ def drive(args: argparse.Namespace) -> int:
     roots = {"this tree": ""}
     for ref in (r for r in (args.baseline or "").split(",") if r):
         roots[ref] = _export(ref)
-    variants = list(roots)
+    peers = [p for p in (args.peers or "").split(",") if p]
+    variants = list(roots) + peers
     with h.Server("fast", args.bucket) as server:
         import torch
 
@@ -100,10 +161,13 @@ def drive(args: argparse.Namespace) -> int:
 
         state = {f"t{i}": torch.randn(args.mib * (1 << 20) // 4 // 8) for i in range(8)}
         objckpt.save(state, f"s3://{args.bucket}/first-call", storage_options=h.s3_options(server.url))
+        if peers:
+            _store_for_peers(server.url, args.bucket, state)
         results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             for v in (variants if rnd % 2 == 0 else variants[::-1]):
-                r = h.run_json(["-m", "benchmarks.bench_first_call", "--one", "--root", roots[v], "--endpoint-url",
+                which = ["--peer", v] if v in peers else ["--root", roots[v]]
+                r = h.run_json(["-m", "benchmarks.bench_first_call", "--one", *which, "--endpoint-url",
                                 server.url, "--bucket", args.bucket, "--mib", str(args.mib)]
                                + (["--profile"] if args.profile else []), 300, show_stderr=args.profile)
                 if "cold_s" not in r:
@@ -123,7 +187,7 @@ def drive(args: argparse.Namespace) -> int:
         rows.append([v, _fmt([r["import_s"] for r in rs]),
                      _fmt([r["cold_s"] for r in rs]), _fmt([r["cold_cpu_s"] for r in rs]),
                      _fmt([r["warm_s"] for r in rs]), _fmt(ratio)])
-    print(h.md_table(["objckpt", "import objckpt s", "cold load s", "cold load CPU s", "warm load s", "cold / warm"],
+    print(h.md_table(["client", "import s", "cold load s", "cold load CPU s", "warm load s", "cold / warm"],
                      rows))
     if args.name:
         path = h.write_results(h.result_path(args.name), {"name": args.name, "config": vars(args),
@@ -141,12 +205,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of each cold load (stderr)")
     ap.add_argument("--bucket", default="bench")
     ap.add_argument("--name", default=None, help="benchmarks/results/<name>.json")
+    ap.add_argument("--peers", default=None, help="also time these clients' first call: boto3, s3tc")
     ap.add_argument("--one", action="store_true", help="internal: one new process")
+    ap.add_argument("--peer", default="", help="internal: the peer client of this process")
     ap.add_argument("--root", default="", help="internal: the objckpt source to import first")
     ap.add_argument("--endpoint-url", default=None)
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(child(args)), flush=True)
+        print(json.dumps(peer_child(args) if args.peer else child(args)), flush=True)
         return 0
     return drive(args)
 
