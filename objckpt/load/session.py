@@ -14,7 +14,8 @@ through one :class:`ReadSession`:
   (:func:`stored_key`: itself, or the tensor it is tied to);
 * **the reads**: fill caller-given boxes (:meth:`ReadSession.fill`), read a whole
   tensor (:meth:`ReadSession.read`) or the whole tree without a template
-  (:meth:`ReadSession.read_tree`).  Every read is a resharding read: only the byte
+  (:meth:`ReadSession.read_tree`; :func:`select_keys`: what ``read(uri, keys=...)``
+  selects, globs included).  Every read is a resharding read: only the byte
   ranges overlapping the box are fetched, and every byte is checked against its crc32c.
 
 A template load (:mod:`objckpt.load.pipeline`) takes its manifest and store from the
@@ -23,15 +24,19 @@ session too; matching the template is its own work.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from ..errors import BlobMissingError, BucketNotFoundError, CorruptCheckpointError, NotFoundError, ObjckptError
+from ..errors import (BlobMissingError, BucketNotFoundError, CorruptCheckpointError, MissingKeyError, NotFoundError,
+                      ObjckptError)
 from ..format import keys as objkeys
 from ..format.dtypes import dtype_from_name, itemsize, new_empty
 from ..format.manifest import Manifest, decode
-from ..format.tree import decode_tree
+from ..format.subtree import NOTHING, select, tensor_keys
+from ..format.tree import decode_tree, iter_leaves
 from ..layout import Resolver, resolver_for
 from ..logs import get_logger
 from ..planning.boxes import whole
@@ -40,7 +45,6 @@ from ..runtime import loop as _runtime
 from ..runtime.memory import Budget
 from ..storage import ObjectStore, open_store, split_uri
 from .fill import FillTarget, fill_boxes
-from .read_keys import ReadSelection, select_keys
 
 log = get_logger("objckpt.load")
 
@@ -103,6 +107,65 @@ async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optio
 def stored_key(m: Manifest, key: str) -> str:
     """The key whose chunks hold ``key``'s bytes: itself, or the tensor it is tied to."""
     return m.tensors[key].alias_of or key
+
+
+#: the characters that make a key a glob pattern
+PATTERN_CHARS = "*?["
+
+
+def is_pattern(key: str) -> bool:
+    return any(c in key for c in PATTERN_CHARS)
+
+
+@dataclass(frozen=True)
+class ReadSelection:
+    """The encoded values a read returns (``nodes``, by the key each is returned under;
+    None: the whole tree) and the tensor keys whose bytes it fetches.
+
+    What ``read(uri, keys=...)`` selects is resolved against the manifest alone, before
+    any tensor byte moves, so a read fetches exactly the tensors its keys select.  A key
+    is, in this order: a leaf (``"model.w"``); a glob pattern when it holds ``*``, ``?``
+    or ``[`` (``fnmatch`` rules, case-sensitive, ``*`` crossing dots: ``"model.*lora*"``
+    selects every leaf whose key matches, each returned under its own key); else a
+    subtree or key prefix (``"optim"``, ``"model.layers.0"``), returned as the nested
+    subtree under it."""
+
+    nodes: Optional[dict[str, Any]]
+    tensors: list[str]
+
+
+def select_keys(m: Manifest, keys: Optional[Sequence[str]], uri: str) -> ReadSelection:
+    """Resolve ``keys`` (the rules in :class:`ReadSelection`'s docstring); a key or pattern that
+    selects nothing is a :class:`MissingKeyError` naming it."""
+    if keys is None:
+        return ReadSelection(None, list(m.tensors))
+    leaves = dict(iter_leaves(m.tree))
+    nodes: dict[str, Any] = {}
+    missing: list[str] = []
+    for k in keys:
+        if not isinstance(k, str):
+            raise TypeError(f"read(keys=...) takes str keys, got {type(k).__name__} {k!r}")
+        if k in leaves:
+            nodes[k] = leaves[k]
+        elif is_pattern(k):
+            hits = [lk for lk in leaves if fnmatchcase(lk, k)]
+            nodes.update((lk, leaves[lk]) for lk in hits)
+            if not hits:
+                missing.append(k)
+        else:
+            node = select(m.tree, k)
+            if node is NOTHING:
+                missing.append(k)
+            else:
+                nodes[k] = node
+    if missing:
+        plain = [k for k in missing if not is_pattern(k)]
+        patterns = [k for k in missing if is_pattern(k)]
+        what = "; ".join(
+            ([f"key(s) {plain[:10]} not in checkpoint {uri!r}, neither as a key nor as a key prefix"] if plain else [])
+            + ([f"glob pattern(s) {patterns[:10]} match no key of checkpoint {uri!r}"] if patterns else []))
+        raise MissingKeyError(f"{what} (it has {len(leaves)} keys, e.g. {list(leaves)[:5]})")
+    return ReadSelection(nodes, list(dict.fromkeys(t for n in nodes.values() for t in tensor_keys(n))))
 
 
 class ReadSession:
@@ -194,7 +257,7 @@ class ReadSession:
 
     def read_tree(self, keys: Optional[Iterable[str]], allow_pickle: bool) -> Any:
         """Tensors (on CPU) and values without a template; with ``keys``, only what they select
-        (:mod:`objckpt.load.read_keys`).
+        (:func:`select_keys`).
 
         A checkpoint overwritten while it is read is read again from its new manifest."""
         wanted_keys = list(keys) if keys is not None else None
@@ -229,12 +292,10 @@ class ReadSession:
                         f"{e.numel * itemsize(dt)} bytes but only {held} are stored")
                 bufs[sk] = new_empty(e.shape, dt)
         fill_boxes(self.store, self.prefix, m, [FillTarget(k, whole(t.shape), t) for k, t in bufs.items()], stats)
-
-        def get_tensor(k: str) -> torch.Tensor:
-            return bufs[stored_key(m, k)]
-
+        tensors = {k: bufs[stored_key(m, k)] for k in sel.tensors}  # aliases: the tensor they are tied to
         where = repr(self.uri)
         if sel.nodes is None:
-            return decode_tree(m.tree, get_tensor, allow_pickle=allow_pickle, where=where)
-        return {k: decode_tree(n, get_tensor, allow_pickle=allow_pickle, where=where) for k, n in sel.nodes.items()}
+            return decode_tree(m.tree, tensors.__getitem__, allow_pickle=allow_pickle, where=where)
+        return {k: decode_tree(n, tensors.__getitem__, allow_pickle=allow_pickle, where=where)
+                for k, n in sel.nodes.items()}
 
