@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 
@@ -18,7 +18,7 @@ from ..testing.stores import CountingStore
 from .options import add_command, storage_options
 
 
-def build_model(d_model: int = 512, layers: int = 4, vocab: int = 8192, seed: int = 0) -> torch.nn.Module:
+def build_model(d_model: int = 512, layers: int = 4, vocab: int = 8192, seed: int = 0) -> torch.nn.ModuleDict:
     torch.manual_seed(seed)
     layer = torch.nn.TransformerEncoderLayer(d_model, nhead=8, dim_feedforward=4 * d_model, batch_first=True)
     model = torch.nn.ModuleDict(
@@ -33,10 +33,11 @@ def build_model(d_model: int = 512, layers: int = 4, vocab: int = 8192, seed: in
     return model
 
 
-def train_state(model: torch.nn.Module, steps: int = 1) -> dict[str, Any]:
+def train_state(model: torch.nn.ModuleDict, steps: int = 1) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    embed = cast(torch.nn.Embedding, model["embed"])
     for _ in range(steps):
-        tokens = torch.randint(0, model["embed"].num_embeddings, (2, 16))
+        tokens = torch.randint(0, embed.num_embeddings, (2, 16))
         h = model["blocks"](model["embed"](tokens))
         loss = torch.nn.functional.cross_entropy(model["head"](model["norm"](h)).flatten(0, 1), tokens.flatten())
         opt.zero_grad()
@@ -54,13 +55,13 @@ def embedded_s3() -> Iterator[tuple[str, dict[str, Any]]]:
         raise SystemExit("the embedded S3 target needs moto: pip install 'objckpt[demo]', or pass --uri") from None
     import logging
 
-    import boto3
+    import boto3  # type: ignore[import-untyped]
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
-        endpoint = f"http://127.0.0.1:{server._server.server_port}"  # type: ignore[attr-defined]
+        endpoint = f"http://127.0.0.1:{server._server.server_port}"  # type: ignore[attr-defined,union-attr]
         opts = {"endpoint_url": endpoint, "aws_access_key_id": "demo", "aws_secret_access_key": "demo",
                 "region_name": "us-east-1"}
         boto3.client("s3", **opts).create_bucket(Bucket="objckpt-demo")
