@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .logs import Timings
 
@@ -50,6 +51,12 @@ class LoadResult:
     strategy: str = "direct"  # how replicated tensors were read: direct, broadcast, allgather ("+"-joined if mixed)
     #: seconds of each phase: manifest, plan, fetch, fill
     timings: Timings = field(default_factory=Timings)
+    #: CheckpointManager with a local tier: the step restored, where this rank's share came
+    #: from ("local", "peer": repaired from other nodes, "object": object storage), and every
+    #: rank's source (see docs/tiering.md); None / "" / {} for a plain load
+    step: Optional[int] = None
+    source: str = ""
+    tiers: dict[int, str] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

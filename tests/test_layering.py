@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"distributed", "state", "testing"},
     {"layout"},
     {"save", "load"},
-    {"ops"},
+    {"ops", "tier"},
     {"api"},
     {"manager", "integrations"},
     {"__init__", "dcp", "lightning"},

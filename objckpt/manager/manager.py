@@ -51,6 +51,8 @@ from .index import IndexDoc, StepIndex
 from .leftovers import LEFTOVER_GRACE
 from .naming import (DEFAULT_STEP_FORMAT, InvalidStepError, StepNaming, SwappedArgumentsError, check_step, describe,
                      looks_like_step)
+from ..tier.advice import Advice
+from .tiers import TieredSaves, TierSettings
 from .retention import Candidate, RetentionPolicy, RetentionPolicyError, StepOrderError, best_step, steps_to_keep
 from .worker import CommitJob, RetentionReport, Worker, apply_retention, candidates, sweep_into
 
@@ -66,7 +68,10 @@ class CheckpointManager:
                  step_format: str = DEFAULT_STEP_FORMAT, async_save: bool = False,
                  storage_options: Optional[dict[str, Any]] = None, process_group: Any = None,
                  no_dist: bool = False, leftover_grace: float = LEFTOVER_GRACE,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, local_dir: Optional[str] = None, replicas: int = 1,
+                 persist_every: Optional[int] = 10, persist_every_seconds: Optional[float] = None,
+                 local_keep: int = 2, drain_bandwidth: Optional[float] = None, direct: bool = False,
+                 node_override: Optional[str] = None, failure_rate: Optional[float] = None) -> None:
         """``root``: where the run's steps go (``s3://bucket/run``, a path, ...).
         Retention (see :mod:`objckpt.manager.retention`): ``keep_last``, ``keep_every``,
         ``keep_best`` ranked by ``metadata[best_key]`` (``best_mode="max"``: higher is
@@ -80,7 +85,17 @@ class CheckpointManager:
         that retention deletes is removed with it (the rule and default of ``objckpt
         gc``; see :mod:`objckpt.manager.leftovers`).  ``clock``: the save times the
         index records (``time.time``; tests pass their own to exercise
-        ``keep_every_seconds`` without waiting)."""
+        ``keep_every_seconds`` without waiting).
+
+        Tiered checkpoints (docs/tiering.md; without ``local_dir`` none of this applies):
+        ``local_dir`` (a node-local directory, ``{node}`` replaced by the node's name)
+        receives every save, committed there; ``replicas`` peers on other nodes get a copy
+        in the background; every ``persist_every``-th save (or one every
+        ``persist_every_seconds``) drains to ``root`` in the background, at most
+        ``drain_bandwidth`` bytes/s per rank, and is indexed there; ``local_keep`` local
+        steps stay per node; ``direct``: local blobs written with O_DIRECT; ``node_override``:
+        this rank's node name (else ``$OBJCKPT_NODE``, else the hostname); ``failure_rate``
+        (failures per hour) for :meth:`advice`."""
         self.root = root.rstrip("/")
         self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_key, best_mode, keep_every_seconds)
         if save_every is not None and (not looks_like_step(save_every) or check_step(save_every) < 1):
@@ -102,6 +117,11 @@ class CheckpointManager:
         self.leftover_grace = float(leftover_grace)
         self._worker: Optional[Worker] = (Worker(self.index, self.policy, self.root, self.leftover_grace)
                                           if self.is_root else None)
+        self._tiers: Optional[TieredSaves] = None
+        if local_dir is not None:
+            self._tiers = TieredSaves(self, TierSettings(local_dir, replicas, persist_every, persist_every_seconds,
+                                                         local_keep, drain_bandwidth, direct),
+                                      node_override, failure_rate)
 
     # -- naming -----------------------------------------------------------------------------
     @property
@@ -132,6 +152,9 @@ class CheckpointManager:
         md = dict(metadata or {})
         if self.save_every is not None and not force and step % self.save_every:
             log.debug("objckpt: step %d is off the save interval (save_every=%d): not saved", step, self.save_every)
+            return None
+        if self._tiers is not None:
+            self._tiers.save(step, state, md)
             return None
         uri = self.step_uri(step)
         self._check_order(step, md)
@@ -269,6 +292,8 @@ class CheckpointManager:
         """Until every save issued so far has committed and been indexed (and retention ran);
         raises the first error (a failed save on every rank, index/retention errors on rank 0)."""
         self._settle_handles()
+        if self._tiers is not None:
+            self._tiers.wait()
         if self._worker is not None:
             errors = self._worker.join()
             if errors:
@@ -279,6 +304,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self._tiers is not None:
+                self._tiers.close()
             if self._worker is not None:
                 self._worker.stop()
                 self._worker = None
@@ -379,12 +406,21 @@ class CheckpointManager:
             raise SwappedArgumentsError(
                 f"CheckpointManager.load(state, step=None): got {describe(state)} as state, which looks like a "
                 "step; pass the state to fill and the step by keyword: load(state, step=N)")
+        if self._tiers is not None:
+            return self._tiers.load(state, step, load_kwargs)
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise NotFoundError(f"no committed step under {self.root!r} to load")
         kw = {**self._dist_kwargs(), **load_kwargs}
         return _load(state, self.step_uri(step), **kw)
+
+    def advice(self) -> Advice:
+        """The Young/Daly checkpoint interval from this manager's measured tiered saves and
+        ``failure_rate`` (see :mod:`objckpt.tier.advice`)."""
+        if self._tiers is None:
+            raise RetentionPolicyError("advice() measures tiered saves: pass local_dir= (and failure_rate=)")
+        return self._tiers.advice()
 
     def delete(self, step: int) -> Optional[DeleteReport]:
         """Delete ``step``: out of the index first, then its manifest, then its objects, then what

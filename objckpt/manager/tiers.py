@@ -1,0 +1,274 @@
+"""The manager's tiered saves: local commit, peer replication, draining, local retention, restore.
+
+:class:`objckpt.CheckpointManager` with ``local_dir=`` hands its saves and loads to
+:class:`TieredSaves`.  A save commits to the node-local tier in the training's
+thread (the stall), then one background thread per manager, on objckpt's own
+gloo group, runs per step and in the same order on every rank: replication to
+``replicas`` peers, the drain to the manager's root every ``persist_every``-th
+save (or when ``persist_every_seconds`` passed since the last), the index update
+(rank 0) and local retention.  See docs/tiering.md for the failure model.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..api import load as _load
+from ..api import save as _save
+from ..distributed.comm import Comm
+from ..errors import CheckpointExistsError
+from ..format import manifest as _manifest
+from ..format import keys
+from ..results import LoadResult
+from ..storage.local import LocalStore
+from ..tier import local as _local
+from ..tier import restore as _restore
+from ..tier.advice import Advice, advise
+from ..tier.drain import drain
+from ..tier.errors import LocalTierError, TierRestoreError, TierSettingsError
+from ..tier.topology import Topology, tier_comm
+from .worker import CommitJob
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+log = logging.getLogger("objckpt.manager")
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """The tier options, which every rank must pass alike (all-gathered and compared)."""
+
+    local_dir: str
+    replicas: int
+    persist_every: Optional[int]
+    persist_every_seconds: Optional[float]
+    local_keep: int
+    drain_bandwidth: Optional[float]
+    direct: bool
+
+    def check(self) -> None:
+        if not isinstance(self.local_dir, str) or not self.local_dir:
+            raise TierSettingsError(f"local_dir must be a directory path, got {self.local_dir!r}")
+        for name in ("replicas", "local_keep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "replicas" else 1):
+                raise TierSettingsError(f"{name} must be an integer >= {0 if name == 'replicas' else 1}, got {v!r}")
+        if self.persist_every is not None and (not isinstance(self.persist_every, int) or self.persist_every < 1):
+            raise TierSettingsError(f"persist_every must be a positive integer or None, got {self.persist_every!r}")
+        for name in ("persist_every_seconds", "drain_bandwidth"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
+                raise TierSettingsError(f"{name} must be a positive number or None, got {v!r}")
+
+
+def _differences(all_settings: list[TierSettings]) -> list[str]:
+    out = []
+    for name in TierSettings.__dataclass_fields__:
+        by_value: dict[str, list[int]] = {}
+        for r, s in enumerate(all_settings):
+            by_value.setdefault(repr(getattr(s, name)), []).append(r)
+        if len(by_value) > 1:
+            out.append(f"{name}: " + ", ".join(f"{v} on rank(s) {rs}" for v, rs in by_value.items()))
+    return out
+
+
+class TieredSaves:
+    """The local tier, peers and draining of one manager (every rank holds one)."""
+
+    def __init__(self, manager: "CheckpointManager", settings: TierSettings, node_override: Optional[str],
+                 failure_rate: Optional[float]) -> None:
+        self.m = manager
+        self.s = settings
+        self.failure_rate = failure_rate
+        comm: Comm = manager._comm
+        self.comm = comm
+        problem = ""
+        try:
+            settings.check()
+            node = _local.node_name_for(node_override)
+            self.root = _local.resolve_dir(settings.local_dir, node)
+            problem = _local.writable_error(self.root) or ""
+        except (TierSettingsError, ValueError) as e:
+            problem = str(e)
+        everyone: list[tuple[TierSettings, str]] = (comm.all_gather_object((settings, problem))
+                                                     if comm.world_size > 1 else [(settings, problem)])
+        diffs = _differences([s for s, _ in everyone])
+        if diffs:
+            raise TierSettingsError("the ranks passed different tier settings to CheckpointManager: "
+                                    + "; ".join(diffs) + ". Every rank must pass the same values")
+        bad = {r: p for r, (_, p) in enumerate(everyone) if p}
+        if bad:
+            shown = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items())[:4])
+            cls = LocalTierError if any("local_dir" in p for p in bad.values()) else TierSettingsError
+            raise cls(f"the local tier cannot be used ({shown})")
+        if settings.replicas >= comm.world_size and settings.replicas > 0:
+            raise TierSettingsError(f"replicas={settings.replicas} needs more ranks than the world size "
+                                    f"{comm.world_size}: use replicas < {comm.world_size}")
+        self.topology = Topology.build(comm, node_override)
+        if settings.replicas:
+            self.topology.check_replicas(settings.replicas)
+        self.bg: Comm = tier_comm(comm) if comm.world_size > 1 else comm
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-tier")
+        self._pending: list[concurrent.futures.Future[Any]] = []
+        self._draining: set[int] = set()
+        self._replicated: Optional[int] = None
+        self._saves = 0
+        self._last_drain = time.monotonic()
+        self.stalls: list[float] = []
+        self.commits: list[float] = []
+        self.drains: list[float] = []
+
+    # -- paths ---------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> Path:
+        return self.root / self.m.naming.name(step)
+
+    @property
+    def first_on_node(self) -> bool:
+        nodes = self.topology.nodes
+        return nodes.index(nodes[self.comm.rank]) == self.comm.rank
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, md: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self._raise_failed()
+        d = self.step_dir(step)
+        problem = _local.space_error(self.root, _local.share_bytes(state)) or _local.writable_error(self.root) or ""
+        if d.exists() and (d / keys.MANIFEST_NAME).exists():
+            problem = problem or f"step {step} is already committed in the local tier at {str(d)!r}"
+        problems = self.comm.all_gather_object(problem) if self.comm.world_size > 1 else [problem]
+        bad = {r: p for r, p in enumerate(problems) if p}
+        if bad:
+            shown = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items())[:4])
+            cls = CheckpointExistsError if all("already committed" in p for p in bad.values()) else LocalTierError
+            raise cls(f"step {step} not saved, nothing written ({shown})")
+        saved_at = self.m.clock()
+        _save(state, str(d), store=LocalStore("/", direct=self.s.direct), metadata=md, overwrite=False,
+              process_group=self.m.process_group, no_dist=self.m.no_dist)
+        _local.spread_metadata(self.comm, d, list(self.topology.nodes), self.comm.rank)
+        commit_s = time.perf_counter() - t0
+        self._saves += 1
+        self.m._learn(step, md, saved_at)
+        due = self._drain_due()
+        self._pending = [f for f in self._pending if not f.done()] + [
+            self._pool.submit(self._after_commit, step, md, saved_at, due)]
+        self.commits.append(commit_s)
+        self.stalls.append(time.perf_counter() - t0)
+
+    def _drain_due(self) -> bool:
+        """Whether this save drains: rank 0 decides (its clock), every rank learns it."""
+        due = False
+        if self.s.persist_every is not None and self._saves % self.s.persist_every == 0:
+            due = True
+        if self.s.persist_every_seconds is not None and time.monotonic() - self._last_drain >= \
+                self.s.persist_every_seconds:
+            due = True
+        if self.comm.world_size > 1:
+            due = bool(self.comm.broadcast_object(due, 0))
+        if due:
+            self._last_drain = time.monotonic()
+        return due
+
+    def _after_commit(self, step: int, md: dict[str, Any], saved_at: float, due: bool) -> None:
+        """Background, in save order on every rank: replicate, drain, index, local retention."""
+        d = self.step_dir(step)
+        try:
+            m = _manifest.decode((d / keys.MANIFEST_NAME).read_bytes(), str(d))
+            mine = _local.files_of(m, self.comm.rank)
+            if self.s.replicas:
+                from ..tier import peers
+
+                peers.replicate(self.comm, self.topology, d, mine, self.s.replicas)
+                self._replicated = step
+            if due:
+                self._draining.add(step)
+                store, prefix = self.m.index.store, self.m.index.step_prefix(step)
+                rep = drain(self.bg, step, d, mine, store, prefix, self.m.step_uri(step), self.s.drain_bandwidth)
+                self.drains.append(rep.seconds)
+                if self.m._worker is not None:
+                    job = self.m._submit(CommitJob(step, md, saved_at=saved_at))
+                    if job is not None:
+                        job.indexed.wait()
+                log.info("objckpt: step %d drained to %s (%d bytes from rank %d, %.2fs)", step,
+                         self.m.step_uri(step), rep.bytes, self.comm.rank, rep.seconds)
+        finally:
+            self._draining.discard(step)
+            self._retain()
+
+    def _retain(self) -> None:
+        """Local retention (each node's first rank): the newest ``local_keep`` steps stay, and
+        never a step still draining or the newest replicated one."""
+        if not self.first_on_node:
+            return
+        steps = sorted(_local.scan(self.root, self.m.naming.parse))
+        keep = set(steps[-self.s.local_keep:]) | self._draining
+        if self._replicated is not None:
+            keep.add(self._replicated)
+        for s in steps:
+            if s not in keep:
+                try:
+                    _local.delete_step(self.step_dir(s))
+                except LocalTierError as e:
+                    log.warning("objckpt: %s", e)
+
+    def _raise_failed(self) -> None:
+        for f in [f for f in self._pending if f.done()]:
+            self._pending.remove(f)
+            if f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+
+    def wait(self) -> None:
+        """Until every replication and drain issued so far finished; raises the first error."""
+        pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
+        for f in pending:
+            if f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    # -- restoring -----------------------------------------------------------------------------
+    def load(self, state: Any, step: Optional[int], load_kwargs: dict[str, Any]) -> LoadResult:
+        self.wait()
+        mine = _restore.Holding(self.topology.nodes[self.comm.rank], _local.scan(self.root, self.m.naming.parse))
+        holdings = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
+        object_steps = self.m.steps()
+        plan = _restore.plan_restore(holdings, object_steps, peers=True, step=step)
+        if plan.step is None:
+            raise TierRestoreError(f"nothing to restore from {str(self.root)!r} or {self.m.root!r}: {plan.why}")
+        d = self.step_dir(plan.step)
+        sources = list(plan.sources)
+        if _restore.PEER in sources:
+            from ..tier import peers
+
+            d.mkdir(parents=True, exist_ok=True)
+            rep = peers.repair(self.comm, self.topology, d, plan.needed)
+            if not rep.complete:
+                raise TierRestoreError(f"restoring step {plan.step}: files no rank holds after all: "
+                                       f"{dict(list(rep.missing.items())[:4])}")
+        log.info("objckpt: restoring %s", plan.why)
+        src = sources[self.comm.rank]
+        uri = self.m.step_uri(plan.step) if src == _restore.OBJECT else str(d)
+        kw = {"process_group": self.m.process_group, "no_dist": self.m.no_dist, **load_kwargs}
+        if src == _restore.OBJECT:
+            kw.setdefault("storage_options", self.m.storage_options)
+        if len(set(sources)) > 1:
+            kw["read_strategy"] = "direct"  # the same bytes, but from different places per rank
+        res = _load(state, uri, **kw)
+        res.step = plan.step
+        res.source = src
+        res.tiers = {r: s for r, s in enumerate(sources)}
+        return res
+
+    def advice(self) -> Advice:
+        if self.failure_rate is None:
+            raise TierSettingsError("advice() needs failure_rate= (failures per hour) given to CheckpointManager")
+        return advise(self.failure_rate, self.stalls, self.commits, self.drains, self.s.persist_every or 1)

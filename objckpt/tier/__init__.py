@@ -1,0 +1,11 @@
+"""Tiered checkpoints: commit to node-local storage, replicate to peers, drain to object storage.
+
+- :mod:`.local`: the local tier (a node's folder holds ordinary objckpt checkpoints)
+- :mod:`.topology`, :mod:`.peers`: which node each rank is on; copies to and repairs from peers
+- :mod:`.drain`: a local step copied to object storage, manifest last, under a bandwidth cap
+- :mod:`.restore`: the newest step every rank can get, agreed before any byte moves
+- :mod:`.advice`: the Young/Daly checkpoint interval from measured costs
+
+The manager (:class:`objckpt.CheckpointManager` with ``local_dir=``) ties them
+together; see docs/tiering.md.
+"""

@@ -1,0 +1,128 @@
+"""Draining: a committed local step copied to object storage as an ordinary checkpoint.
+
+Every rank uploads the files it wrote into its node's step folder (its blobs and
+its rank index: :func:`objckpt.tier.local.files_of`) to the same names under the
+destination step prefix, at most ``bandwidth`` bytes per second each (the
+training's own traffic keeps priority); the ranks then exchange their outcomes
+and rank 0 writes the manifest, conditionally (``If-None-Match``), only when
+every rank succeeded.  A rank that fails or dies before that leaves no manifest:
+the step does not exist in object storage (its blobs are leftovers for ``objckpt
+gc``, as a killed ordinary save leaves).  The manifest is the local one byte for
+byte: the names it records are relative to the step prefix, the same in both
+tiers.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..distributed.comm import Comm
+from ..errors import CheckpointExistsError, ObjckptError, PreconditionFailed
+from ..format import keys
+from ..runtime import loop as _runtime
+from ..storage import ObjectStore
+from ..units import MiB
+
+#: bytes read from a local file and sent per write (a part of a multipart upload)
+DRAIN_PART = 16 * MiB
+
+
+@dataclass
+class DrainReport:
+    """One rank's part of one drain."""
+
+    step: int
+    uri: str
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    committed: bool = False  # rank 0: wrote the manifest (every rank learns it)
+    errors: dict[int, str] = field(default_factory=dict)  # rank -> why its upload failed
+
+
+class Throttle:
+    """At most ``rate`` bytes per second, averaged from the first byte (None: no cap)."""
+
+    def __init__(self, rate: Optional[float]) -> None:
+        self.rate = rate
+        self.t0 = time.monotonic()
+        self.sent = 0
+
+    def account(self, n: int) -> None:
+        self.sent += n
+        if self.rate:
+            ahead = self.sent / self.rate - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+def upload_file(src: Path, store: ObjectStore, key: str, throttle: Throttle) -> int:
+    """``src`` to ``key``, in parts of :data:`DRAIN_PART` (a multipart upload past one part)."""
+    size = src.stat().st_size
+    part = max(DRAIN_PART, store.min_part_size, -(-size // max(store.max_parts, 1)))
+    if size <= part:
+        data = src.read_bytes()
+        _runtime.run(store.put(key, data))
+        throttle.account(len(data))
+        return size
+    nparts = -(-size // part)
+    writer = store.open_writer(key, size, nparts)
+    try:
+        with open(src, "rb") as f:
+            for i in range(nparts):
+                data = f.read(part)
+                _runtime.run(writer.write_part(i, i * part, memoryview(data)))
+                throttle.account(len(data))
+        _runtime.run(writer.complete())
+    except BaseException:
+        _runtime.run(writer.abort())
+        raise
+    return size
+
+
+def drain(comm: Comm, step: int, step_dir: Path, files: list[str], store: ObjectStore, prefix: str, uri: str,
+          bandwidth: Optional[float] = None) -> DrainReport:
+    """Collective over ``comm``: copy this rank's ``files`` from ``step_dir`` to ``prefix``,
+    then rank 0 commits the local manifest there once every rank succeeded.  Raises on
+    every rank when any rank failed (naming them); nothing is committed then."""
+    rep = DrainReport(step, uri)
+    t0 = time.perf_counter()
+    throttle = Throttle(bandwidth)
+    error = ""
+    try:
+        for name in files:
+            rep.bytes += upload_file(step_dir / name, store, keys.join(prefix, name), throttle)
+            rep.files += 1
+    except (OSError, ObjckptError) as e:
+        error = f"{type(e).__name__}: {e}"
+    outcomes: list[str] = comm.all_gather_object(error)
+    rep.errors = {r: why for r, why in enumerate(outcomes) if why}
+    verdict = ""
+    if comm.rank == 0 and not rep.errors:
+        try:
+            manifest = (step_dir / keys.MANIFEST_NAME).read_bytes()
+            _runtime.run(store.put(keys.manifest_key(prefix), manifest, if_absent=True))
+        except (PreconditionFailed, CheckpointExistsError):
+            verdict = f"step {step} is already committed at {uri!r}"
+        except (OSError, ObjckptError) as e:
+            verdict = f"committing {uri!r} failed: {type(e).__name__}: {e}"
+    verdict = comm.broadcast_object(verdict, 0) if comm.world_size > 1 else verdict
+    rep.seconds = time.perf_counter() - t0
+    if rep.errors:
+        shown = "; ".join(f"rank {r}: {why}" for r, why in sorted(rep.errors.items())[:4])
+        raise DrainError(f"draining step {step} to {uri!r} failed, nothing committed there ({shown})")
+    if verdict:
+        raise DrainError(f"draining step {step}: {verdict}")
+    rep.committed = True
+    return rep
+
+
+class DrainError(ObjckptError, OSError):
+    """A drain did not commit (a rank's upload failed, or the commit did)."""
+
+
+def file_bytes(step_dir: Path, files: list[str]) -> int:
+    return sum(os.path.getsize(step_dir / n) for n in files if (step_dir / n).exists())

@@ -1,0 +1,233 @@
+"""The local tier: a rank's share of a checkpoint in a node-local directory.
+
+A local checkpoint is an ordinary objckpt checkpoint (the one writer,
+:func:`objckpt.save`, writes it through a :class:`~objckpt.storage.local.LocalStore`,
+with O_DIRECT where asked and where the filesystem allows it), committed by its
+manifest like any other, so ``objckpt.load``, ``read``, ``inspect`` and the CLI
+read a local step folder by its plain path.
+
+On several nodes each rank writes its blobs (and its rank index) into its own
+node's folder; rank 0 commits the manifest into its node's folder.  So that every
+node's folder is a checkpoint too, :func:`spread_metadata` then sends the
+manifest and the rank indexes (small) to every node; each node's first rank
+writes what its folder lacks, the manifest last.  A node's folder then holds the
+whole metadata and the blobs of its own ranks (plus the replicas peers sent it,
+:mod:`objckpt.tier.peers`): its ranks load their share from it; a restore that
+needs other nodes' blobs repairs them from peers first (:mod:`objckpt.tier.restore`).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import resource
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..distributed.comm import Comm
+from ..errors import NotFoundError
+from ..format import keys
+from ..format import manifest as _manifest
+from ..runtime import loop as _runtime
+from ..storage.local import LocalStore
+from .errors import LocalTierError
+
+_INDEX = re.compile(r"r(\d{5,})\.index\.json$")
+
+
+def node_name_for(override: Optional[str] = None) -> str:
+    """This rank's node name (:func:`objckpt.tier.topology.node_name`)."""
+    from .topology import node_name
+
+    return node_name(override)
+
+
+def resolve_dir(template: str, node: str) -> Path:
+    """``template`` with ``{node}`` replaced by the node's name, absolute."""
+    return Path(os.path.abspath(os.path.expanduser(template.replace("{node}", node))))
+
+
+def writable_error(root: Path) -> Optional[str]:
+    """Why ``root`` cannot hold local checkpoints (None: it can): created if missing,
+    then a probe file written and removed."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".objckpt-probe-{secrets.token_hex(4)}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        return f"local_dir {str(root)!r} is not writable: {e.strerror or e} ({errno.errorcode.get(e.errno or 0, '')})"
+    return None
+
+
+def space_error(root: Path, need: int) -> Optional[str]:
+    """Why ``need`` bytes will not fit under ``root`` (None: they fit): the filesystem's
+    free space for this user, and the process's file-size limit (RLIMIT_FSIZE)."""
+    try:
+        st = os.statvfs(root)
+    except OSError as e:
+        return f"local_dir {str(root)!r}: cannot read its free space: {e.strerror or e}"
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        return (f"local_dir {str(root)!r} has {free} bytes free, this rank's share of the checkpoint needs up to "
+                f"{need}: the disk is (nearly) full")
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY and need > soft:
+        return (f"local_dir {str(root)!r}: this process may write files of at most {soft} bytes (RLIMIT_FSIZE), "
+                f"this rank's share of the checkpoint needs up to {need}")
+    return None
+
+
+def share_bytes(state: Any) -> int:
+    """An upper bound of the bytes this rank writes for ``state``: every tensor it holds
+    (its local shard of a DTensor or Shard; plain tensors whole, although the save
+    spreads them over the ranks)."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def walk(v: Any) -> None:
+        nonlocal total
+        if id(v) in seen:
+            return
+        seen.add(id(v))
+        if isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            total += local.numel() * local.element_size()
+        elif hasattr(v, "local") and isinstance(getattr(v, "local"), torch.Tensor):
+            walk(v.local)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
+            walk(v.state_dict())
+
+    walk(state)
+    return total
+
+
+def files_of(m: _manifest.Manifest, rank: int) -> list[str]:
+    """The files (relative to the step folder) ``rank`` wrote: its blobs and rank index."""
+    out = [b.name for b in m.blobs if b.rank == rank and not b.spread]
+    for r in m.rank_indexes:
+        hit = _INDEX.search(r.name)
+        if hit and int(hit.group(1)) == rank and not r.spread:
+            out.append(r.name)
+    return out
+
+
+def needed_files(m: _manifest.Manifest) -> list[str]:
+    """Every file a step folder must hold to be complete: the manifest, blobs, rank indexes."""
+    return [keys.MANIFEST_NAME, *(b.name for b in m.blobs), *(r.name for r in m.rank_indexes)]
+
+
+def read_manifest(step_dir: Path) -> Optional[tuple[bytes, _manifest.Manifest]]:
+    """The committed manifest of a local step folder (its bytes and decoded), or None."""
+    path = step_dir / keys.MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        return data, _manifest.decode(data, str(path))
+    except Exception:  # noqa: BLE001 - an unreadable manifest is no local checkpoint
+        return None
+
+
+def present(step_dir: Path, names: list[str]) -> list[str]:
+    """Those of ``names`` that exist (as files of a plausible size) under ``step_dir``."""
+    return [n for n in names if (step_dir / n).is_file()]
+
+
+@dataclass
+class LocalStep:
+    """A step folder as this rank sees it on its node."""
+
+    step: int
+    needed: list[str]
+    present: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return set(self.needed) <= set(self.present)
+
+
+def scan(root: Path, parse: Any) -> dict[int, LocalStep]:
+    """The committed steps in ``root`` (``parse(name)`` -> step or None per folder name)."""
+    out: dict[int, LocalStep] = {}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return out
+    for name in names:
+        step = parse(name)
+        if step is None:
+            continue
+        got = read_manifest(root / name)
+        if got is None:
+            continue
+        need = needed_files(got[1])
+        out[step] = LocalStep(step, need, present(root / name, need))
+    return out
+
+
+def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int) -> None:
+    """After rank 0 committed into its node's folder: every node's folder gets the manifest
+    and every rank index, the manifest last (one broadcast, one all-gather; nothing on
+    a single node)."""
+    if len(set(nodes)) <= 1:
+        return
+    mdata = comm.broadcast_object((step_dir / keys.MANIFEST_NAME).read_bytes() if rank == 0 else None, 0)
+    m = _manifest.decode(mdata, str(step_dir))
+    mine = {n: (step_dir / n).read_bytes() for n in files_of(m, rank) if n.endswith(".index.json")}
+    everyone: list[dict[str, bytes]] = comm.all_gather_object(mine)
+    if nodes.index(nodes[rank]) != rank:  # not this node's first rank
+        comm.barrier()
+        return
+    store = LocalStore(str(step_dir))
+    for part in everyone:
+        for name, data in part.items():
+            if not (step_dir / name).exists():
+                _runtime.run(store.put(name, data))
+    if not (step_dir / keys.MANIFEST_NAME).exists():
+        _runtime.run(store.put(keys.MANIFEST_NAME, mdata, if_absent=True))
+    comm.barrier()
+
+
+def write_missing_metadata(step_dir: Path, manifest: bytes, indexes: dict[str, bytes]) -> None:
+    """Give a node's folder the step's metadata it lacks, manifest last (restore, repair)."""
+    store = LocalStore(str(step_dir))
+    for name, data in indexes.items():
+        if not (step_dir / name).exists():
+            _runtime.run(store.put(name, data))
+    if not (step_dir / keys.MANIFEST_NAME).exists():
+        _runtime.run(store.put(keys.MANIFEST_NAME, manifest, if_absent=True))
+
+
+def delete_step(step_dir: Path) -> None:
+    """Remove a local step: its manifest first (it stops being a checkpoint at once), then the rest."""
+    try:
+        (step_dir / keys.MANIFEST_NAME).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise LocalTierError(f"cannot delete the local checkpoint {str(step_dir)!r}: {e.strerror or e}") from e
+    shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def require_step(root: Path, name: str) -> Path:
+    d = root / name
+    if read_manifest(d) is None:
+        raise NotFoundError(f"no committed local checkpoint at {str(d)!r}")
+    return d

@@ -1,0 +1,222 @@
+"""CheckpointManager with a local tier: local commit, replication, draining, restore across tiers.
+
+Temporary directories stand for nodes (``local_dir`` with ``{node}``, ``node_override``);
+moto stands for object storage; ranks are real gloo processes."""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import objckpt
+from mp import run_multiprocess
+from objckpt.tier.errors import LocalTierError, TierSettingsError
+
+ROWS, COLS = 6, 1001  # unaligned row bytes
+
+
+def _state(rank: int, world: int, step: int) -> dict[str, Any]:
+    """Rank ``rank``'s rows of a ``(ROWS, COLS)`` tensor and a replicated one, values per step."""
+    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 1000 * step
+    per = math.ceil(ROWS / world)
+    lo, hi = min(rank * per, ROWS), min((rank + 1) * per, ROWS)
+    return {"w": objckpt.Shard(full[lo:hi].clone(), (ROWS, COLS), (lo, 0)),
+            "b": torch.arange(37, dtype=torch.float64) + step, "step": step}
+
+
+def _zeros(rank: int, world: int) -> dict[str, Any]:
+    st = _state(rank, world, 0)
+    st["w"].local.zero_()
+    st["b"].zero_()
+    st["step"] = -1
+    return st
+
+
+def _check(st: dict[str, Any], rank: int, world: int, step: int) -> None:
+    want = _state(rank, world, step)
+    assert torch.equal(st["w"].local, want["w"].local), f"rank {rank}: w differs from step {step}"
+    assert torch.equal(st["b"], want["b"]) and st["step"] == step
+
+
+def _manager(rank: int, root: str, local: str, opts: dict[str, Any], **kw: Any) -> objckpt.CheckpointManager:
+    args: dict[str, Any] = dict(local_dir=local, replicas=1, persist_every=2, local_keep=2,
+                                node_override=f"n{rank}", storage_options=opts)
+    args.update(kw)
+    return objckpt.CheckpointManager(root, **args)
+
+
+def _save_steps(rank: int, world: int, root: str, local: str, opts: dict[str, Any], steps: list[int]) -> Any:
+    with _manager(rank, root, local, opts) as m:
+        for s in steps:
+            m.save(s, _state(rank, world, s))
+        m.wait()
+        return m.steps()
+
+
+def _restore(rank: int, world: int, root: str, local: str, opts: dict[str, Any], node: str = "") -> Any:
+    kw = {"node_override": node, "replicas": 0} if node else {}
+    with _manager(rank, root, local, opts, **kw) as m:
+        st = _zeros(rank, world)
+        res = m.load(st)
+        _check(st, rank, world, res.step)
+        return res.step, res.source, res.tiers
+
+
+def test_save_commits_locally_replicates_drains_every_second_step_and_restores_from_a_peer(
+        tmp_path: Path, moto_s3: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = moto_s3
+    root, local = f"s3://{bucket}/run", str(tmp_path / "{node}" / "ckpt")
+    assert run_multiprocess(2, _save_steps, root, local, opts, [1, 2, 3, 4]) == [[2, 4], [2, 4]]
+    for node in ("n0", "n1"):  # local_keep=2 per node; each folder is a whole checkpoint (its own + the peer's copy)
+        d = tmp_path / node / "ckpt"
+        assert sorted(os.listdir(d)) == ["step-0000000003", "step-0000000004"]
+        back = objckpt.read(str(d / "step-0000000004"))
+        assert torch.equal(back["w"], _state(0, 1, 4)["w"].local) and back["step"] == 4
+    drained = objckpt.read(f"{root}/step-0000000004", storage_options=opts)
+    assert torch.equal(drained["w"], _state(0, 1, 4)["w"].local)
+    with pytest.raises(objckpt.NotFoundError):
+        objckpt.inspect(f"{root}/step-0000000003", storage_options=opts)  # not drained: local only
+
+    shutil.rmtree(tmp_path / "n1")  # node n1 replaced: its share comes from n0's replica
+    got = run_multiprocess(2, _restore, root, local, opts)
+    assert got[0] == (4, "local", {0: "local", 1: "peer"})
+    assert got[1] == (4, "peer", {0: "local", 1: "peer"})
+
+
+def test_every_local_dir_lost_restores_the_newest_drained_step_from_object_storage(
+        tmp_path: Path, moto_s3: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = moto_s3
+    root, local = f"s3://{bucket}/run", str(tmp_path / "{node}" / "ckpt")
+    run_multiprocess(2, _save_steps, root, local, opts, [1, 2, 3])  # 2 drained, 3 local only
+    shutil.rmtree(tmp_path / "n0")
+    shutil.rmtree(tmp_path / "n1")
+    got = run_multiprocess(2, _restore, root, local, opts)
+    assert [g[:2] for g in got] == [(2, "object"), (2, "object")]
+
+
+def test_a_local_checkpoint_reshards_on_restore_world_2_to_3(tmp_path: Path) -> None:
+    root, local = str(tmp_path / "store"), str(tmp_path / "node" / "ckpt")
+
+    run_multiprocess(2, _save_one_node, root, local, [5])
+    got = run_multiprocess(3, _restore, root, local, {}, "same")
+    assert [g[:2] for g in got] == [(5, "local")] * 3
+
+
+def _save_one_node(rank: int, world: int, root: str, local: str, steps: list[int]) -> None:
+    with _manager(rank, root, local, {}, replicas=0, persist_every=None, node_override="same") as m:
+        for s in steps:
+            m.save(s, _state(rank, world, s))
+
+
+# -- a rank killed while draining -------------------------------------------------------------------
+
+def _kill_mid_drain(rank: int, world: int, root: str, local: str, opts: dict[str, Any]) -> str:
+    from objckpt.tier import drain as drain_mod
+
+    with _manager(rank, root, local, opts, persist_every=1) as m:
+        m.save(2, _state(rank, world, 2))
+        m.wait()  # step 2 drained whole
+        if rank == 1:
+            real = drain_mod.upload_file
+
+            def upload_then_die(*a: Any, **k: Any) -> int:
+                n = real(*a, **k)
+                os.kill(os.getpid(), signal.SIGKILL)  # one blob up, then the rank dies
+                return n
+
+            drain_mod.upload_file = upload_then_die  # type: ignore[assignment]
+        try:
+            m.save(4, _state(rank, world, 4))
+            m.wait()
+        except objckpt.ObjckptError as e:  # rank 0: its peer died mid-drain; it must not commit
+            return f"{type(e).__name__}: {e}"
+    return "drained"
+
+
+def test_a_rank_killed_while_draining_leaves_the_object_copy_absent_never_partial(
+        tmp_path: Path, moto_s3: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = moto_s3
+    root, local = f"s3://{bucket}/run", str(tmp_path / "{node}" / "ckpt")
+    with pytest.raises(AssertionError, match=r"rank\(s\) \[1\] died"):
+        run_multiprocess(2, _kill_mid_drain, root, local, opts, timeout=60)
+    import boto3
+
+    from conftest import s3_options
+
+    listed = boto3.client("s3", **s3_options(opts["endpoint_url"])).list_objects_v2(
+        Bucket=bucket, Prefix="run/step-0000000004/")
+    assert listed.get("KeyCount", 0) >= 1  # the drain had started: blobs went up ...
+    with pytest.raises(objckpt.NotFoundError):  # ... but no manifest: the step does not exist there
+        objckpt.inspect(f"{root}/step-0000000004", storage_options=opts)
+    st = _zeros(0, 1)
+    objckpt.load(st, f"{root}/step-0000000002", storage_options=opts)  # the previous drain is whole
+    _check(st, 0, 1, 2)
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+
+def _construct(rank: int, world: int, local: str, kw: dict[str, Any], per_rank: dict[int, dict[str, Any]]) -> str:
+    args = {**kw, **per_rank.get(rank, {})}
+    try:
+        objckpt.CheckpointManager(local + "-root", local_dir=local, node_override=f"n{rank}", **args)
+    except (TierSettingsError, LocalTierError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def test_bad_settings_are_refused_on_every_rank_before_anything_is_written(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    local = str(tmp_path / "file" / "{node}")  # under a regular file: not a directory
+    got = run_multiprocess(2, _construct, local, {"replicas": 0}, {})
+    assert all(g.startswith("LocalTierError") and "not writable" in g and "rank 0" in g for g in got), got
+
+    good = str(tmp_path / "{node}")
+    got = run_multiprocess(2, _construct, good, {"replicas": 2}, {})
+    assert all(g.startswith("TierSettingsError") and "replicas=2" in g for g in got), got
+
+    got = run_multiprocess(2, _construct, good, {"replicas": 1}, {1: {"persist_every": 3}})
+    assert all("persist_every: 10 on rank(s) [0], 3 on rank(s) [1]" in g for g in got), got
+    assert not any((tmp_path / n).exists() and os.listdir(tmp_path / n) for n in ("n0", "n1"))
+
+
+_FULL_DISK = r"""
+import resource, signal, sys, torch, objckpt
+from objckpt.tier.errors import LocalTierError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))  # files of at most 1 MiB
+m = objckpt.CheckpointManager(sys.argv[1] + "/root", local_dir=sys.argv[1] + "/local", persist_every=None,
+                              replicas=0)
+try:
+    m.save(1, {"big": torch.zeros(1 << 20)})  # 4 MiB
+except LocalTierError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_full_disk_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert "refused:" in out.stdout and "RLIMIT_FSIZE" in out.stdout, out.stdout + out.stderr
+    assert os.listdir(tmp_path / "local") == []  # nothing written
+
+
+def test_advice_is_young_daly_from_measured_stalls(tmp_path: Path) -> None:
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                  persist_every=1, failure_rate=2.0)
+    for s in (1, 2):
+        m.save(s, {"x": torch.ones(1000)})
+    m.wait()
+    a = m.advice()
+    assert a.saves_measured == 2 and a.mtbf_s == 1800.0 and a.drain_s is not None
+    assert a.interval_s == pytest.approx(max(math.sqrt(2 * a.stall_s * 1800.0), a.drain_s))
+    assert m.steps() == [1, 2]
+    m.close()
