@@ -21,7 +21,7 @@ PYPROJECT = ROOT.parent / "pyproject.toml"
 #: import name -> the distribution that provides it, where they differ or one brings the other
 PROVIDED_BY = {"botocore": "aiobotocore", "typing_extensions": "typing-extensions", "crc32c": "crc32c"}
 #: parts of the package that only tests, the demo and benchmarks use
-OUTSIDE_CORE = ("testing/", "demo.py", "bench.py")
+OUTSIDE_CORE = ("testing/", "cli/demo.py", "cli/bench.py")
 
 
 def _third_party_imports() -> dict[str, set[str]]:
