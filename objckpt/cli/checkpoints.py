@@ -7,7 +7,6 @@ results into lines on stdout.  ``diff`` exits 1 when the checkpoints differ.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from typing import Any
@@ -95,24 +94,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Read every stored byte and check every crc32c, block crcs included, a batch
     of tensors (``--memory-mb``) at a time."""
-    from ..api import inspect, read
-    from ..ops.verify import verify_block_crcs
-    from ..runtime.memory import Budget
+    from ..load.session import ReadSession
+    from ..ops.verify import verify_checkpoint
 
     t = time.perf_counter()
-    opts = storage_options(args)
-    m = inspect(args.uri, storage_options=opts)
-    stored = [k for k, e in m.tensors.items() if e.alias_of is None]
-    sizes = [m.nbytes(k) for k in stored]
-    blocks = 0
-    with bar(args, "verify", sum(sizes)) as pb:
-        for batch in Budget(max(int(args.memory_mb * MB), 1)).batches(sizes):
-            keys = [stored[i] for i in batch]
-            got = read(args.uri, keys=keys, storage_options=opts)
-            part = dataclasses.replace(m, tensors={k: m.tensors[k] for k in keys})
-            blocks += verify_block_crcs(part, lambda k: got[k])  # a full read checks whole-chunk crcs only
-            pb.update(sum(sizes[i] for i in batch))
-    print(f"ok: {len(m.tensors)} tensors, {m.nbytes() / 1e6:.2f} MB, {blocks} block crc(s) verified in "
+    session = ReadSession(args.uri, storage_options(args))
+    m = session.inspect(True)  # chunks listed: the bytes to verify
+    with bar(args, "verify", sum(m.nbytes(k) for k in m.tensors if session.stored_key(k) == k)) as pb:
+        rep = verify_checkpoint(session, int(args.memory_mb * MB), pb.update)
+    print(f"ok: {rep.tensors} tensors, {rep.nbytes / 1e6:.2f} MB, {rep.block_crcs} block crc(s) verified in "
           f"{time.perf_counter() - t:.2f} s")
     return 0
 

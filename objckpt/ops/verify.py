@@ -6,17 +6,53 @@ passes full reads and fails a later partial load, far from the damage.  Verify
 checks every block crc twice: that the block crcs combine to the chunk crc,
 and that each one matches the crc of its block's bytes (as read, and already
 checked against the chunk crc).
+
+:func:`verify_checkpoint` runs the whole check on one read session
+(:mod:`objckpt.load.session`, the path every reader takes): the manifest with
+every chunk listed, then the stored tensors a batch (``memory_bytes``) at a time.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from ..checksum import block_crcs, combine_blocks
 from ..errors import CorruptCheckpointError
 from ..format.manifest import Chunk, Manifest
+from ..load.session import ReadSession
+from ..runtime.memory import Budget
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`verify_checkpoint` checked."""
+
+    tensors: int
+    nbytes: int
+    block_crcs: int
+
+
+def verify_checkpoint(session: ReadSession, memory_bytes: int,
+                      progress: Optional[Callable[[int], None]] = None) -> VerifyReport:
+    """Read every stored byte of ``session``'s checkpoint and check every crc32c, block crcs
+    included, holding at most ``memory_bytes`` of tensors at a time (a larger tensor alone);
+    ``progress(n)`` hears of each batch's bytes."""
+    m = session.inspect(True)  # every chunk listed (v2: all rank indexes fetched)
+    stored = [k for k in m.tensors if session.stored_key(k) == k]
+    sizes = [m.nbytes(k) for k in stored]
+    blocks = 0
+    for batch in Budget(max(memory_bytes, 1)).batches(sizes):
+        keys = [stored[i] for i in batch]
+        got = session.read_tree(keys, False)
+        part = dataclasses.replace(m, tensors={k: m.tensors[k] for k in keys})
+        blocks += verify_block_crcs(part, got.__getitem__)  # a full read checks whole-chunk crcs only
+        if progress is not None:
+            progress(sum(sizes[i] for i in batch))
+    return VerifyReport(len(m.tensors), m.nbytes(), blocks)
 
 
 def chunk_bytes(t: torch.Tensor, c: Chunk) -> memoryview:
