@@ -93,6 +93,11 @@ async def _is_dcp_directory(store: ObjectStore, prefix: str) -> bool:
 
 async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats] = None) -> Manifest:
     """The decoded manifest of the checkpoint at ``prefix`` (its bytes and time counted in ``stats``)."""
+    return (await _fetch(store, prefix, uri, stats))[1]
+
+
+async def _fetch(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOStats]) -> tuple[bytes, Manifest]:
+    """The manifest's stored bytes (a copy writes them unchanged) and the manifest they decode to."""
     t0 = time.perf_counter()
     data = await manifest_bytes(store, prefix, uri)
     m = decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
@@ -101,7 +106,7 @@ async def fetch_manifest(store: ObjectStore, prefix: str, uri: str, stats: Optio
         stats.timings.add("manifest", time.perf_counter() - t0)
     if m.spread_up:
         m.object_keys(prefix)  # a spread entry that places outside this checkpoint's namespace: corrupt, now
-    return m
+    return data, m
 
 
 def stored_key(m: Manifest, key: str) -> str:
@@ -181,6 +186,8 @@ class ReadSession:
         self.stats = IOStats()
         self._manifest: Optional[Manifest] = None
         self._resolver: Optional[Resolver] = None
+        #: the stored bytes of the manifest held (a copy writes them unchanged)
+        self.manifest_raw = b""
 
     @classmethod
     def open(cls, uri: str, storage_options: Optional[dict[str, Any]] = None,
@@ -205,10 +212,10 @@ class ReadSession:
 
     def refresh(self, stats: Optional[IOStats] = None) -> Manifest:
         """Fetch the manifest anew (counted in ``stats``, else in the session's own) and hold it."""
-        self._manifest = _runtime.run(fetch_manifest(self.store, self.prefix, self.uri,
-                                                     self.stats if stats is None else stats))
-        self._resolver = None
-        return self._manifest
+        self.manifest_raw, m = _runtime.run(_fetch(self.store, self.prefix, self.uri,
+                                                   self.stats if stats is None else stats))
+        self._manifest, self._resolver = m, None
+        return m
 
     def replaced_since(self, err: BlobMissingError, tries: int) -> bool:
         """True (start over: :meth:`refresh`) when the checkpoint's manifest is no longer the one

@@ -33,8 +33,7 @@ from ..errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsErr
                      NotFoundError, ObjckptError, PreconditionFailed)
 from ..format import keys
 from ..format.manifest import Chunk, Manifest, RankIndexRef, decode
-from ..layout import resolver_for
-from ..load.session import manifest_bytes, open_location
+from ..load.session import ReadSession, open_location
 from ..logs import get_logger
 from ..save.commit import replaced_keys
 from ..storage import BlobWriter, ObjectStore
@@ -146,11 +145,6 @@ def _record(bc: _BlobCopy, found: list[tuple[int, int, int, int]], where: str) -
     return done
 
 
-async def _fetch_manifest(st: ObjectStore, prefix: str, uri: str) -> tuple[bytes, Manifest]:
-    raw = await manifest_bytes(st, prefix, uri)
-    return raw, decode(raw, f"{uri.rstrip('/')}/{keys.MANIFEST_NAME}")
-
-
 async def _read_indexes(src: ObjectStore, sprefix: str, m: Manifest) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
 
@@ -168,14 +162,15 @@ async def _read_indexes(src: ObjectStore, sprefix: str, m: Manifest) -> dict[str
     return {r.name: out[r.name] for r in m.rank_indexes}
 
 
-async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dprefix: str, src_uri: str,
-                          dst_uri: str, *, overwrite: bool = False, part_size: int = PART_SIZE,
-                          memory_bytes: int = MEMORY_BYTES,
+async def copy_checkpoint(source: ReadSession, dst: ObjectStore, dprefix: str, dst_uri: str, *,
+                          overwrite: bool = False, part_size: int = PART_SIZE, memory_bytes: int = MEMORY_BYTES,
                           progress: Optional[Callable[[int, int], None]] = None) -> CopyReport:
-    """The copy, on the I/O loop (see the module docstring); ``progress(n, total)`` is
+    """The copy, on the I/O loop (see the module docstring), of ``source``'s checkpoint (a read
+    session whose manifest is fetched: :meth:`ReadSession.open`); ``progress(n, total)`` is
     told of every ``n`` blob bytes that reached DST (of ``total``)."""
     t0 = time.perf_counter()
-    raw, m = await _fetch_manifest(src, sprefix, src_uri)
+    src, sprefix, src_uri = source.store, source.prefix, source.uri
+    raw, m = source.manifest_raw, source.manifest
     if m.spread_up and len([p for p in dprefix.split("/") if p]) <= m.spread_up:
         raise ValueError(f"{src_uri!r} uses the spread key layout with its spread root {m.spread_up} level(s) above "
                          f"the checkpoint; {dst_uri!r} needs at least {m.spread_up + 1} path segments below the "
@@ -190,7 +185,7 @@ async def copy_checkpoint(src: ObjectStore, sprefix: str, dst: ObjectStore, dpre
         raise CheckpointExistsError(
             f"{dst_uri!r} already holds this checkpoint (attempt {m.attempt}); check it with `objckpt verify`, "
             "or delete it and copy again")
-    indexes, _ = await asyncio.gather(_read_indexes(src, sprefix, m), resolver_for(m, src, sprefix).resolve_all())
+    indexes, _ = await asyncio.gather(_read_indexes(src, sprefix, m), source.resolver.resolve_all())
     blobs = _plan(m, dst, part_size)
     total = sum(b.size for b in m.blobs)
     slots = asyncio.Semaphore(max(1, memory_bytes // max(max((n for b in blobs for _, n in b.parts), default=1), 1)))
@@ -291,9 +286,10 @@ def copy(src: str, dst: str, *, storage_options: Optional[dict[str, Any]] = None
     if part_size < 1 or memory_bytes < 1:
         raise ValueError(f"copy: part_size and memory_bytes must be positive, got {part_size}, {memory_bytes}")
     dopts = dst_storage_options if dst_storage_options is not None else storage_options
-    s_st, s_prefix = open_location(src, storage_options, src_store)
+    source = ReadSession(src, storage_options, src_store)
     d_st, d_prefix = open_location(dst, dopts, dst_store)
-    if s_st is d_st and s_prefix == d_prefix:
+    if source.store is d_st and source.prefix == d_prefix:
         raise ObjckptError(f"copy: source and destination are the same checkpoint ({src!r})")
-    return _runtime.run(copy_checkpoint(s_st, s_prefix, d_st, d_prefix, src, dst, overwrite=overwrite,
+    source.refresh()
+    return _runtime.run(copy_checkpoint(source, d_st, d_prefix, dst, overwrite=overwrite,
                                         part_size=part_size, memory_bytes=memory_bytes, progress=progress))
