@@ -220,3 +220,41 @@ def test_advice_is_young_daly_from_measured_stalls(tmp_path: Path) -> None:
     assert a.interval_s == pytest.approx(max(math.sqrt(2 * a.stall_s * 1800.0), a.drain_s))
     assert m.steps() == [1, 2]
     m.close()
+
+
+# -- a rank killed while replicating ------------------------------------------------------------------
+
+def _kill_mid_replicate(rank: int, world: int, root: str, local: str) -> str:
+    from objckpt.tier import peers
+
+    with _manager(rank, root, local, {}, persist_every=None) as m:
+        m.save(2, _state(rank, world, 2))
+        m.wait()  # step 2 replicated
+        if rank == 1:
+            def die(*a: Any, **k: Any) -> Any:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            peers.replicate = die  # type: ignore[assignment]
+        try:
+            m.save(4, _state(rank, world, 4))  # committed locally on both nodes, never replicated
+            m.wait()
+        except objckpt.ObjckptError as e:
+            return f"{type(e).__name__}: {e}"
+    return "replicated"
+
+
+def test_a_rank_killed_while_replicating_leaves_the_previous_replicated_step_restorable(tmp_path: Path) -> None:
+    root, local = str(tmp_path / "store"), str(tmp_path / "{node}" / "ckpt")
+    with pytest.raises(AssertionError, match=r"rank\(s\) \[1\] died"):
+        run_multiprocess(2, _kill_mid_replicate, root, local, timeout=60)
+    shutil.rmtree(tmp_path / "n1")  # and its node is lost: step 4's rank-1 share is gone everywhere
+    got = run_multiprocess(2, _restore_no_drain, root, local)
+    assert got == [(2, "local"), (2, "peer")]
+
+
+def _restore_no_drain(rank: int, world: int, root: str, local: str) -> Any:
+    with _manager(rank, root, local, {}, persist_every=None) as m:
+        st = _zeros(rank, world)
+        res = m.load(st)
+        _check(st, rank, world, res.step)
+        return res.step, res.source

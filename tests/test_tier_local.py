@@ -1,0 +1,160 @@
+"""The local tier's pieces: the O_DIRECT writer, a node folder's metadata, the restore choice, the drain cap."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import objckpt
+from mp import run_multiprocess
+from objckpt.storage import local as local_store
+from objckpt.storage.local import DIRECT_ALIGN, LocalStore
+from objckpt.tier import local as tier_local
+from objckpt.tier.local import LocalStep
+from objckpt.tier.restore import Holding, plan_restore
+
+#: sizes around the alignment: an element, a page minus/plus one, several pages and a tail
+SIZES = [1, 1023, 1025, 4097, 100_003, 1_500_007]
+
+
+def _on_tmpfs(path: str) -> bool:
+    with open("/proc/mounts") as f:
+        mounts = [line.split() for line in f]
+    best = max((m for m in mounts if path.startswith(m[1].rstrip("/") + "/") or path == m[1]),
+               key=lambda m: len(m[1]), default=None)
+    return best is not None and best[2] in ("tmpfs", "ramfs")
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[Path]:
+    """A directory on a real disk (O_DIRECT works there; /tmp may be tmpfs)."""
+    for base in ("/var/tmp", os.path.expanduser("~"), os.getcwd()):
+        if os.path.isdir(base) and os.access(base, os.W_OK) and not _on_tmpfs(os.path.realpath(base)):
+            with tempfile.TemporaryDirectory(dir=base, prefix="objckpt-direct-") as d:
+                yield Path(d)
+            return
+    pytest.fail("no writable directory on a disk for the O_DIRECT test")
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    st = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate(SIZES)}
+    st["u8"] = torch.arange(7, dtype=torch.uint8)
+    return st
+
+
+def _direct_writer_used(root: Path) -> bool:
+    w = LocalStore(str(root), direct=True).open_writer("probe.bin", 3 * DIRECT_ALIGN)
+    try:
+        return w.direct  # type: ignore[attr-defined]
+    finally:
+        import asyncio
+
+        asyncio.run(w.abort())
+
+
+def test_o_direct_round_trips_unaligned_tensor_sizes(disk_dir: Path) -> None:
+    assert _direct_writer_used(disk_dir), "O_DIRECT refused on a disk directory"
+    made = local_store.DIRECT_BUFFERS.made
+    st = _state()
+    # small blobs and parts: parts start and end mid-page, the blobs' ends are unaligned
+    objckpt.save(st, str(disk_dir / "c"), store=LocalStore("/", direct=True), blob_size=3_000_001,
+                 part_size=1_000_003)
+    back = objckpt.read(str(disk_dir / "c"))
+    assert set(back) == set(st) and all(torch.equal(back[k], v) for k, v in st.items())
+    m = objckpt.inspect(str(disk_dir / "c"))
+    for b in m.blobs:  # truncated back to the true size, not the padded one
+        assert os.path.getsize(disk_dir / "c" / b.name) == b.size
+    objckpt.save(st, str(disk_dir / "d"), store=LocalStore("/", direct=True))
+    assert local_store.DIRECT_BUFFERS.made - made <= 8  # reused across writes and saves, not one per write
+
+
+def test_dev_shm_round_trips_whether_or_not_its_tmpfs_takes_o_direct() -> None:
+    """tmpfs refused O_DIRECT (EINVAL) before Linux 6.6 and takes it since: either way the save is whole."""
+    if not os.path.isdir("/dev/shm") or not _on_tmpfs("/dev/shm"):
+        pytest.fail("/dev/shm is not a tmpfs here")
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="objckpt-direct-") as d:
+        st = _state()
+        objckpt.save(st, os.path.join(d, "c"), store=LocalStore("/", direct=True), blob_size=3_000_001)
+        back = objckpt.read(os.path.join(d, "c"))
+        assert all(torch.equal(back[k], v) for k, v in st.items())
+
+
+@pytest.mark.parametrize("where", ["open", "write"])
+def test_o_direct_refused_falls_back_to_buffered_writes(disk_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        where: str) -> None:
+    """A filesystem that refuses O_DIRECT (EINVAL, as tmpfs before Linux 6.6, some FUSE and network
+    filesystems) at open, or accepts the open and refuses the aligned write: buffered, whole."""
+    import errno
+
+    real_open, real_pwrite = os.open, os.pwrite
+    direct_fds: set[int] = set()
+
+    def fake_open(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        if flags & local_store._O_DIRECT:
+            if where == "open":
+                raise OSError(errno.EINVAL, "Invalid argument", path)
+            fd = real_open(path, flags & ~local_store._O_DIRECT, *a, **k)
+            direct_fds.add(fd)
+            return fd
+        return real_open(path, flags, *a, **k)
+
+    def fake_pwrite(fd: int, data: Any, offset: int) -> int:
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(local_store.os, "open", fake_open)
+    monkeypatch.setattr(local_store.os, "pwrite", fake_pwrite)
+    st = _state()
+    objckpt.save(st, str(disk_dir / "c"), store=LocalStore("/", direct=True), blob_size=3_000_001,
+                 part_size=1_000_003)
+    monkeypatch.undo()
+    back = objckpt.read(str(disk_dir / "c"))
+    assert all(torch.equal(back[k], v) for k, v in st.items())
+    if where == "write":
+        assert direct_fds  # the direct descriptor was opened, then given up
+
+
+def test_restore_choice_prefers_newest_step_every_rank_can_get() -> None:
+    need = ["manifest.json", "a.bin", "b.bin"]
+    full = LocalStep(7, need, need)
+    half = LocalStep(7, need, ["manifest.json", "a.bin"])
+    other = LocalStep(7, need, ["manifest.json", "b.bin"])
+    # node n0 whole, n1 lost: n1 repairs from peers
+    p = plan_restore([Holding("n0", {7: full}), Holding("n1", {})], [5], peers=True)
+    assert (p.step, p.sources) == (7, ["local", "peer"])
+    # each node holds half: together whole
+    p = plan_restore([Holding("n0", {7: half}), Holding("n1", {7: other})], [], peers=True)
+    assert (p.step, p.sources) == (7, ["peer", "peer"])
+    # a file nobody holds: the newest drained step instead, never a mix
+    p = plan_restore([Holding("n0", {7: half}), Holding("n1", {7: half})], [5], peers=True)
+    assert (p.step, p.sources) == (5, ["object", "object"]) and "7" in p.why
+    p = plan_restore([Holding("n0", {}), Holding("n1", {})], [], peers=True)
+    assert p.step is None
+
+
+def _spread(rank: int, world: int, base: str) -> list[str]:
+    from objckpt.distributed.comm import get_comm
+
+    d = Path(base) / f"n{rank}" / "s"
+    st = {"w": objckpt.Shard(torch.full((2, 3), float(rank)), (2 * world, 3), (2 * rank, 0))}
+    objckpt.save(st, str(d), store=LocalStore("/"))
+    tier_local.spread_metadata(get_comm(None), d, [f"n{r}" for r in range(world)], rank)
+    return sorted(os.listdir(d))
+
+
+def test_every_node_folder_gets_the_manifest(tmp_path: Path) -> None:
+    got = run_multiprocess(2, _spread, str(tmp_path))
+    assert all("manifest.json" in g for g in got)
+    m = objckpt.inspect(str(tmp_path / "n1" / "s"))  # n1's folder is a checkpoint: rank 1's rows read from it
+    assert [b.rank for b in m.blobs] == [0, 1]
+    mine = {"w": objckpt.Shard(torch.zeros(2, 3), (4, 3), (2, 0))}
+    objckpt.load(mine, str(tmp_path / "n1" / "s"), no_dist=True)
+    assert torch.equal(mine["w"].local, torch.ones(2, 3))
+    with pytest.raises(objckpt.BlobMissingError, match="r00000"):  # rank 0's rows live on n0 (or a replica)
+        objckpt.read(str(tmp_path / "n1" / "s"), "w")
