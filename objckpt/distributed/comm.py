@@ -283,23 +283,30 @@ _gloo_groups: dict[Any, Any] = {}
 _subgroups: dict[tuple[int, tuple[int, ...]], Any] = {}
 
 
-def background_comm(comm: Comm, process_group: Any) -> Comm:
+def background_comm(comm: Comm, process_group: Any, *, purpose: str = "",
+                    timeout: Optional[float] = None) -> Comm:
     """A gloo group of objckpt's own over the same ranks, for collectives issued off the
     caller's thread.  Created once per group, collectively, from the caller's thread.
     Never the caller's group itself, even when that is gloo: a background finish
     collective on it interleaves with the caller's own collectives (a
     ``distribute_tensor`` scatter while a save commits) in different orders on
-    different ranks, and both wait for ever."""
+    different ranks, and both wait for ever.  A non-empty ``purpose`` gets a separate
+    group (tier replication runs beside an async save's commit, each in its own
+    thread); ``timeout`` (seconds, set when the group is made) bounds each of its
+    operations, so a rank that stops answering is an error, not a hang."""
     if not isinstance(comm, TorchComm):
         return comm
+    import datetime
+
     import torch.distributed as dist
 
-    key = process_group
+    key = process_group if not purpose else (process_group, purpose)
     with _lock:
         group = _gloo_groups.get(key)
     if group is None:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        group = dist.new_group(ranks=ranks, backend="gloo")
+        group = dist.new_group(ranks=ranks, backend="gloo",
+                               timeout=None if timeout is None else datetime.timedelta(seconds=timeout))
         with _lock:
             _gloo_groups[key] = group
     return TorchComm(group)

@@ -1,0 +1,154 @@
+"""Peer replication (objckpt.tier.peers.replicate) against what gloo moves between two ranks.
+
+    python -m benchmarks.bench_tier_peers --mib 64 --repeat 1        # quick check
+    python -m benchmarks.bench_tier_peers                            # 256 MiB a rank, median of 3
+
+Two gloo ranks standing for two nodes (``OBJCKPT_NODE``), each with its share in its
+node's folder (``--dir``, default a temporary directory; ``/dev/shm`` for a tmpfs),
+replicas=1: each rank sends its share to the other and receives the other's, at the
+same time.  The baseline, in the same run and the same processes: a plain
+``dist.isend``/``dist.irecv`` of the same number of bytes in both directions at once
+(one tensor each way, nothing read from or written to files).  Each repeat times both
+between barriers, interleaved; the shares are written untimed (so they are read from
+the page cache), and the received replicas are deleted between repeats.
+
+Also per rank: the peak RSS growth during ``replicate`` (``VmHWM`` reset before it) and the
+machine's page cache (``Cached``), ``Shmem`` and ``Dirty`` growth across it (``/proc/meminfo``:
+both ranks together).  Received files are fsynced and dropped from the page cache
+(``POSIX_FADV_DONTNEED``), so on a disk the cache should not grow by the bytes received;
+on tmpfs the files *are* memory (``Shmem`` grows by them).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Optional
+
+from . import harness as h
+
+
+def meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, rest = line.split(":", 1)
+                out[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import pathlib
+
+    import torch
+    import torch.distributed as dist
+
+    from objckpt.distributed.comm import get_comm
+    from objckpt.tier.peers import replicate
+    from objckpt.tier.topology import NODE_ENV, Topology
+
+    os.environ[NODE_ENV] = f"node{rank}"
+    comm = get_comm()
+    topo = Topology.build(comm)
+    step = pathlib.Path(cfg["dir"]) / f"node{rank}" / "step-1"
+    nbytes, file_bytes = cfg["mib"] * h.MiB, cfg["file_mib"] * h.MiB
+    files = []
+    gen = torch.Generator().manual_seed(rank)
+    for i, off in enumerate(range(0, nbytes, file_bytes)):
+        rel = f"blobs/a/r{rank:05d}-{i:04d}.bin"
+        (step / rel).parent.mkdir(parents=True, exist_ok=True)
+        data = torch.randint(0, 256, (min(file_bytes, nbytes - off),), dtype=torch.uint8, generator=gen)
+        (step / rel).write_bytes(data.numpy().tobytes())
+        files.append(rel)
+    other = 1 - rank
+    send = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    recv = torch.empty(nbytes, dtype=torch.uint8)
+    rows: list[dict[str, Any]] = []
+    for rep in range(cfg["repeat"] + 1):  # the first round warms up (connections, allocator), untimed
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.isend(send, dst=other), dist.irecv(recv, src=other)]
+        for w in works:
+            w.wait()
+        dist.barrier()
+        base_s = time.perf_counter() - t0
+        mem0 = meminfo()
+        with h.PeakRss() as rss:
+            dist.barrier()
+            t0 = time.perf_counter()
+            report = replicate(comm, topo, step, files, 1, piece_bytes=cfg["piece_mib"] * h.MiB)
+            dist.barrier()
+            rep_s = time.perf_counter() - t0
+        mem1 = meminfo()
+        received = [(pathlib.Path(cfg["dir"]) / f"node{rank}" / "step-1" / f"blobs/a/r{other:05d}-{i:04d}.bin")
+                    for i in range(len(files))]
+        ok = all(p.stat().st_size == min(file_bytes, nbytes - i * file_bytes) for i, p in enumerate(received))
+        dist.barrier()
+        for p in received:
+            p.unlink()
+        dist.barrier()
+        if rep == 0:
+            continue
+        rows.append({"baseline_s": base_s, "replicate_s": rep_s, "data_phase_s": report.ranks[rank].seconds,
+                     "rss_delta": rss.delta, "buffer_bytes": report.ranks[rank].buffer_bytes,
+                     "cached_delta": mem1.get("Cached", 0) - mem0.get("Cached", 0),
+                     "shmem_delta": mem1.get("Shmem", 0) - mem0.get("Shmem", 0),
+                     "dirty_delta": mem1.get("Dirty", 0) - mem0.get("Dirty", 0), "verified_sizes": ok})
+    everyone = comm.all_gather_object(rows)
+    return {"ranks": everyone}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=256, help="each rank's share (MiB)")
+    ap.add_argument("--file-mib", type=int, default=64, help="size of each file of the share (MiB)")
+    ap.add_argument("--piece-mib", type=int, default=16, help="replicate's piece size (MiB)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="parent of the node folders (default: a temporary directory)")
+    ap.add_argument("--out", default=h.result_path("tier-peers"))
+    args = ap.parse_args(argv)
+    parent = args.dir or tempfile.mkdtemp(prefix="bench-tier-peers-")
+    work = tempfile.mkdtemp(prefix="run-", dir=parent)
+    cfg = {"mib": args.mib, "file_mib": args.file_mib, "piece_mib": args.piece_mib, "repeat": args.repeat,
+           "dir": work}
+    try:
+        out = h.spawn_gloo(2, _rank, cfg, timeout=900)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if args.dir is None:
+            shutil.rmtree(parent, ignore_errors=True)
+    per_rank = out["ranks"]
+    nbytes = args.mib * h.MiB
+    base = h.median(max(r[i]["baseline_s"] for r in per_rank) for i in range(args.repeat))
+    rep = h.median(max(r[i]["replicate_s"] for r in per_rank) for i in range(args.repeat))
+    fs = "tmpfs" if os.path.realpath(parent).startswith("/dev/shm") else "disk/tempdir"
+    summary = {
+        "share_mib": args.mib, "piece_mib": args.piece_mib, "target": fs,
+        "baseline_gbps": nbytes / base / 1e9 if base else None,
+        "replicate_gbps": nbytes / rep / 1e9 if rep else None,
+        "ratio": base / rep if base and rep else None,
+        "rss_delta_mib": max((x["rss_delta"] or 0) for r in per_rank for x in r) / h.MiB,
+        "buffer_mib": max(x["buffer_bytes"] for r in per_rank for x in r) / h.MiB,
+        "cached_delta_mib": h.median(x["cached_delta"] for x in per_rank[0]) / h.MiB,
+        "shmem_delta_mib": h.median(x["shmem_delta"] for x in per_rank[0]) / h.MiB,
+        "verified": all(x["verified_sizes"] for r in per_rank for x in r),
+    }
+    h.log(h.md_table(
+        ["share", "gloo isend/irecv", "replicate", "replicate / gloo", "peak RSS Δ (rank max)", "piece buffers",
+         "page cache Δ", "Shmem Δ"],
+        [[f"{args.mib} MiB", f"{h.fmt(summary['baseline_gbps'])} GB/s", f"{h.fmt(summary['replicate_gbps'])} GB/s",
+          h.fmt(summary["ratio"], "{:.2f}x"), f"{summary['rss_delta_mib']:.0f} MiB",
+          f"{summary['buffer_mib']:.0f} MiB", f"{summary['cached_delta_mib']:.0f} MiB",
+          f"{summary['shmem_delta_mib']:.0f} MiB"]]))
+    path = h.write_results(args.out, {"environment": h.environment(), "config": cfg | {"dir": fs},
+                                      "summary": summary, "ranks": per_rank})
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""Peer replication and repair of the local tier (objckpt.tier.topology, objckpt.tier.peers).
+
+Real gloo ranks (tests/mp.py), temporary directories standing for nodes
+(``OBJCKPT_NODE`` per rank), real files; a real SIGKILL for the dying rank.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import queue
+import shutil
+import signal
+import tempfile
+import time
+from typing import Any
+
+import pytest
+
+import mp
+from objckpt.tier.peers import PeerCopyError, RepairReport, plan_repair
+from objckpt.tier.topology import NODE_ENV, Topology, TopologyError
+from objckpt.tier.transfer import TEMP_MARK
+
+PIECE = 64 << 10  # small pieces: the bigger files take several rounds
+
+
+# --------------------------------------------------------------------------- placement (no processes)
+
+
+@pytest.mark.parametrize("nodes", [
+    ("a", "a", "b", "b"),
+    ("a", "a", "a", "b", "b", "b", "c", "c", "c"),
+    ("x", "y", "x", "y", "z", "z"),  # ranks interleaved over nodes
+    ("a", "a", "a", "a", "b", "b", "c"),  # uneven nodes
+])
+def test_peers_are_on_other_nodes_and_one_node_loss_keeps_a_copy(nodes: tuple[str, ...]) -> None:
+    topo = Topology(nodes)
+    n_nodes = len(set(nodes))
+    for k in range(n_nodes):
+        received = [0] * len(nodes)
+        for r in range(len(nodes)):
+            peers = topo.peers_for(r, k)
+            assert len(peers) == k
+            homes = [topo.node_of(p) for p in peers]
+            assert topo.node_of(r) not in homes, (r, peers)
+            assert len(set(homes)) == k, f"two copies of rank {r} on one node: {peers}"
+            # k+1 copies on k+1 distinct nodes: losing any k nodes leaves one
+            assert len(set([topo.node_of(r)] + homes)) == k + 1
+            for p in peers:
+                received[p] += 1
+        if len({len(topo.ranks_on(n)) for n in topo.node_names}) == 1:
+            assert received == [k] * len(nodes), "equal nodes: every rank holds exactly k copies"
+        assert sorted(topo.sources_for(0, k)) == sorted(s for s in range(len(nodes)) if 0 in topo.peers_for(s, k))
+
+
+def test_replicas_that_cannot_fit_are_refused_naming_the_values() -> None:
+    topo = Topology(("a", "a", "b", "b"))
+    with pytest.raises(TopologyError, match=r"replicas=2 needs 3 nodes.*4 ranks run on 2 node"):
+        topo.peers_for(0, 2)
+    with pytest.raises(ValueError, match=r"replicas=1 needs more than 1 ranks.*world size 1"):
+        Topology(("solo",)).peers_for(0, 1)
+    with pytest.raises(TopologyError, match=r"non-negative"):
+        topo.peers_for(0, -1)
+    with pytest.raises(TopologyError, match=r"rank 4 is not a rank"):
+        topo.peers_for(4, 1)
+
+
+def test_node_name_comes_from_override_then_env_then_hostname(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from objckpt.distributed.comm import LocalComm
+
+    monkeypatch.delenv(NODE_ENV, raising=False)
+    assert Topology.build(LocalComm()).nodes == (socket.gethostname(),)
+    monkeypatch.setenv(NODE_ENV, "n7")
+    assert Topology.build(LocalComm()).nodes == ("n7",)
+    assert Topology.build(LocalComm(), node_override="n9").nodes == ("n9",)
+    monkeypatch.setenv(NODE_ENV, "  ")
+    with pytest.raises(TopologyError, match=NODE_ENV):
+        Topology.build(LocalComm())
+
+
+def test_repair_plan_sends_each_file_once_spread_over_holders() -> None:
+    a, b, c = ("n0", "/d0"), ("n1", "/d1"), ("n2", "/d2")
+    holdings = [
+        (a, ["f1", "f2", "meta"], {"f1": 10, "f2": 20, "meta": 1}),
+        (b, ["f3", "meta"], {"f3": 5, "meta": 1, "f5": 50, "f6": 60}),
+        (c, ["f5", "f6", "meta", "lost"], {}),  # a replaced node: holds nothing
+        (c, ["f6", "meta", "gone"], {}),  # shares that node's folder
+    ]
+    plan, missing = plan_repair(holdings)
+    assert missing == {2: ("lost",), 3: ("gone",)}
+    got = {(t.dst, t.rel): t.src for t in plan}
+    # meta and f6 are written once into the shared folder, by its lowest rank
+    assert set(got) == {(2, "f5"), (2, "f6"), (2, "meta")}
+    assert got[(2, "f5")] == 1 and got[(2, "f6")] == 1
+    assert got[(2, "meta")] == 0, "the second file goes to the holder with less load"
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+def _content(rank: int, i: int, size: int) -> bytes:
+    import random
+
+    return random.Random(rank * 1000 + i).randbytes(size)
+
+
+def _files(rank: int) -> dict[str, bytes]:
+    sizes = [0, 1000 + rank, 3 * PIECE + 7 * rank + 1]  # empty, small, several pieces (unaligned)
+    return {f"blobs/att/r{rank:05d}-{i:04d}.bin": _content(rank, i, s) for i, s in enumerate(sizes)}
+
+
+def _listing(root: pathlib.Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def _replicate_lose_repair(rank: int, world: int, base: str) -> dict[str, Any]:
+    from objckpt.distributed.comm import get_comm
+    from objckpt.tier.peers import repair, replicate
+
+    os.environ[NODE_ENV] = f"node{rank // 2}"
+    os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = "60"
+    comm = get_comm()
+    topo = Topology.build(comm)
+    root = pathlib.Path(base)
+    step = root / f"node{rank // 2}" / "step-7"
+    mine = _files(rank)
+    for rel, data in mine.items():
+        (step / rel).parent.mkdir(parents=True, exist_ok=True)
+        (step / rel).write_bytes(data)
+    if rank % 2 == 0:
+        (step / "meta.json").write_bytes(b'{"step": 7}')  # every node folder holds the metadata
+    comm.barrier()
+    before = {n: _listing(root / n) for n in ("node0", "node1")}
+    out: dict[str, Any] = {}
+    try:
+        replicate(comm, topo, step, list(mine), 2)
+    except TopologyError as e:
+        out["k2"] = str(e)
+    comm.barrier()
+    out["untouched"] = before == {n: _listing(root / n) for n in ("node0", "node1")}
+    rep = replicate(comm, topo, step, list(mine), 1, piece_bytes=PIECE)
+    comm.barrier()
+    out["replica"] = rep
+    other = root / f"node{1 - rank // 2}" / "step-7"
+    out["copied"] = all((other / rel).read_bytes() == data for rel, data in mine.items())
+    comm.barrier()
+    if rank == 2:
+        shutil.rmtree(root / "node1")  # node1 is replaced: its folder is gone
+    comm.barrier()
+    needed = list(mine) + ["meta.json"]
+    out["repair"] = repair(comm, topo, step, needed, piece_bytes=PIECE)
+    out["restored"] = all((step / rel).read_bytes() == data for rel, data in mine.items())
+    out["meta"] = (step / "meta.json").read_bytes()
+    comm.barrier()
+    out["temps"] = [n for n in _listing(root) if TEMP_MARK in n]
+    comm.barrier()
+    if rank == 0:
+        shutil.rmtree(root / "node0")
+        shutil.rmtree(root / "node1")
+    comm.barrier()
+    out["nothing"] = repair(comm, topo, step, needed)
+    return out
+
+
+def test_replicate_then_repair_a_lost_node_bit_identically(tmp_path: pathlib.Path) -> None:
+    res = run_ranks(4, _replicate_lose_repair, str(tmp_path))
+    for r, out in enumerate(res):
+        assert "replicas=2 needs 3 nodes" in out["k2"] and "2 node(s)" in out["k2"], out["k2"]
+        assert out["untouched"], "a refused replication wrote nothing"
+        assert out["copied"] and out["restored"] and out["meta"] == b'{"step": 7}'
+        assert out["temps"] == []
+        assert out["replica"].peers == {0: (2,), 1: (3,), 2: (0,), 3: (1,)}
+    # every rank returns the same outcome
+    assert all(out["repair"].restored == res[0]["repair"].restored for out in res)
+    assert all(out["nothing"].missing == res[0]["nothing"].missing for out in res)
+    rep: RepairReport = res[0]["repair"]
+    assert rep.complete
+    files2, files3 = _files(2), _files(3)
+    assert {(x.rank, x.file) for x in rep.restored} == (
+        {(2, f) for f in files2} | {(3, f) for f in files3} | {(2, "meta.json"), (3, "meta.json")})
+    for x in rep.restored:  # each came from a holder on the surviving node
+        assert x.source in (0, 1), x
+    assert {rep.source_of(2, f) for f in files2} | {rep.source_of(3, f) for f in files3} == {0, 1}, \
+        "both holders on the surviving node send a part"
+    nothing: RepairReport = res[0]["nothing"]
+    assert nothing.restored == () and not nothing.complete
+    for r in range(4):
+        assert sorted(nothing.missing_for(r)) == sorted(list(_files(r)) + ["meta.json"])
+
+
+def _mismatch(rank: int, world: int, base: str) -> str:
+    from objckpt.distributed.comm import get_comm
+    from objckpt.tier.peers import replicate
+
+    os.environ[NODE_ENV] = f"node{rank}"
+    comm = get_comm()
+    step = pathlib.Path(base) / f"node{rank}"
+    step.mkdir(parents=True, exist_ok=True)
+    (step / "mine.bin").write_bytes(b"x" * 10)
+    files = ["mine.bin"] if rank == 0 else ["mine.bin", "not-there.bin"]
+    try:
+        replicate(comm, Topology.build(comm), step, files, 1)
+    except PeerCopyError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_listed_file_one_rank_lacks_is_refused_on_every_rank_before_sending(tmp_path: pathlib.Path) -> None:
+    res = run_ranks(2, _mismatch, str(tmp_path))
+    assert res[0] == res[1] and "not-there.bin" in res[0] and "rank 1" in res[0], res
+    assert _listing(tmp_path) == ["node0/mine.bin", "node1/mine.bin"]
+
+
+# --------------------------------------------------------------------------- a rank killed mid-copy
+
+
+def _die_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]:
+    from objckpt.distributed.comm import get_comm
+    from objckpt.tier import transfer
+    from objckpt.tier.peers import replicate
+
+    os.environ[NODE_ENV] = f"node{rank}"
+    os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = "30"
+    comm = get_comm()
+    topo = Topology.build(comm)
+    step = pathlib.Path(base) / f"node{rank}" / "step-3"
+    step.mkdir(parents=True)
+    name = f"r{rank:05d}.bin"
+    (step / name).write_bytes(_content(rank, 0, 40 * PIECE))
+    if rank == 1:
+        real, calls = transfer._read_piece, [0]
+
+        def read_then_die(*a: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 4:  # three pieces are on their way
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(*a)
+
+        transfer._read_piece = read_then_die
+    t0 = time.monotonic()
+    try:
+        replicate(comm, topo, step, [name], 1, piece_bytes=PIECE)
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        err = f"{type(e).__module__}.{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - t0, "files": _listing(step)}
+
+
+def test_a_rank_killed_while_replicating_leaves_no_partial_file_and_a_clear_error(tmp_path: pathlib.Path) -> None:
+    results, exitcodes = run_ranks_allow_death(2, _die_while_replicating, str(tmp_path), timeout=90)
+    assert exitcodes[1] == -signal.SIGKILL
+    out = results[0]
+    assert out["error"].startswith("objckpt.errors.CollectiveError: replicate: rank 0 of 2"), out
+    assert "rank 1" in out["error"]
+    assert out["files"] == ["r00000.bin"], "rank 1's file is not under its final name, nor left as a temp"
+
+
+def _stall_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]:
+    from objckpt.distributed.comm import get_comm
+    from objckpt.tier import transfer
+    from objckpt.tier.peers import replicate
+
+    os.environ[NODE_ENV] = f"node{rank}"
+    os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = "1.5"
+    comm = get_comm()
+    topo = Topology.build(comm)
+    step = pathlib.Path(base) / f"node{rank}"
+    step.mkdir(parents=True)
+    (step / "share.bin").write_bytes(_content(rank, 0, 20 * PIECE))
+    if rank == 1:  # alive but stuck (a swapping host, a stopped process): it stops answering
+        real, calls = transfer._read_piece, [0]
+
+        def read_slowly(*a: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 4:
+                time.sleep(3.5)
+            real(*a)
+
+        transfer._read_piece = read_slowly
+    t0 = time.monotonic()
+    try:
+        replicate(comm, topo, step, ["share.bin"], 1, piece_bytes=PIECE)
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        err = f"{type(e).__module__}.{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - t0, "files": _listing(step)}
+
+
+def test_a_rank_that_stops_answering_is_an_error_after_the_collective_timeout(tmp_path: pathlib.Path) -> None:
+    results, _codes = run_ranks_allow_death(2, _stall_while_replicating, str(tmp_path), timeout=90)
+    waiting, stuck = results[0], results[1]
+    assert waiting["error"].startswith("objckpt.errors.CollectiveError: replicate: rank 0 of 2"), waiting
+    assert "Timed out" in waiting["error"], waiting  # gloo's timeout, set from OBJCKPT_COLLECTIVE_TIMEOUT
+    # the stuck rank, once it goes on, finds its peer gone: the same error class, not a bare RuntimeError
+    assert stuck["error"].startswith("objckpt.errors.CollectiveError: replicate: rank 1 of 2"), stuck
+    assert waiting["files"] == stuck["files"] == ["share.bin"]
+
+
+# --------------------------------------------------------------------------- runners
+
+
+def run_ranks(nproc: int, fn: Any, *args: Any) -> list[Any]:
+    return mp.run_multiprocess(nproc, fn, *args, timeout=120)
+
+
+def run_ranks_allow_death(nproc: int, fn: Any, *args: Any, timeout: float) -> tuple[dict[int, Any], list[Any]]:
+    """Like mp.run_multiprocess, but a rank may die on purpose: returns the results of the
+    ranks that reported and every rank's exit code."""
+    ctx = mp._context()
+    q = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="objckpt-rdzv-")
+    rdzv = "file://" + os.path.join(tmp, "store")
+    procs = [ctx.Process(target=mp._entry, args=(r, nproc, rdzv, fn, args, q, "gloo"), daemon=True)
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                rank, status, value = q.get(timeout=0.5)
+            except queue.Empty:
+                if all(i in results or not p.is_alive() for i, p in enumerate(procs)):
+                    break
+                continue
+            assert status == "ok", f"rank {rank}:\n{value}"
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results, [p.exitcode for p in procs]
