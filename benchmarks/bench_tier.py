@@ -1,0 +1,180 @@
+"""Tiered checkpoints (one process, CPU): save stall and restore against a memcpy, O_DIRECT against buffered.
+
+    python -m benchmarks.bench_tier                      # 512 MiB share, 3 repeats
+    python -m benchmarks.bench_tier --mib 64 --repeat 1  # quick check
+
+Measures, in one run (ratios within the run):
+
+* **stall**: ``CheckpointManager(local_dir=/dev/shm/..., replicas=0, persist_every=None).save``
+  (the local commit the training waits for), ``objckpt.async_save`` to object storage (the
+  in-memory S3 server of testkit/, in this process) until it returns, and a memcpy of the
+  share into pre-touched host tensors;
+* **restore**: ``CheckpointManager.load`` from the local tier into pre-touched tensors, against
+  the same memcpy;
+* **O_DIRECT vs buffered** on a disk directory (``--disk``, default a temporary folder under
+  /var/tmp): write throughput of ``objckpt.save`` through ``LocalStore(direct=...)``, and the
+  page-cache growth: the blob files' resident pages right after the save (``mincore``) and
+  the change of ``Cached`` in /proc/meminfo.
+
+Peers (``bench_tier_peers``) and draining under a cap are measured elsewhere; the
+1,024-node model is in docs/tiering.md's numbers from this script's rates.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+import objckpt
+from objckpt.storage.local import LocalStore
+
+MiB = 1 << 20
+
+
+def make_state(mib: int) -> dict[str, torch.Tensor]:
+    n = mib * MiB // 4 // 8
+    g = torch.Generator().manual_seed(0)
+    return {f"layer{i}.w": torch.randn(n + 13 * i, generator=g) for i in range(8)}  # unaligned sizes
+
+
+def touched_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def memcpy(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for k, v in src.items():
+        dst[k].copy_(v)
+    return time.perf_counter() - t0
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of ``path`` in the page cache (mincore over a mapping of it)."""
+    size = os.path.getsize(path)
+    if not size:
+        return 0
+    page = mmap.PAGESIZE
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # private: from_buffer needs writable
+        anchor = None
+        try:
+            anchor = ctypes.c_char.from_buffer(mm)
+            base = ctypes.addressof(anchor)
+            pages = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(ctypes.c_void_p(base), ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            n = sum(1 for b in vec if b & 1) * page
+        finally:
+            del anchor
+            mm.close()
+    return min(n, size)
+
+
+def cached_kib() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1])
+    return 0
+
+
+def bench_direct(state: dict[str, torch.Tensor], disk: str, repeat: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    for direct in (False, True):
+        rates, resident, cached = [], [], []
+        for i in range(repeat):
+            d = os.path.join(disk, f"{'direct' if direct else 'buffered'}-{i}")
+            before = cached_kib()
+            t0 = time.perf_counter()
+            objckpt.save(state, d, store=LocalStore("/", direct=direct))
+            rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+            cached.append((cached_kib() - before) * 1024 / nbytes)
+            blobs = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, "blobs")) for f in fs]
+            resident.append(sum(resident_bytes(b) for b in blobs) / nbytes)
+            shutil.rmtree(d)
+        out["direct" if direct else "buffered"] = {
+            "gb_per_s": statistics.median(rates), "resident_share": statistics.median(resident),
+            "cached_growth_share": statistics.median(cached)}
+    return out
+
+
+def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
+    from testkit.s3server import S3Server
+
+    import boto3
+
+    dst = touched_like(state)
+    memcpy(dst, state)
+    copies = [memcpy(dst, state) for _ in range(repeat)]
+    server = S3Server()
+    server.start()
+    opts = {"endpoint_url": server.endpoint_url, "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+    boto3.client("s3", **opts).create_bucket(Bucket="bench")
+    shm = tempfile.mkdtemp(prefix="objckpt-bench-tier-", dir="/dev/shm")
+    try:
+        asyncs = []
+        for i in range(repeat + 1):
+            t0 = time.perf_counter()
+            h = objckpt.async_save(state, f"s3://bench/async/{i}", storage_options=opts)
+            asyncs.append(time.perf_counter() - t0)
+            h.result()
+        m = objckpt.CheckpointManager("s3://bench/tiered", storage_options=opts, local_dir=shm, replicas=0,
+                                      persist_every=None, local_keep=2)
+        tiered = []
+        for step in range(1, repeat + 2):
+            t0 = time.perf_counter()
+            m.save(step, state)
+            tiered.append(time.perf_counter() - t0)
+        restores = []
+        for _ in range(repeat):
+            dst2 = touched_like(state)
+            t0 = time.perf_counter()
+            res = m.load(dst2)
+            restores.append(time.perf_counter() - t0)
+            assert res.source == "local"
+        m.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        server.stop()
+    mc = statistics.median(copies)
+    return {"memcpy_s": mc, "tiered_stall_s": statistics.median(tiered[1:]),
+            "s3_async_stall_s": statistics.median(asyncs[1:]), "local_restore_s": statistics.median(restores),
+            "tiered_over_memcpy": statistics.median(tiered[1:]) / mc,
+            "s3_async_over_memcpy": statistics.median(asyncs[1:]) / mc,
+            "local_restore_over_memcpy": statistics.median(restores) / mc}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mib", type=int, default=512, help="the rank's share in MiB")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--disk", default="", help="a directory on a disk for the O_DIRECT comparison")
+    a = ap.parse_args()
+    state = make_state(a.mib)
+    disk = a.disk or tempfile.mkdtemp(prefix="objckpt-bench-direct-", dir="/var/tmp")
+    try:
+        result = {"share_mib": a.mib, "repeat": a.repeat, "direct": bench_direct(state, disk, a.repeat),
+                  "stall": bench_stall(state, a.repeat)}
+    finally:
+        if not a.disk:
+            shutil.rmtree(disk, ignore_errors=True)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
