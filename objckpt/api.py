@@ -17,7 +17,7 @@ from .format.manifest import Manifest
 from .load.collective import CollectiveReader
 from .load.pipeline import load_into
 from .load.session import ReadSession, open_location
-from .runtime.memory import Budget, host_pool
+from .runtime.memory import Budget, host_pool, load_budget
 from .options import LoadOptions, ReadStrategy, ReadStrategyName, SaveArgs, split_save_args
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle, start_save
@@ -159,6 +159,7 @@ def load(
     no_dist: bool = False,
     collective_timeout: Optional[float] = None,
     cast: bool = False,
+    memory_bytes: Optional[int] = None,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place (any device) from the checkpoint.
 
@@ -200,6 +201,14 @@ def load(
     collective) even when a process group exists.  Without it every rank must
     call ``load``; one whose peers do not join within ``collective_timeout``
     seconds raises :class:`RanksDidNotJoinError` (as :func:`save`).
+
+    ``memory_bytes``: one budget for the memory the load itself holds (cast
+    temporaries, collective batches, read temporaries, the pinned ring into GPU
+    memory): together they stay within it, each part taking less when the others
+    hold more, and a single piece that cannot fit raises
+    :class:`~objckpt.errors.MemoryBudgetError` naming the budget.  None (the
+    default): each part its own default (256 MiB each, ``collective_bytes`` for
+    the batches), a tensor larger than that read alone.
     """
     comm = _comm(no_dist, process_group)
     join(comm, f"load of {uri!r}", collective_timeout)
@@ -208,7 +217,8 @@ def load(
     reader = CollectiveReader(comm, ReadStrategy(strategy), Budget(max(collective_bytes, 1)))
     with reader.failing_together():
         opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes,  # type: ignore[arg-type]
-                           no_dist, collective_timeout, cast)
+                           no_dist, collective_timeout, cast, memory_bytes)
+        reader.memory = load_budget(opts.memory_bytes, opts.collective_bytes)  # the load's one budget
         return load_into(state_dict, ReadSession(uri, storage_options, store), reader, opts)
 
 

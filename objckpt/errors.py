@@ -122,3 +122,10 @@ class CollectiveError(ObjckptError, RuntimeError):
 class ForeignSaveError(ObjckptError, RuntimeError):
     """The outcome of an ``async_save`` was asked for in a process forked from the one
     that started it: the save runs (and commits) in its own process only."""
+
+
+class MemoryBudgetError(ObjckptError, MemoryError):
+    """One piece of an operation (a read temporary, a collective batch, a cast
+    temporary, a staging buffer) needs more host or device memory than is left of
+    the operation's memory budget (``load(..., memory_bytes=...)``): the message
+    names the budget, the piece and the bytes; give a larger budget."""

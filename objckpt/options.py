@@ -150,11 +150,18 @@ class LoadOptions:
     collective_timeout: Optional[float] = None
     #: convert between floating dtypes (an fp32 checkpoint into a bf16 template...); off: a mismatch is an error
     cast: bool = False
+    #: the load's one memory budget: cast temporaries, collective batches, read temporaries and the
+    #: device ring together stay within it, and a piece that cannot fit is a MemoryBudgetError naming
+    #: it.  None: each part its default (objckpt.runtime.memory: 256 MiB each, ``collective_bytes``
+    #: for the batches, about 1 GiB in all), and a piece larger than its part is read alone
+    memory_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_strategy", ReadStrategy.parse(self.read_strategy))
         if self.collective_bytes <= 0:
             raise ValueError(f"collective_bytes must be positive, got {self.collective_bytes}")
+        if self.memory_bytes is not None and not (isinstance(self.memory_bytes, int) and self.memory_bytes > 0):
+            raise ValueError(f"memory_bytes must be a positive number of bytes or None, got {self.memory_bytes!r}")
         _check_timeout(self.collective_timeout)
 
 

@@ -33,7 +33,14 @@ not the whole job that is impossible, and such a group reads directly).
 
 Memory is bounded: a group's items are cut into batches of at most
 ``collective_bytes`` (row ranges of large tensors), and a rank holds at most
-one batch of buffers besides its own destinations.  Large pieces travel
+one batch of buffers besides its own destinations.  The batch draws from the
+load's one budget (:class:`~objckpt.runtime.memory.OperationBudget`) beside the
+load's cast temporaries, its read temporaries and its device ring: with a budget
+the caller gave (``memory_bytes``), every rank says in the first exchange how
+much of its budget is left, and the batches are cut to 4/9 of the least of
+those, the same on every rank (:func:`batch_cap`): a batch may come out a
+quarter larger than its cap, and the reads that fill it need room for its
+largest piece besides.  Large pieces travel
 straight from and into destination memory when it is contiguous on the
 collective's device.
 
@@ -64,7 +71,7 @@ from ..distributed.comm import Comm, TensorGroup, TorchComm, refusal_class, subg
 from ..distributed.placements import Ranks, mesh_group, replica_group
 from ..errors import CollectiveLoadError
 from ..format.manifest import Manifest
-from ..runtime.memory import Budget
+from ..runtime.memory import COLLECTIVE_BYTES, Budget, OperationBudget, load_budget
 from ..options import ReadStrategy
 from ..planning.boxes import Box, rows_of
 from ..planning.collective_plan import Batch, CostModel, ItemSize, plan_group
@@ -148,6 +155,15 @@ class Hello:
 
     error: Optional[str]
     groups: dict[Ranks, GroupSummary]
+    #: bytes left of this rank's load budget (a budget the caller gave; None: the defaults)
+    room: Optional[int] = None
+
+
+def batch_cap(collective_bytes: int, rooms: Sequence[int]) -> int:
+    """The bytes per collective batch: ``collective_bytes``, or less when the ranks' budgets
+    have less ``rooms`` left: 4/9 of the least, after 64 KiB for headers and alignment
+    (a batch of cap C holds up to 1.25 C, its reads up to C more in temporaries)."""
+    return max(1, min([collective_bytes] + [(r - (64 << 10)) * 4 // 9 for r in rooms]))
 
 
 @dataclass
@@ -167,10 +183,15 @@ class CollectiveReader:
     process group of more than one rank or with ``ReadStrategy.DIRECT``."""
 
     def __init__(self, comm: Comm, read_strategy: ReadStrategy = ReadStrategy.AUTO,
-                 budget: Budget = Budget(256 << 20), cost_model: Optional[CostModel] = None) -> None:
+                 budget: Budget = Budget(COLLECTIVE_BYTES), cost_model: Optional[CostModel] = None,
+                 memory: Optional[OperationBudget] = None) -> None:
         self.comm = comm
         self.read_strategy = read_strategy
         self.budget = budget
+        #: the load's one budget: cast temporaries, collective batches, read temporaries, device ring
+        self.memory = memory if memory is not None else load_budget(None, budget.nbytes)
+        #: bytes per collective batch, the same on every rank (set by the first exchange)
+        self.batch_cap = budget.nbytes
         self.model = cost_model or COST_MODEL
         self.active = isinstance(comm, TorchComm) and comm.world_size > 1 and read_strategy != ReadStrategy.DIRECT
         self.exchanged = False
@@ -221,7 +242,7 @@ class CollectiveReader:
         """Fill ``targets`` (as :func:`fill_boxes` would); ``sources[i]`` is the state-dict value
         target ``i`` came from (its placements give the replica group)."""
         if not self.active:
-            fill_boxes(st, prefix, m, targets, stats)
+            fill_boxes(st, prefix, m, targets, stats, memory=self.memory)
             return
         comm = self.comm
         pg_ranks: Ranks = comm.global_ranks()
@@ -244,15 +265,16 @@ class CollectiveReader:
                                    any(it.dest.is_cuda for it in its), mesh_group(its[0].source, g) is not None)
                    for g, its in mine.items()}
         self.exchanged = True
-        everyone = self._first_exchange(Hello(None, summary))
+        everyone = self._first_exchange(Hello(None, summary, self.memory.room() if self.memory.strict else None))
         errors = {r: h.error for r, h in enumerate(everyone) if h.error}
         if errors:
             self._raise_for(errors, uri, "before reading")
+        self.batch_cap = batch_cap(self.budget.nbytes, [h.room for h in everyone if h.room is not None])
         plans = self._plan_groups(mine, summary, everyone, pg_ranks, direct)
         store = NamingStore(st)
         if direct:
             try:
-                fill_boxes(store, prefix, m, direct, stats)  # type: ignore[arg-type]
+                fill_boxes(store, prefix, m, direct, stats, memory=self.memory)  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 self._fail(e, sorted({t.key for t in direct}), store)
         for plan in plans:
@@ -299,7 +321,7 @@ class CollectiveReader:
                 device = torch.device("cuda", torch.cuda.current_device())
             if strategy == ReadStrategy.AUTO:
                 nbytes = summary[g].nbytes
-                strategy = self.model.choose(len(g), nbytes, max(1, -(-nbytes // self.budget.nbytes)),
+                strategy = self.model.choose(len(g), nbytes, max(1, -(-nbytes // self.batch_cap)),
                                              "nccl" if device.type == "cuda" else "gloo", len(its))
             if strategy == ReadStrategy.DIRECT:
                 direct.extend(FillTarget(it.key, it.box, d) for it in its for d in it.dests)
@@ -322,13 +344,28 @@ class CollectiveReader:
         """The batches of one replica group; every member runs the same sequence of collectives."""
         k = len(plan.group.ranks)
         sizes = [it.size() for it in plan.items]
-        cap = self.budget.nbytes
+        cap = self.batch_cap
         with torch.no_grad():  # destinations may be parameters that require grad
             # a share may end up to this far from 1/k to avoid splitting a tensor (see split_shares)
             snap = min(1 << 20, cap // (4 * k))
             for batch in plan_group(sizes, k, plan.strategy, cap, SOLO_BYTES, snap):
-                if not self._batch(plan, batch, store, prefix, m, stats):
-                    return  # a member failed: the group stops here (each member saw the same statuses)
+                # sized from what every rank had left: recorded, never refused on one rank alone
+                with self.memory.hold(self._batch_bytes(plan, batch), "a collective batch", sized=True):
+                    if not self._batch(plan, batch, store, prefix, m, stats):
+                        return  # a member failed: the group stops here (each member saw the same statuses)
+
+    @staticmethod
+    def _batch_bytes(plan: GroupPlan, batch: Batch) -> int:
+        """The buffers :meth:`_batch` makes: the packed slots, and a temporary for each solo
+        piece whose destination cannot take it in place."""
+        k = len(plan.group.ranks)
+        n = k * batch.slot if batch.reader is None else batch.slot
+        for p in batch.pieces:
+            if p.solo:
+                it = plan.items[p.item]
+                if not _usable_in_place(it.rows(it.dest, p.lo, p.hi), plan.device):
+                    n += p.nbytes
+        return n
 
     def _batch(self, plan: GroupPlan, batch: Batch, store: NamingStore, prefix: str, m: Manifest,
                stats: IOStats) -> bool:
@@ -358,7 +395,7 @@ class CollectiveReader:
                 reads.append(FillTarget(it.key, rows_of(it.box, p.lo, p.hi), view))
         if reads and self._error is None:
             try:
-                fill_boxes(store, prefix, m, reads, stats)  # type: ignore[arg-type]
+                fill_boxes(store, prefix, m, reads, stats, memory=self.memory)  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - travels in the status byte, reported at the end
                 self._fail(e, sorted({t.key for t in reads}), store)
         mine[0] = 0 if self._error is None else 1

@@ -30,15 +30,13 @@ import torch
 from ..runtime import loop as _runtime
 from ..checksum import CellCrcs, crc32c, crc32c_combine
 from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
-from ..runtime.memory import Budget, host_pool, side_stream
+from ..runtime.memory import RING_BYTES, RING_SLOT_BYTES, Budget, HostPool, OperationBudget, host_pool, side_stream
 from ..results import IOStats
 from ..storage.base import ObjectStore
 
 #: bytes per segment: one ranged GET each, the piece size host loads split large spans into
-SLOT_BYTES = 8 << 20
-#: host memory the ring holds at most: 32 slots, the S3 store's default concurrency
-#: (fewer slots would cap the GETs in flight below what a host load keeps)
-RING_BYTES = 256 << 20
+#: (the ring's host memory at most is ``RING_BYTES``, both named in :mod:`objckpt.runtime.memory`)
+SLOT_BYTES = RING_SLOT_BYTES
 
 
 @dataclass(frozen=True)
@@ -183,12 +181,16 @@ def _check(r: DeviceRead, crcs: list[tuple[int, int]]) -> None:
 
 async def stream_reads(store: ObjectStore, reads: Sequence[DeviceRead], stats: IOStats, *,
                        streams: Optional[dict[int, Any]] = None, slot_bytes: Optional[int] = None,
-                       ring_bytes: Optional[int] = None) -> None:
+                       ring_bytes: Optional[int] = None, memory: Optional[OperationBudget] = None) -> None:
     """Fetch every read through the ring and copy it into place; raise naming the tensor
     on a missing blob or a crc mismatch.  ``streams``: :func:`caller_streams`, taken on
-    the caller's thread."""
+    the caller's thread.  ``memory``: the load's budget; the ring takes at most what is
+    left of it (fewer or smaller slots) and holds that until its last copy is done."""
     slot_bytes = SLOT_BYTES if slot_bytes is None else slot_bytes
     ring_bytes = RING_BYTES if ring_bytes is None else ring_bytes
+    if memory is not None:
+        ring_bytes = memory.share(ring_bytes).nbytes
+        slot_bytes = min(slot_bytes, ring_bytes)
     segs = segments(reads, slot_bytes)
     for r in reads:  # nothing to fetch: an empty chunk's crc is that of no bytes
         if r.dest.numel() == 0 and r.crc is not None:
@@ -198,7 +200,18 @@ async def stream_reads(store: ObjectStore, reads: Sequence[DeviceRead], stats: I
     slot = max(s.length for s in segs)
     nslots = max(1, min(Budget(ring_bytes).slots(slot), store.concurrency, len(segs)))
     pool, budget = host_pool(), Budget(nslots * slot)
-    bufs = [pool.take(slot, budget) for _ in range(nslots)]
+    if memory is not None:
+        memory.draw(nslots * slot, f"the device ring ({nslots} slot(s) of {slot} bytes)")
+    try:
+        await _ring(store, reads, stats, segs, streams, pool, [pool.take(slot, budget) for _ in range(nslots)])
+    finally:
+        if memory is not None:
+            memory.release(nslots * slot)
+
+
+async def _ring(store: ObjectStore, reads: Sequence[DeviceRead], stats: IOStats, segs: list[Segment],
+                streams: Optional[dict[int, Any]], pool: HostPool, bufs: list[torch.Tensor]) -> None:
+    """The ring itself: ``bufs`` (from ``pool``, given back at the end) carry ``segs``."""
     free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
     for buf in bufs:
         free.put_nowait(buf)

@@ -21,7 +21,7 @@ from ..runtime import loop as _runtime
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Manifest
 from ..layout import Resolver, resolver_for
-from ..runtime.memory import Budget, host_bytes, plain_host
+from ..runtime.memory import LOAD_TEMP_BYTES, Budget, OperationBudget, host_bytes, plain_host
 from ..planning.boxes import Box
 from ..planning.read_plan import ReadBatch, ReadPlan, ReadTarget, plan_reads
 from ..results import IOStats
@@ -29,8 +29,8 @@ from ..storage import ObjectStore
 from .device_stream import DeviceRead, caller_streams, device_bytes, stream_reads
 from .ranged_get import RangeRead, chunk_checks, read_ranges
 
-#: temporaries a load holds at once, by default
-TEMP_BUDGET = Budget(256 << 20)
+#: temporaries a load holds at once, by default (:data:`~objckpt.runtime.memory.LOAD_TEMP_BYTES`)
+TEMP_BUDGET = Budget(LOAD_TEMP_BYTES)
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,19 @@ def plan_fill(m: Manifest, resolver: Resolver, targets: Sequence[FillTarget], bu
 
 
 def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], batch: ReadBatch,
-               stats: IOStats, verify: bool) -> None:
+               stats: IOStats, verify: bool, memory: Optional[OperationBudget] = None) -> None:
+    """One batch, its temporaries held in ``memory`` (the load's budget) while it runs."""
+    if memory is None:
+        _run_batch_held(st, prefix, m, targets, batch, stats, verify, None)
+        return
+    temps = sum(s.piece.hi - s.piece.lo for s in batch.staged)
+    with memory.hold(temps, f"read temporaries of {len(batch.staged)} piece(s) of "
+                            f"{sorted({targets[s.target].key for s in batch.staged})[:3]}"):
+        _run_batch_held(st, prefix, m, targets, batch, stats, verify, memory)
+
+
+def _run_batch_held(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], batch: ReadBatch,
+                    stats: IOStats, verify: bool, memory: Optional[OperationBudget]) -> None:
     reads: list[RangeRead] = []
     ring: list[DeviceRead] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, source view)
@@ -108,7 +120,7 @@ def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[Fill
             copies.append((t.dest[tuple(slice(o - d, o - d + n) for o, d, n in zip(i_off, d_off, i_shape))], src))
     if reads or ring:
         with stats.timings.timed("fetch"):
-            _runtime.run(_fetch(st, reads, ring, stats, caller_streams(ring)))
+            _runtime.run(_fetch(st, reads, ring, stats, caller_streams(ring), memory))
     with torch.no_grad(), stats.timings.timed("fill"):
         for dst, src in copies:
             dst.copy_(src, non_blocking=dst.is_cuda)
@@ -117,28 +129,31 @@ def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[Fill
 
 
 async def _fetch(st: ObjectStore, reads: Sequence[RangeRead], ring: Sequence[DeviceRead], stats: IOStats,
-                 streams: dict) -> None:
+                 streams: dict, memory: Optional[OperationBudget] = None) -> None:
     """Host reads and device reads at the same time (each bounded by the store's concurrency)."""
     tasks = []
     if reads:
         tasks.append(asyncio.ensure_future(read_ranges(st, reads, stats)))
     if ring:
-        tasks.append(asyncio.ensure_future(stream_reads(st, ring, stats, streams=streams)))
+        tasks.append(asyncio.ensure_future(stream_reads(st, ring, stats, streams=streams, memory=memory)))
     await _runtime.gather_fail_fast(tasks)
 
 
 def run_plan(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], plan: ReadPlan,
-             stats: IOStats, verify: bool = True) -> None:
+             stats: IOStats, verify: bool = True, memory: Optional[OperationBudget] = None) -> None:
     """Execute ``plan``: each batch's temporaries are copied out and freed before the next."""
     for batch in plan.batches:
-        _run_batch(st, prefix, m, targets, batch, stats, verify)
+        _run_batch(st, prefix, m, targets, batch, stats, verify, memory)
 
 
 def fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], stats: IOStats,
-               verify: bool = True, budget: Budget = TEMP_BUDGET, resolver: Optional[Resolver] = None) -> None:
-    """Fill every target: resolve which chunks it needs, plan, execute."""
+               verify: bool = True, budget: Budget = TEMP_BUDGET, resolver: Optional[Resolver] = None,
+               memory: Optional[OperationBudget] = None) -> None:
+    """Fill every target: resolve which chunks it needs, plan, execute.  ``memory``: the
+    load's one budget; the temporaries then take at most ``budget`` of what is left of
+    it, and the device ring the rest, both held only while a batch runs."""
     resolver = resolver if resolver is not None else resolver_for(m, st, prefix)
     with stats.timings.timed("plan"):
         _runtime.run(resolver.prefetch(((t.key, t.box) for t in targets), stats))
-        plan = plan_fill(m, resolver, targets, budget, verify)
-    run_plan(st, prefix, m, targets, plan, stats, verify)
+        plan = plan_fill(m, resolver, targets, budget if memory is None else memory.share(budget.nbytes), verify)
+    run_plan(st, prefix, m, targets, plan, stats, verify, memory)

@@ -23,6 +23,7 @@ from ..format.tree import decode_tree, iter_leaves
 from ..logs import get_logger
 from ..options import LoadOptions
 from ..results import IOStats, LoadResult
+from ..runtime.memory import CAST_BATCH_BYTES
 from ..state import Slot, StatefulValue, create_optimizer_state, find_stateful, template_slots
 from ..storage import ObjectStore
 from .collective import CollectiveReader
@@ -71,10 +72,6 @@ class CastTarget:
         """A new temporary, and the fill targets that land in it."""
         temp = torch.empty(tuple(self.dest.shape), dtype=self.stored, device=self.dest.device)
         return temp, [FillTarget(self.key, box, local_view(temp, box, offs)) for box, offs in self.pieces]
-
-
-#: the most bytes of cast temporaries a (non-collective) load holds at once
-CAST_BATCH_BYTES = 256 << 20
 
 
 def cast_batches(casts: list[CastTarget], limit: Optional[int] = None) -> list[list[CastTarget]]:
@@ -259,12 +256,13 @@ def _fill_all(reader: CollectiveReader, st: ObjectStore, prefix: str, m: Manifes
 
     Ranks reading together fill once, every temporary at a time (each collective step
     must be taken by every rank alike).  A rank reading alone fills the tensors that need
-    no cast, then the cast ones in batches of :data:`CAST_BATCH_BYTES`, so converting a
-    whole state holds one batch of temporaries, not a second copy of the state."""
+    no cast, then the cast ones in batches of :data:`CAST_BATCH_BYTES` (or what is left of
+    the load's budget), so converting a whole state holds one batch of temporaries, not a
+    second copy of the state.  The temporaries are held in the load's budget while they live."""
     if reader.active or not match.casts:
         batches = [match.casts]
     else:
-        batches = [[]] + cast_batches(match.casts)
+        batches = [[]] + cast_batches(match.casts, reader.memory.share(CAST_BATCH_BYTES).nbytes)
     for i, batch in enumerate(batches):
         _fill_batch(reader, st, prefix, m, match, batch, i == 0, stats, uri)
 
@@ -276,16 +274,19 @@ def _fill_batch(reader: CollectiveReader, st: ObjectStore, prefix: str, m: Manif
     targets = list(match.targets) if first else []
     sources = list(match.sources) if first else []
     temps: list[torch.Tensor] = []
-    for c in batch:
-        temp, pieces = c.targets()
-        temps.append(temp)
-        targets += pieces
-        sources += [c.source] * len(pieces)
-    if targets or reader.active:
-        reader.fill(st, prefix, m, targets, sources, stats, uri)
-    with torch.no_grad():
-        for c, temp in zip(batch, temps):
-            c.dest.copy_(temp)
+    shown = ", ".join(repr(c.key) for c in batch[:3]) + (" ..." if len(batch) > 3 else "")
+    with reader.memory.hold(sum(c.nbytes for c in batch), f"the cast temporaries of {shown}"):
+        for c in batch:
+            temp, pieces = c.targets()
+            temps.append(temp)
+            targets += pieces
+            sources += [c.source] * len(pieces)
+        if targets or reader.active:
+            reader.fill(st, prefix, m, targets, sources, stats, uri)
+        with torch.no_grad():
+            for c, temp in zip(batch, temps):
+                c.dest.copy_(temp)
+        temps.clear()
 
 
 def _say_template_touched(e: ObjckptError, n_tensors: int) -> None:

@@ -1,32 +1,78 @@
-"""Host memory and copy streams: one budget mechanism, one pinned pool, one side stream per device.
+"""Host memory and copy streams: one budget per operation, one pinned pool, one side stream per device.
 
-Three places hold bytes that are not the caller's: upload staging (a part is
+Four places hold bytes that are not the caller's: upload staging (a part is
 copied, checksummed and uploaded from a host buffer), load temporaries
-(strided, partial or GPU destinations are read into a buffer, then copied),
-and collective-load batches (bytes in flight between ranks).  Each is bounded
-by a :class:`Budget`: staging runs at most ``slots`` parts at once, reads and
-collectives are cut into ``batches`` that fit.
+(strided, partial or cast destinations are read into a buffer, then copied),
+collective-load batches (bytes in flight between ranks) and the device ring
+(host slots that carry whole chunks into GPU memory).  Every operation gets
+one :class:`OperationBudget`, given once (``load(..., memory_bytes=...)``,
+``save(..., staging_bytes=...)``), and each of those parts draws from it: a
+part sizes itself from what is left (:meth:`OperationBudget.share`) and holds
+its bytes only while it uses them (:meth:`OperationBudget.hold`), so a load's
+cast temporaries, its collective batch, its read temporaries and its ring
+together stay within the one budget.  :class:`Budget` is the plain value the
+pure planners cut batches with.
 
 Staging buffers come from the process-wide :class:`HostPool` and are reused
-across saves, so a job checkpointing every N steps allocates (and pins) its
-staging memory once; when the last save asked for less, the surplus is freed
-once every buffer is back.  Buffers are pinned when CUDA is available (DMA-
+across operations, so a job checkpointing every N steps allocates (and pins)
+its staging memory once.  The pool's own cap on the idle buffers it keeps is
+set once, when the pool is made (``$OBJCKPT_HOST_POOL_BYTES``, else
+:data:`POOL_KEEP_BYTES`), and no caller changes it: a caller's budget bounds
+only what that caller takes.  Buffers are pinned when CUDA is available (DMA-
 direct device-to-host copies).  After ``fork`` the child starts empty:
 reusing pinned memory across fork can hand stale pages to the uploader.
+
+Every default size of the library's own buffers is named below, in one place.
 """
 from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
+
+from ..errors import MemoryBudgetError
+
+MiB = 1 << 20
+
+# --------------------------------------------------------------------------- named defaults
+
+#: a synchronous save's staging memory (``staging_bytes=None``; an async save stages its whole share)
+SAVE_STAGING_BYTES = 512 * MiB
+#: the DCP storage writer's staging memory
+DCP_STAGING_BYTES = 512 * MiB
+#: a load's read temporaries per batch (strided, partial or pinned-for-GPU destinations)
+LOAD_TEMP_BYTES = 256 * MiB
+#: a rank loading alone converts (``cast=True``) at most this many bytes of temporaries at a time
+CAST_BATCH_BYTES = 256 * MiB
+#: a collective load's batch (``load(..., collective_bytes=...)``)
+COLLECTIVE_BYTES = 256 * MiB
+#: the host ring that carries whole chunks into device memory: 32 slots, the S3 store's default
+#: concurrency (fewer slots would cap the GETs in flight below what a host load keeps)
+RING_BYTES = 256 * MiB
+#: bytes per ring slot: one ranged GET each
+RING_SLOT_BYTES = 8 * MiB
+#: everything a load holds at once by default (``memory_bytes=None``): each of its parts' defaults
+LOAD_MEMORY_BYTES = LOAD_TEMP_BYTES + CAST_BATCH_BYTES + COLLECTIVE_BYTES + RING_BYTES
+#: ``read()`` and open checkpoints: temporaries per batch
+READ_TEMP_BYTES = 64 * MiB
+#: ``copy`` / ``diff`` / ``verify``: parts or tensors held at once
+COPY_MEMORY_BYTES = 256 * MiB
+DIFF_MEMORY_BYTES = 256 * MiB
+#: the idle buffers the process-wide pool keeps for the next operation, at most: this share of
+#: physical memory (an async save's whole share stays pinned from one save to the next), or
+#: :data:`POOL_KEEP_BYTES` where the machine does not say; ``$OBJCKPT_HOST_POOL_BYTES`` overrides
+POOL_KEEP_FRACTION = 0.25
+POOL_KEEP_BYTES = 4096 * MiB
+POOL_KEEP_ENV = "OBJCKPT_HOST_POOL_BYTES"
 
 
 @dataclass(frozen=True)
 class Budget:
-    """A cap on the bytes one operation holds in its own buffers at a time."""
+    """A cap on bytes, as a value: what a planner cuts batches and counts slots with."""
 
     nbytes: int
 
@@ -53,6 +99,100 @@ class Budget:
         return out
 
 
+class OperationBudget:
+    """The bytes one operation (one load, one save) may hold in its own buffers at
+    once, given once and drawn from by every part of it.
+
+    ``name`` is what the caller called it (``"load memory_bytes=67108864"``), so an
+    error can name it.  ``strict``: a piece that does not fit in what is left is a
+    :class:`~objckpt.errors.MemoryBudgetError`; not strict (the defaults, where the
+    caller gave no budget): the piece is taken anyway, alone, as it always was (a
+    tensor larger than every default must still load), and :attr:`peak` shows it.
+    Thread-safe: the ring draws on the I/O thread, fills on the caller's."""
+
+    def __init__(self, nbytes: int, name: str, *, strict: bool = True) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"{name}: a memory budget must be positive, got {nbytes}")
+        self.nbytes, self.name, self.strict = nbytes, name, strict
+        self.held = 0
+        #: most bytes held at once
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"OperationBudget({self.name}, held={self.held}, peak={self.peak})"
+
+    @property
+    def value(self) -> Budget:
+        """The whole budget as a plain value (what a planner counts slots with)."""
+        return Budget(self.nbytes)
+
+    def room(self) -> int:
+        """Bytes not held now."""
+        with self._lock:
+            return max(self.nbytes - self.held, 0)
+
+    def share(self, want: int) -> Budget:
+        """A part's cap: ``want`` (its named default), or what is left when that is less
+        (at least one byte: a part that gets nothing takes its pieces one at a time, and
+        :meth:`hold` says when one of them cannot fit)."""
+        return Budget(max(min(want, self.room()), 1))
+
+    def draw(self, nbytes: int, what: str, *, sized: bool = False) -> None:
+        """Hold ``nbytes`` more for ``what`` (named in the error when they do not fit).
+        ``sized``: the part sized itself from :meth:`share` where every rank agreed on it
+        (a collective batch), so it is recorded, never refused: a refusal on one rank
+        alone would leave the others waiting in the collective."""
+        with self._lock:
+            if nbytes > 0 and self.held + nbytes > self.nbytes and self.strict and not sized:
+                raise MemoryBudgetError(
+                    f"{what} needs {nbytes} bytes, but only {max(self.nbytes - self.held, 0)} of the {self.name} "
+                    f"({self.nbytes} bytes) are left ({self.held} held by the operation's other buffers); "
+                    "give a larger budget")
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+    @contextmanager
+    def hold(self, nbytes: int, what: str, *, sized: bool = False) -> Iterator[None]:
+        """``nbytes`` held for ``what`` while the block runs (``sized``: see :meth:`draw`)."""
+        self.draw(nbytes, what, sized=sized)
+        try:
+            yield
+        finally:
+            self.release(nbytes)
+
+
+AnyBudget = Union[Budget, OperationBudget]
+
+
+def operation_budget(budget: AnyBudget, name: str) -> OperationBudget:
+    """``budget`` as an :class:`OperationBudget` (a plain :class:`Budget` becomes a
+    lenient one of its size, for callers that give only a value)."""
+    return budget if isinstance(budget, OperationBudget) else OperationBudget(budget.nbytes, name, strict=False)
+
+
+def load_budget(memory_bytes: Optional[int] = None, collective_bytes: int = COLLECTIVE_BYTES) -> OperationBudget:
+    """A load's one budget: ``memory_bytes`` when given (strict), else the sum of its
+    parts' defaults with ``collective_bytes`` for the collective batch (lenient: a
+    load that worked before still works).  Positive values are the options' to check;
+    here anything below one byte counts as one."""
+    if memory_bytes is not None:
+        return OperationBudget(max(memory_bytes, 1), f"load memory budget (memory_bytes={memory_bytes})")
+    total = LOAD_TEMP_BYTES + CAST_BATCH_BYTES + max(collective_bytes, 1) + RING_BYTES
+    return OperationBudget(total, f"load memory budget (default {total} bytes)", strict=False)
+
+
+def save_budget(staging_bytes: Optional[int], default: int = SAVE_STAGING_BYTES) -> OperationBudget:
+    """A save's one staging budget: ``staging_bytes``, else ``default``.  Lenient: a
+    part larger than the whole budget is staged alone, as it always was."""
+    n = staging_bytes if staging_bytes is not None else default
+    return OperationBudget(max(n, 1), f"save staging budget (staging_bytes={n})", strict=False)
+
+
 def plain_host(t: torch.Tensor) -> bool:
     """Whether ``t``'s own memory holds its values as stored bytes: contiguous,
     on the CPU, no lazy conjugate or negation bit (those would need a copy)."""
@@ -75,23 +215,45 @@ def want_pinned() -> bool:
         return False
 
 
-class HostPool:
-    """Reusable host buffers, lent against a :class:`Budget`."""
+def pool_keep_bytes() -> int:
+    """The pool's cap on idle buffers: ``$OBJCKPT_HOST_POOL_BYTES`` (bytes; 0 keeps none), else
+    :data:`POOL_KEEP_FRACTION` of physical memory.  Read once, when the pool is made."""
+    raw = os.environ.get(POOL_KEEP_ENV, "").strip()
+    if not raw:
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * POOL_KEEP_FRACTION)
+        except (AttributeError, ValueError, OSError):
+            return POOL_KEEP_BYTES
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"${POOL_KEEP_ENV} must be a number of bytes (0 or more), got {raw!r}")
+    return n
 
-    def __init__(self, *, pin: Optional[bool] = None) -> None:
+
+class HostPool:
+    """Reusable host buffers.
+
+    ``keep``: the most bytes the pool owns when nothing is lent (idle buffers for the
+    next operation), fixed when the pool is made.  A caller's :class:`Budget` bounds
+    only the buffers that caller is handed (never one larger than its budget); it does
+    not change what the pool keeps for everyone else."""
+
+    def __init__(self, *, pin: Optional[bool] = None, keep: Optional[int] = None) -> None:
         self.pin = want_pinned() if pin is None else pin
+        self.keep = pool_keep_bytes() if keep is None else keep
         self._free: list[torch.Tensor] = []
         self._lent = 0
-        self._keep = 0
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self.allocated = 0  # bytes owned by the pool (free + lent)
-        self.peak = 0  # most bytes owned at once since the last reset_peak()
+        self.allocated = 0  # bytes owned by the pool (free + lent): at most max(keep, lent + one buffer)
+        self.peak = 0  # most bytes lent at once (what its callers held) since the last reset_peak()
 
     def _alloc(self, size: int) -> torch.Tensor:
         t = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         self.allocated += size
-        self.peak = max(self.peak, self.allocated)
         return t
 
     def _drop_free(self, limit: int) -> None:
@@ -100,25 +262,24 @@ class HostPool:
         while self._free and self.allocated > limit:
             self.allocated -= self._free.pop(0).numel()
 
-    def take(self, size: int, budget: Budget) -> torch.Tensor:
-        """A buffer of at least ``size`` bytes; callers bound concurrency by ``budget.slots``."""
+    def take(self, size: int, budget: AnyBudget) -> torch.Tensor:
+        """A buffer of at least ``size`` bytes and at most the caller's ``budget`` (unless
+        ``size`` itself is larger); callers bound how many they hold by ``budget.slots``."""
         with self._lock:
             if os.getpid() != self._pid:  # forked: forget the parent's buffers
                 self._free, self.allocated, self._lent, self._pid = [], 0, 0, os.getpid()
-            self._keep = budget.nbytes
             best = None
-            for i, b in enumerate(self._free):  # the smallest idle buffer that fits, within the budget
+            for i, b in enumerate(self._free):  # the smallest idle buffer that fits, within the caller's budget
                 n = b.numel()
-                if size <= n <= budget.nbytes and (best is None or n < self._free[best].numel()):
+                if size <= n <= max(budget.nbytes, size) and (best is None or n < self._free[best].numel()):
                     best = i
             if best is not None:
                 buf = self._free.pop(best)
-                self._drop_free(budget.nbytes)  # idle buffers of an earlier, larger budget
-            else:  # free idle buffers rather than exceed the budget
-                self._drop_free(max(budget.nbytes - size, 0))
+            else:  # idle buffers that serve nobody now make room rather than grow the pool past its cap
+                self._drop_free(max(self.keep - size, 0))
                 buf = self._alloc(max(size, 1))
-            self.peak = max(self.peak, self.allocated)
             self._lent += buf.numel()
+            self.peak = max(self.peak, self._lent)
             return buf
 
     def give(self, buf: torch.Tensor) -> None:
@@ -127,8 +288,8 @@ class HostPool:
                 return
             self._lent -= buf.numel()
             self._free.append(buf)
-            if self._lent == 0:  # every buffer is back: keep only what the last budget allows
-                self._drop_free(self._keep)
+            if self._lent == 0:  # every buffer is back: keep what the pool's own cap allows
+                self._drop_free(self.keep)
 
     def reset_peak(self) -> None:
         """Start measuring the peak anew (counted from the next ``take``)."""

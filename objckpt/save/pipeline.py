@@ -32,7 +32,7 @@ from ..format import keys
 from ..format.spread import Placement, up_for
 from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
-from ..runtime.memory import Budget, HostPool
+from ..runtime.memory import AnyBudget, HostPool, save_budget
 from ..options import KeyScheme, SaveOptions
 from ..planning import crc_blocks
 from ..planning.pack import PackLimits, SavePlan
@@ -261,7 +261,7 @@ class UploadOutcome:
         return cls(RankOutcome(error=f"{what}{type(exc).__name__}: {exc}"), exc)
 
 
-async def upload(prep: Prepared, pool: HostPool, budget: Budget, *, zero_copy: bool,
+async def upload(prep: Prepared, pool: HostPool, budget: AnyBudget, *, zero_copy: bool,
                  on_staged: Optional[Callable[[], None]] = None, stream: Any = None) -> UploadOutcome:
     """Phase 2 (I/O loop): this rank's blobs, then its chunk records.
 
@@ -369,6 +369,6 @@ def save_now(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opt
     CPU tensors upload from their own memory (the caller waits, so they cannot
     change); everything else stages within ``opts.staging_bytes`` (512 MiB by default)."""
     prep = prepare(state, uri, st, prefix, comm, opts)
-    budget = Budget(opts.staging_bytes if opts.staging_bytes is not None else 512 << 20)
+    budget = save_budget(opts.staging_bytes)  # the save's one staging budget (SAVE_STAGING_BYTES by default)
     outcome = _runtime.run(upload(prep, pool, budget, zero_copy=True))
     return finish(prep, comm, outcome)

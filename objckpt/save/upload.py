@@ -20,7 +20,7 @@ import torch
 
 from ..runtime import loop as _runtime
 from ..checksum import block_crcs, crc32c, crc32c_combine
-from ..runtime.memory import Budget, HostPool, host_bytes, plain_host
+from ..runtime.memory import AnyBudget, Budget, HostPool, host_bytes, operation_budget, plain_host
 from ..planning.pack import ChunkPlan, PartPlan, SavePlan
 from ..results import IOStats
 from ..storage.base import BlobWriter, ObjectStore
@@ -147,7 +147,7 @@ async def write_plan(
     plan: SavePlan,
     tensors: Mapping[str, torch.Tensor],
     pool: HostPool,
-    budget: Budget,
+    budget: AnyBudget,
     stats: IOStats,
     *,
     zero_copy: bool = True,
@@ -162,16 +162,19 @@ async def write_plan(
     upload ends, so the bytes cannot change under us.  Everything else (GPU
     tensors, strided views, and every part of an async save) is staged through
     the host pool: a buffer is taken, filled, checksummed, uploaded, given
-    back.  Staging runs ahead of uploads as far as ``budget`` allows;
-    ``on_staged`` is called once every part has been staged (from then on the
-    caller's tensors are no longer read).
+    back.  Staging runs ahead of uploads as far as ``budget`` allows (the save's
+    one staging budget: its slots of the largest part, each buffer at most that
+    part, held in the budget while it is out); ``on_staged`` is called once every
+    part has been staged (from then on the caller's tensors are no longer read).
     """
+    memory = operation_budget(budget, "save staging budget")
     crcs: dict[ChunkPlan, ChunkCrc] = {}
     writers: dict[int, BlobWriter] = {}
     remaining: dict[int, int] = {}
     completed: list[int] = []
     max_part = max(plan.max_part, 1)
-    buffers = asyncio.Semaphore(budget.slots(max_part))
+    slot = Budget(max_part)  # no buffer larger than the largest part: slots x slot stays within the budget
+    buffers = asyncio.Semaphore(memory.value.slots(max_part))
     uploads = asyncio.Semaphore(store.concurrency)
     parts = [p for b in plan.blobs for p in b.parts]
     to_stage = [0]
@@ -212,7 +215,8 @@ async def write_plan(
 
     async def staged(part: PartPlan) -> None:
         async with buffers:
-            buf = pool.take(part.size, budget)
+            buf = pool.take(part.size, slot)
+            memory.draw(buf.numel(), "a staging buffer")
             try:
                 if stream is not None:
                     # device copies are queued from one thread at a time: measured on an
@@ -236,6 +240,7 @@ async def write_plan(
                                                               crc32c=part_crc(part, found))
                 stats.add(part.size)
             finally:
+                memory.release(buf.numel())
                 pool.give(buf)
 
     if zero_copy:
@@ -244,7 +249,7 @@ async def write_plan(
         to_stage[0] = len(parts)
     # With a waiting caller (on_staged) and room for every staged part, uploads start
     # only once staging is done: on a busy host they would otherwise slow the copy.
-    hold_uploads = on_staged is not None and to_stage[0] <= budget.slots(max_part)
+    hold_uploads = on_staged is not None and to_stage[0] <= memory.value.slots(max_part)
     if to_stage[0] == 0:
         all_staged.set()
         if on_staged is not None:
