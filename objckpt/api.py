@@ -17,14 +17,13 @@ from .format.manifest import Manifest
 from .load.collective import CollectiveReader
 from .load.pipeline import load_into
 from .load.session import ReadSession, open_location
-from .runtime.memory import Budget, host_pool, load_budget
+from .runtime.memory import COLLECTIVE_BYTES, Budget, host_pool, load_budget
 from .options import LoadOptions, ReadStrategy, ReadStrategyName, SaveArgs, split_save_args
 from .results import LoadResult, SaveResult
 from .save.background import SaveHandle, start_save
 from .save.pipeline import save_now
 from .runtime import loop as _runtime
 from .storage import ObjectStore
-from .units import MiB
 
 __all__ = ["save", "async_save", "load", "read", "inspect", "delete", "SaveResult", "LoadResult", "SaveHandle"]
 
@@ -155,7 +154,7 @@ def load(
     process_group: Any = None,
     store: Optional[ObjectStore] = None,
     read_strategy: "ReadStrategyName | ReadStrategy" = "auto",
-    collective_bytes: int = 256 * MiB,
+    collective_bytes: int = COLLECTIVE_BYTES,
     no_dist: bool = False,
     collective_timeout: Optional[float] = None,
     cast: bool = False,

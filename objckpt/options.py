@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 
 from typing_extensions import TypedDict
 
-from .units import MiB
+from .runtime.memory import COLLECTIVE_BYTES
 
 #: the words that turn a switch (an environment variable, a string option) on or off,
 #: in any case and with spaces around; one list for every switch of the library
@@ -143,7 +143,7 @@ class LoadOptions:
     strict: bool = True
     allow_pickle: bool = False
     read_strategy: ReadStrategy = ReadStrategy.AUTO
-    collective_bytes: int = 256 * MiB
+    collective_bytes: int = COLLECTIVE_BYTES
     #: this rank alone: no collectives even in a process group (e.g. a load on rank 0 only)
     no_dist: bool = False
     #: seconds to wait for the other ranks to join (None: $OBJCKPT_COLLECTIVE_TIMEOUT, else 600)

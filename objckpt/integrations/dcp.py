@@ -45,7 +45,7 @@ from ..results import IOStats
 from ..save.source import (PackSizes, SourcePiece, SourceTarget, abandon_pieces, commit_pieces, crc_block_for,
                            refuse_existing, upload_pieces)
 from ..storage import ObjectStore, split_uri
-from ..units import MiB
+from ..runtime.memory import DCP_STAGING_BYTES
 from .dcp_tree import META_KEY, DcpView, TensorRef, dcp_view, plain_value, tree_from_flat, value_bytes
 from ..load.session import ReadSession, open_location
 
@@ -137,7 +137,7 @@ class StorageWriter(_AtUri, dstore.StorageWriter):
     def __init__(self, uri: Optional[str | os.PathLike] = None, *,
                  storage_options: Optional[dict[str, Any]] = None, overwrite: bool = False,
                  metadata: Optional[dict[str, Any]] = None, blob_size: Optional[int] = None,
-                 part_size: Optional[int] = None, crc_block: Optional[int] = None, staging_bytes: int = 512 * MiB,
+                 part_size: Optional[int] = None, crc_block: Optional[int] = None, staging_bytes: int = DCP_STAGING_BYTES,
                  store: Optional[ObjectStore] = None) -> None:
         super().__init__()
         self.uri: Optional[str] = os.fspath(uri) if uri is not None else None

@@ -42,7 +42,7 @@ from ..logs import get_logger
 from ..planning.boxes import whole
 from ..results import IOStats
 from ..runtime import loop as _runtime
-from ..runtime.memory import Budget
+from ..runtime.memory import READ_TEMP_BYTES, Budget
 from ..storage import ObjectStore, open_store, split_uri
 from .fill import FillTarget, fill_boxes
 
@@ -55,7 +55,7 @@ REPLACED_RETRIES = 3
 
 #: temporaries one piece-by-piece fill may hold (pieces that cannot land in place): small,
 #: so a converter's memory stays near one tensor
-FILL_BUDGET = Budget(64 << 20)
+FILL_BUDGET = Budget(READ_TEMP_BYTES)
 
 
 def open_location(uri: str, storage_options: Optional[dict[str, Any]] = None,

@@ -37,6 +37,7 @@ from ..load.session import ReadSession, open_location
 from ..logs import get_logger
 from ..save.commit import replaced_keys
 from ..storage import BlobWriter, ObjectStore
+from ..runtime.memory import COPY_MEMORY_BYTES
 from ..units import MiB
 
 log = get_logger("objckpt.copy")
@@ -44,7 +45,7 @@ log = get_logger("objckpt.copy")
 #: bytes of one ranged GET / one part written at DST (raised to the DST's minimum part size)
 PART_SIZE = 16 * MiB
 #: parts held in memory at once, in bytes
-MEMORY_BYTES = 256 * MiB
+MEMORY_BYTES = COPY_MEMORY_BYTES
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,11 @@ import torch
 from ..format.manifest import Manifest, TensorEntry
 from ..format.tree import iter_leaves
 from ..load.session import ReadSession, stored_key
-from ..runtime.memory import Budget
+from ..runtime.memory import DIFF_MEMORY_BYTES, Budget
 from ..storage import ObjectStore
-from ..units import MiB
 
 #: bytes of tensors read from each side at once when bytes must be compared
-MEMORY_BYTES = 256 * MiB
+MEMORY_BYTES = DIFF_MEMORY_BYTES
 
 
 @dataclass
