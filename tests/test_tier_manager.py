@@ -54,8 +54,9 @@ def _manager(rank: int, root: str, local: str, opts: dict[str, Any], **kw: Any) 
     return objckpt.CheckpointManager(root, **args)
 
 
-def _save_steps(rank: int, world: int, root: str, local: str, opts: dict[str, Any], steps: list[int]) -> Any:
-    with _manager(rank, root, local, opts) as m:
+def _save_steps(rank: int, world: int, root: str, local: str, opts: dict[str, Any], steps: list[int],
+                async_save: bool = False) -> Any:
+    with _manager(rank, root, local, opts, async_save=async_save) as m:
         for s in steps:
             m.save(s, _state(rank, world, s))
         m.wait()
@@ -75,7 +76,8 @@ def test_save_commits_locally_replicates_drains_every_second_step_and_restores_f
         tmp_path: Path, moto_s3: tuple[str, dict[str, Any]]) -> None:
     bucket, opts = moto_s3
     root, local = f"s3://{bucket}/run", str(tmp_path / "{node}" / "ckpt")
-    assert run_multiprocess(2, _save_steps, root, local, opts, [1, 2, 3, 4]) == [[2, 4], [2, 4]]
+    # async: save() returns once staged; the local commit, replication and drains follow in the background
+    assert run_multiprocess(2, _save_steps, root, local, opts, [1, 2, 3, 4], True) == [[2, 4], [2, 4]]
     for node in ("n0", "n1"):  # local_keep=2 per node; each folder is a whole checkpoint (its own + the peer's copy)
         d = tmp_path / node / "ckpt"
         assert sorted(os.listdir(d)) == ["step-0000000003", "step-0000000004"]
@@ -250,6 +252,9 @@ def test_a_rank_killed_while_replicating_leaves_the_previous_replicated_step_res
     shutil.rmtree(tmp_path / "n1")  # and its node is lost: step 4's rank-1 share is gone everywhere
     got = run_multiprocess(2, _restore_no_drain, root, local)
     assert got == [(2, "local"), (2, "peer")]
+    # step 4 could not be restored (rank 1's share died with n1): its remains are gone, so the
+    # training can save step 4 again
+    assert sorted(os.listdir(tmp_path / "n0" / "ckpt")) == ["step-0000000002"]
 
 
 def _restore_no_drain(rank: int, world: int, root: str, local: str) -> Any:

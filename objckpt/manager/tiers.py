@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..api import async_save as _async_save
 from ..api import load as _load
 from ..api import save as _save
 from ..distributed.comm import Comm
@@ -24,6 +25,7 @@ from ..errors import CheckpointExistsError
 from ..format import manifest as _manifest
 from ..format import keys
 from ..results import LoadResult
+from ..save.background import SaveHandle
 from ..storage.local import LocalStore
 from ..tier import local as _local
 from ..tier import restore as _restore
@@ -147,16 +149,24 @@ class TieredSaves:
             cls = CheckpointExistsError if all("already committed" in p for p in bad.values()) else LocalTierError
             raise cls(f"step {step} not saved, nothing written ({shown})")
         saved_at = self.m.clock()
-        _save(state, str(d), store=LocalStore("/", direct=self.s.direct), metadata=md, overwrite=False,
-              process_group=self.m.process_group, no_dist=self.m.no_dist)
-        _local.spread_metadata(self.comm, d, list(self.topology.nodes), self.comm.rank)
+        store = LocalStore("/", direct=self.s.direct)
+        handle: Optional[SaveHandle] = None
+        if self.m.async_save:  # the stall is the staging copy; the local commit follows in the background
+            self.wait()  # one save in flight, as the manager's async saves
+            handle = _async_save(state, str(d), store=store, metadata=md, overwrite=False, max_in_flight=1,
+                                 process_group=self.m.process_group, no_dist=self.m.no_dist)
+        else:
+            _save(state, str(d), store=store, metadata=md, overwrite=False,
+                  process_group=self.m.process_group, no_dist=self.m.no_dist)
+            _local.spread_metadata(self.comm, d, list(self.topology.nodes), self.comm.rank)
         commit_s = time.perf_counter() - t0
         self._saves += 1
         self.m._learn(step, md, saved_at)
         due = self._drain_due()
+        if handle is None:
+            self.commits.append(commit_s)
         self._pending = [f for f in self._pending if not f.done()] + [
-            self._pool.submit(self._after_commit, step, md, saved_at, due)]
-        self.commits.append(commit_s)
+            self._pool.submit(self._after_commit, step, md, saved_at, due, handle, t0)]
         self.stalls.append(time.perf_counter() - t0)
 
     def _drain_due(self) -> bool:
@@ -173,10 +183,16 @@ class TieredSaves:
             self._last_drain = time.monotonic()
         return due
 
-    def _after_commit(self, step: int, md: dict[str, Any], saved_at: float, due: bool) -> None:
-        """Background, in save order on every rank: replicate, drain, index, local retention."""
+    def _after_commit(self, step: int, md: dict[str, Any], saved_at: float, due: bool,
+                      handle: Optional[SaveHandle] = None, t0: float = 0.0) -> None:
+        """Background, in save order on every rank: (an async save's local commit and the
+        metadata for every node), replicate, drain, index, local retention."""
         d = self.step_dir(step)
         try:
+            if handle is not None:
+                handle.result()  # raises on every rank alike when the local save failed
+                _local.spread_metadata(self.bg, d, list(self.topology.nodes), self.comm.rank)
+                self.commits.append(time.perf_counter() - t0)  # from the call to the local commit
             m = _manifest.decode((d / keys.MANIFEST_NAME).read_bytes(), str(d))
             mine = _local.files_of(m, self.comm.rank)
             if self.s.replicas:
@@ -263,10 +279,24 @@ class TieredSaves:
         if len(set(sources)) > 1:
             kw["read_strategy"] = "direct"  # the same bytes, but from different places per rank
         res = _load(state, uri, **kw)
+        if step is None:
+            self._drop_newer(plan.step)
         res.step = plan.step
         res.source = src
         res.tiers = {r: s for r, s in enumerate(sources)}
         return res
+
+    def _drop_newer(self, restored: int) -> None:
+        """After restoring the newest step every rank could get, local steps newer than it are
+        incomplete leftovers of the run before (a share lost with its node): the training
+        will save those step numbers again, so each node's first rank removes them."""
+        if not self.first_on_node:
+            return
+        for s in sorted(_local.scan(self.root, self.m.naming.parse)):
+            if s > restored:
+                log.warning("objckpt: local step %d under %s is not complete in any tier (restored step %d): "
+                            "removed", s, self.root, restored)
+                _local.delete_step(self.step_dir(s))
 
     def advice(self) -> Advice:
         if self.failure_rate is None:
