@@ -152,3 +152,37 @@ def test_collective_batch_and_cast_temporaries_share_one_budget(tmp_path: Any) -
     for out in run_multiprocess(2, load_collective_in_budget, uri, budget, timeout=120):
         assert out["ok"] and "broadcast" in out["strategy"], out
         assert 0 < out["peak"] <= budget and out["held"] == 0, out
+
+
+def test_device_ring_takes_what_is_left_of_the_load_budget(tmp_path: Any) -> None:
+    """The ring (CPU destinations: the same code as GPU ones, the copy engine aside) sizes its
+    slots from what the rest of the load left of the budget, and holds them only while it runs."""
+    from objckpt.load.device_stream import DeviceRead, stream_reads
+    from objckpt.results import IOStats
+    from objckpt.runtime import loop
+    from objckpt.storage import open_store
+
+    st, prefix = open_store(str(tmp_path / "ring"))
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    key = f"{prefix}/blob"
+    loop.run(st.put(key, memoryview(data.numpy())))
+    for other in (0, 120 * KiB, 150 * KiB):  # bytes the load's other parts hold meanwhile
+        budget = OperationBudget(200 * KiB, "test budget")
+        budget.draw(other, "another part")
+        dest = torch.zeros(1 << 20, dtype=torch.uint8)
+        reads = [DeviceRead("t", key, a, dest[a:b], crc32c_of(data[a:b]), "chunk")
+                 for a, b in ((0, 300_000), (300_000, 700_000), (700_000, 1 << 20))]
+        if other == 150 * KiB:  # 50 KiB left: less than the smallest slot (64 KiB), not a thousand tiny GETs
+            with pytest.raises(MemoryBudgetError, match=r"device ring.*test budget"):
+                loop.run(stream_reads(st, reads, IOStats(), slot_bytes=64 * KiB, memory=budget))
+            assert budget.held == other
+            continue
+        loop.run(stream_reads(st, reads, IOStats(), slot_bytes=64 * KiB, memory=budget))
+        assert torch.equal(dest, data)
+        assert other < budget.peak <= budget.nbytes and budget.held == other, (other, budget)
+
+
+def crc32c_of(t: torch.Tensor) -> int:
+    from objckpt.checksum import crc32c
+
+    return crc32c(memoryview(t.numpy()))

@@ -37,6 +37,8 @@ from ..storage.base import ObjectStore
 #: bytes per segment: one ranged GET each, the piece size host loads split large spans into
 #: (the ring's host memory at most is ``RING_BYTES``, both named in :mod:`objckpt.runtime.memory`)
 SLOT_BYTES = RING_SLOT_BYTES
+#: the smallest slot a load's budget may shrink the ring to
+MIN_SLOT_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -188,9 +190,9 @@ async def stream_reads(store: ObjectStore, reads: Sequence[DeviceRead], stats: I
     left of it (fewer or smaller slots) and holds that until its last copy is done."""
     slot_bytes = SLOT_BYTES if slot_bytes is None else slot_bytes
     ring_bytes = RING_BYTES if ring_bytes is None else ring_bytes
-    if memory is not None:
+    if memory is not None:  # not below MIN_SLOT_BYTES: less left is an error naming the budget, not tiny GETs
         ring_bytes = memory.share(ring_bytes).nbytes
-        slot_bytes = min(slot_bytes, ring_bytes)
+        slot_bytes = min(slot_bytes, max(ring_bytes, MIN_SLOT_BYTES))
     segs = segments(reads, slot_bytes)
     for r in reads:  # nothing to fetch: an empty chunk's crc is that of no bytes
         if r.dest.numel() == 0 and r.crc is not None:
