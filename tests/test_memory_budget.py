@@ -186,3 +186,21 @@ def crc32c_of(t: torch.Tensor) -> int:
     from objckpt.checksum import crc32c
 
     return crc32c(memoryview(t.numpy()))
+
+
+def load_over_budget(rank: int, world: int, uri: str) -> str:
+    """Rank 1's cast temporary cannot fit; rank 0's load fits, yet both must stop alike."""
+    dtype = torch.bfloat16 if rank == 1 else torch.float32
+    try:
+        objckpt.load({"w": torch.zeros(512, 512, dtype=dtype)}, uri, read_strategy="broadcast", cast=True,
+                     memory_bytes=768 * KiB)
+    except MemoryBudgetError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_piece_that_cannot_fit_on_one_rank_stops_every_rank(tmp_path: Any) -> None:
+    uri = str(tmp_path / "ck")
+    objckpt.save({"w": torch.randn(512, 512)}, uri)  # 1 MiB stored as float32
+    errors = run_multiprocess(2, load_over_budget, uri, timeout=120)
+    assert all("memory_bytes=786432" in e for e in errors), errors
