@@ -5,8 +5,9 @@
 
 Measures, in one run (ratios within the run):
 
-* **stall**: ``CheckpointManager(local_dir=/dev/shm/..., replicas=0, persist_every=None).save``
-  (the local commit the training waits for), ``objckpt.async_save`` to object storage (the
+* **stall**: ``CheckpointManager(local_dir=/dev/shm/..., replicas=0, persist_every=None).save``,
+  synchronous (the local commit the training waits for) and with ``async_save=True`` (the
+  staging copy; the local commit follows in the background), ``objckpt.async_save`` to object storage (the
   in-memory S3 server of testkit/, in this process) until it returns, and a memcpy of the
   share into pre-touched host tensors;
 * **restore**: ``CheckpointManager.load`` from the local tier into pre-touched tensors, against
@@ -127,6 +128,19 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
     boto3.client("s3", **opts).create_bucket(Bucket="bench")
     shm = tempfile.mkdtemp(prefix="objckpt-bench-tier-", dir="/dev/shm")
     try:
+        tiered: dict[bool, list[float]] = {}
+        for mode in (False, True):
+            m = objckpt.CheckpointManager(f"s3://bench/tiered{int(mode)}", storage_options=opts, local_dir=shm,
+                                          replicas=0, persist_every=None, local_keep=2, async_save=mode)
+            tiered[mode] = []
+            for step in range(1, repeat + 2):
+                t0 = time.perf_counter()
+                m.save(step, state)
+                tiered[mode].append(time.perf_counter() - t0)
+                m.wait()  # untimed: the next save starts from a committed one
+            m.close()
+            for name in os.listdir(shm):
+                shutil.rmtree(os.path.join(shm, name))
         asyncs = []
         for i in range(repeat + 1):
             t0 = time.perf_counter()
@@ -135,11 +149,7 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
             h.result()
         m = objckpt.CheckpointManager("s3://bench/tiered", storage_options=opts, local_dir=shm, replicas=0,
                                       persist_every=None, local_keep=2)
-        tiered = []
-        for step in range(1, repeat + 2):
-            t0 = time.perf_counter()
-            m.save(step, state)
-            tiered.append(time.perf_counter() - t0)
+        m.save(1, state)
         restores = []
         for _ in range(repeat):
             dst2 = touched_like(state)
@@ -152,9 +162,10 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
         shutil.rmtree(shm, ignore_errors=True)
         server.stop()
     mc = statistics.median(copies)
-    return {"memcpy_s": mc, "tiered_stall_s": statistics.median(tiered[1:]),
+    sync, asy = statistics.median(tiered[False][1:]), statistics.median(tiered[True][1:])
+    return {"memcpy_s": mc, "tiered_sync_stall_s": sync, "tiered_async_stall_s": asy,
             "s3_async_stall_s": statistics.median(asyncs[1:]), "local_restore_s": statistics.median(restores),
-            "tiered_over_memcpy": statistics.median(tiered[1:]) / mc,
+            "tiered_sync_over_memcpy": sync / mc, "tiered_async_over_memcpy": asy / mc,
             "s3_async_over_memcpy": statistics.median(asyncs[1:]) / mc,
             "local_restore_over_memcpy": statistics.median(restores) / mc}
 
