@@ -35,8 +35,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from ..errors import MemoryBudgetError
-
-MiB = 1 << 20
+from ..units import MiB
 
 # --------------------------------------------------------------------------- named defaults
 
@@ -103,7 +102,7 @@ class OperationBudget:
     """The bytes one operation (one load, one save) may hold in its own buffers at
     once, given once and drawn from by every part of it.
 
-    ``name`` is what the caller called it (``"load memory_bytes=67108864"``), so an
+    ``name`` says which budget it is (``"load memory budget (memory_bytes=67108864)"``), so an
     error can name it.  ``strict``: a piece that does not fit in what is left is a
     :class:`~objckpt.errors.MemoryBudgetError`; not strict (the defaults, where the
     caller gave no budget): the piece is taken anyway, alone, as it always was (a
