@@ -191,7 +191,7 @@ class CollectiveReader:
         #: the load's one budget: cast temporaries, collective batches, read temporaries, device ring
         self.memory = memory if memory is not None else load_budget(None, budget.nbytes)
         #: bytes per collective batch, the same on every rank (set by the first exchange)
-        self.batch_cap = budget.nbytes
+        self.batch_bytes = budget.nbytes
         self.model = cost_model or COST_MODEL
         self.active = isinstance(comm, TorchComm) and comm.world_size > 1 and read_strategy != ReadStrategy.DIRECT
         self.exchanged = False
@@ -269,7 +269,7 @@ class CollectiveReader:
         errors = {r: h.error for r, h in enumerate(everyone) if h.error}
         if errors:
             self._raise_for(errors, uri, "before reading")
-        self.batch_cap = batch_cap(self.budget.nbytes, [h.room for h in everyone if h.room is not None])
+        self.batch_bytes = batch_cap(self.budget.nbytes, [h.room for h in everyone if h.room is not None])
         plans = self._plan_groups(mine, summary, everyone, pg_ranks, direct)
         store = NamingStore(st)
         if direct:
@@ -321,7 +321,7 @@ class CollectiveReader:
                 device = torch.device("cuda", torch.cuda.current_device())
             if strategy == ReadStrategy.AUTO:
                 nbytes = summary[g].nbytes
-                strategy = self.model.choose(len(g), nbytes, max(1, -(-nbytes // self.batch_cap)),
+                strategy = self.model.choose(len(g), nbytes, max(1, -(-nbytes // self.batch_bytes)),
                                              "nccl" if device.type == "cuda" else "gloo", len(its))
             if strategy == ReadStrategy.DIRECT:
                 direct.extend(FillTarget(it.key, it.box, d) for it in its for d in it.dests)
@@ -344,18 +344,18 @@ class CollectiveReader:
         """The batches of one replica group; every member runs the same sequence of collectives."""
         k = len(plan.group.ranks)
         sizes = [it.size() for it in plan.items]
-        cap = self.batch_cap
+        cap = self.batch_bytes
         with torch.no_grad():  # destinations may be parameters that require grad
             # a share may end up to this far from 1/k to avoid splitting a tensor (see split_shares)
             snap = min(1 << 20, cap // (4 * k))
             for batch in plan_group(sizes, k, plan.strategy, cap, SOLO_BYTES, snap):
                 # sized from what every rank had left: recorded, never refused on one rank alone
-                with self.memory.hold(self._batch_bytes(plan, batch), "a collective batch", sized=True):
+                with self.memory.hold(self._buffer_bytes(plan, batch), "a collective batch", sized=True):
                     if not self._batch(plan, batch, store, prefix, m, stats):
                         return  # a member failed: the group stops here (each member saw the same statuses)
 
     @staticmethod
-    def _batch_bytes(plan: GroupPlan, batch: Batch) -> int:
+    def _buffer_bytes(plan: GroupPlan, batch: Batch) -> int:
         """The buffers :meth:`_batch` makes: the packed slots, and a temporary for each solo
         piece whose destination cannot take it in place."""
         k = len(plan.group.ranks)
