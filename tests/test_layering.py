@@ -1,44 +1,66 @@
-"""The package's shape, checked: no module imports upward, planning stays pure, modules stay small.
+"""The package's shape, checked against ``docs/design.md``: every module sits in a row of its
+Layers table, no module imports from a higher row, no two modules import each other (however
+indirectly), planning stays pure, modules stay small.
 
-Read from the source (``ast``), so the test fails on the import that breaks a
-rule, naming the module and the import, before any behaviour changes.
+The Layers table is the one statement of the layering: this test reads it (the rows between
+the ``layers:begin`` and ``layers:end`` markers) and holds the code to it, so the table
+cannot go stale (a new module, a moved one, a name that no longer exists all fail here,
+named).  Read from the source (``ast``), so the test fails on the import that breaks a rule,
+naming the module and the import, before any behaviour changes.
 """
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import objckpt
 
 ROOT = pathlib.Path(objckpt.__file__).parent
-
-#: lower layers first; a module may import its own layer and the layers below it
-LAYERS: list[set[str]] = [
-    {"units", "errors", "_version", "checksum", "runtime", "options", "logs"},
-    {"format", "results"},
-    {"planning"},
-    {"storage"},
-    {"distributed", "state", "testing"},
-    {"layout"},
-    {"save", "load"},
-    {"ops", "tier"},
-    {"api"},
-    {"manager", "integrations"},
-    {"__init__", "dcp", "lightning"},
-    {"cli", "__main__"},
-]
+DESIGN = ROOT.parent / "docs" / "design.md"
 
 
-def _unit(module: str) -> str:
-    """The layer unit of a dotted module name inside the package (its first component)."""
-    return module.split(".")[0]
+def design_layers() -> list[tuple[int, list[str]]]:
+    """(layer, names) per row of design.md's Layers table: names as written there
+    (``units.py``, ``storage/s3/``, ``storage/__init__.py``), package-relative paths."""
+    text = DESIGN.read_text()
+    begin, end = text.index("<!-- layers:begin -->"), text.index("<!-- layers:end -->")
+    rows = []
+    for line in text[begin:end].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].isdigit():
+            continue
+        rows.append((int(cells[0]), re.findall(r"`([^`]+)`", cells[1])))
+    return rows
 
 
-def _layer(unit: str) -> int:
-    for i, names in enumerate(LAYERS):
-        if unit in names:
-            return i
-    raise AssertionError(f"module {unit!r} is in no layer of tests/test_layering.py; add it")
+def _table() -> dict[str, int]:
+    """Each name of the table -> its layer; a name in two rows is an error."""
+    out: dict[str, int] = {}
+    for layer, names in design_layers():
+        for n in names:
+            assert n not in out, f"docs/design.md's Layers table names {n!r} in two rows"
+            out[n] = layer
+    return out
+
+
+def _rel(module: str) -> str:
+    """``storage.s3.direct`` -> ``storage/s3/direct.py``; a package's ``__init__`` stays a file."""
+    return module.replace(".", "/") + ".py"
+
+
+def layer_of(module: str, table: dict[str, int]) -> int:
+    """The layer of a module: the table's longest name that is the module's file or a folder
+    above it (``storage/__init__.py`` before ``storage/``, ``storage/s3/`` before ``storage/``)."""
+    rel = _rel(module)
+    best = ""
+    for name in table:
+        hit = rel == name if name.endswith(".py") else rel.startswith(name)
+        if hit and len(name) > len(best):
+            best = name
+    if not best:
+        raise LookupError(f"objckpt/{rel} is in no row of docs/design.md's Layers table; add it there")
+    return table[best]
 
 
 def _modules() -> list[tuple[str, pathlib.Path]]:
@@ -49,35 +71,123 @@ def _modules() -> list[tuple[str, pathlib.Path]]:
     return out
 
 
-def _imports(module: str, path: pathlib.Path) -> list[str]:
-    """Package-relative names this module imports (absolute ``objckpt.x`` and relative ``.x`` alike)."""
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(id(n) for b in node.body for n in ast.walk(b) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return out
+
+
+def _imports(module: str, path: pathlib.Path, *, run_only: bool = False) -> list[str]:
+    """Package-relative names this module imports (absolute ``objckpt.x`` and relative ``.x``
+    alike; imports inside functions too).  ``run_only``: leave out ``if TYPE_CHECKING:`` ones."""
     tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree) if run_only else set()
     pkg = module.split(".")[:-1]  # the package a relative import starts from ("save.__init__" -> save)
     found = []
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
                 target = ".".join(base + ([node.module] if node.module else []))
-                if not node.module:  # from . import x
-                    found.extend(f"{target}.{a.name}".lstrip(".") for a in node.names)
-                    continue
-                found.append(target)
-            elif node.module and node.module.startswith("objckpt."):
-                found.append(node.module[len("objckpt."):])
+            elif node.module and (node.module + ".").startswith("objckpt."):
+                target = node.module[len("objckpt."):]
+            else:
+                continue
+            # each name as a possible module: ``from ..format import keys`` is format.keys,
+            # ``from ..errors import X`` is errors (see _module_of)
+            found.extend(f"{target}.{a.name}".lstrip(".") for a in node.names)
         elif isinstance(node, ast.Import):
             found.extend(a.name[len("objckpt."):] for a in node.names if a.name.startswith("objckpt."))
+            found.extend("__init__" for a in node.names if a.name == "objckpt")
     return [f for f in found if f]
 
 
+def _module_of(name: str, known: set[str]) -> str:
+    """The module an imported name lives in: ``save.pipeline.prepare`` -> ``save.pipeline``,
+    ``storage`` -> ``storage.__init__``."""
+    while name:
+        if name in known:
+            return name
+        if f"{name}.__init__" in known or (ROOT / name.replace(".", "/")).is_dir():
+            return f"{name}.__init__"  # a package (or a namespace package: its folder's row)
+        name = name.rpartition(".")[0]
+    return "__init__"
+
+
+def _graph(run_only: bool) -> dict[str, set[str]]:
+    mods = _modules()
+    known = {m for m, _ in mods}
+    return {m: {_module_of(i, known) for i in _imports(m, p, run_only=run_only)} - {m} for m, p in mods}
+
+
+def test_every_module_is_in_the_layers_table_and_every_name_there_exists() -> None:
+    table = _table()
+    missing = []
+    for module, _ in _modules():
+        try:
+            layer_of(module, table)
+        except LookupError as e:
+            missing.append(str(e))
+    assert not missing, "; ".join(missing)
+    stale = [n for n in table if not (ROOT / n).exists()]
+    assert not stale, f"docs/design.md's Layers table names what does not exist: {stale}"
+
+
 def test_no_module_imports_upward() -> None:
+    table = _table()
     bad = []
-    for module, path in _modules():
-        mine = _layer(_unit(module))
-        for imp in _imports(module, path):
-            if _layer(_unit(imp)) > mine:
-                bad.append(f"{module} imports {imp}")
+    for module, deps in _graph(run_only=False).items():
+        mine = layer_of(module, table)
+        bad += [f"{module} (layer {mine}) imports {d} (layer {layer_of(d, table)})" for d in sorted(deps)
+                if layer_of(d, table) > mine]
     assert not bad, "imports from a higher layer: " + "; ".join(bad)
+
+
+def test_no_import_cycle() -> None:
+    """No module reaches itself through what it imports when it runs (a cycle inside a
+    layer is as hard to read as one across layers); ``TYPE_CHECKING`` imports do not run."""
+    g = _graph(run_only=True)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"modules that import each other: {cycles}"
+
+
+def _unit(module: str) -> str:
+    """The top-level unit of a dotted module name inside the package (its first component)."""
+    return module.split(".")[0]
 
 
 def test_planning_is_pure() -> None:
@@ -149,8 +259,9 @@ def test_test_kit_is_not_installed() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
             bad += [f"{module} imports {n}" for n in names if n.split(".")[0] == "testkit"]
+        known = {m for m, _ in _modules()}
         bad += [f"{module} imports {imp}" for imp in _imports(module, path)
-                if _unit(imp) == "testing" and imp not in {"testing", "testing.stores"}]
+                if _unit(imp) == "testing" and _module_of(imp, known) not in {"testing.__init__", "testing.stores"}]
     assert not bad, "; ".join(bad)
     pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
     include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
