@@ -138,17 +138,11 @@ def _piece_box(offs: tuple[int, ...], shp: tuple[int, ...], split: int, i: int) 
 
 
 def cell_pieces(box: Box, split: int) -> Iterator[tuple[int, Box]]:
-    """(piece index, piece box) of a cell's stored pieces (empty ones skipped)."""
+    """(piece index, piece box) of a cell's stored pieces (empty ones skipped): those
+    overlapping all of its rows."""
     offs, shp = box
-    if any(n == 0 for n in shp):
-        return
-    if not shp:
-        yield 0, box
-        return
-    for i in range(split):
-        piece = _piece_box(offs, shp, split, i)
-        if piece is not None:
-            yield i, piece
+    lo = offs[0] if shp else 0
+    yield from pieces_overlapping_rows(box, split, lo, lo + (shp[0] if shp else 1))
 
 
 def my_pieces(shape: Sequence[int], mesh: Mesh, lay: ShardSpec, rank: int) -> list[Box]:
