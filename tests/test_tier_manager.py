@@ -263,3 +263,32 @@ def _restore_no_drain(rank: int, world: int, root: str, local: str) -> Any:
         res = m.load(st)
         _check(st, rank, world, res.step)
         return res.step, res.source
+
+
+def test_persist_every_seconds_drains_by_the_managers_clock_and_latest_step_sees_every_tier(tmp_path: Path) -> None:
+    now = [1000.0]
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                  persist_every=None, persist_every_seconds=60, local_keep=5,
+                                  clock=lambda: now[0])
+    for step, t in ((1, 1000.0), (2, 1030.0), (3, 1061.0), (4, 1100.0)):
+        now[0] = t
+        m.save(step, {"x": torch.full((3,), float(step))})
+    m.wait()
+    assert m.steps() == [3]  # the one save 60 s after the last drain (the manager's start)
+    assert m.latest_step() == 4  # local only, but restorable
+    m.close()
+
+
+def test_the_drain_cap_paces_uploads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from objckpt.tier import drain as drain_mod
+
+    clock, slept = [0.0], []
+    monkeypatch.setattr(drain_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(drain_mod.time, "sleep", lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))
+    t = drain_mod.Throttle(100.0)  # bytes per second
+    for _ in range(4):
+        t.account(50)  # 200 bytes in all: 2 s at the cap
+    assert sum(slept) == pytest.approx(2.0)
+    unlimited = drain_mod.Throttle(None)
+    unlimited.account(10 ** 12)
+    assert sum(slept) == pytest.approx(2.0)

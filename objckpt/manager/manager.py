@@ -342,8 +342,11 @@ class CheckpointManager:
         """The newest committed step, or None; the same value on every rank.  The index's newest
         step is checked (a HEAD of its manifest): a step deleted behind the manager's back
         (its folder removed by hand) is dropped from the index, with a warning, and the
-        newest step that exists is the answer."""
+        newest step that exists is the answer.  With a local tier: the newest step every rank
+        can restore from some tier (local, peers, object storage; see docs/tiering.md)."""
         self._known = None  # steps deleted by hand leave the index here: read it again at the next save
+        if self._tiers is not None:
+            return self._tiers.latest_step()
         return self._on_root(self._newest_existing)
 
     def _newest_existing(self) -> Optional[int]:

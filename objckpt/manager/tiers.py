@@ -120,7 +120,7 @@ class TieredSaves:
         self._draining: set[int] = set()
         self._replicated: Optional[int] = None
         self._saves = 0
-        self._last_drain = time.monotonic()
+        self._last_drain = manager.clock()
         self.stalls: list[float] = []
         self.commits: list[float] = []
         self.drains: list[float] = []
@@ -174,13 +174,13 @@ class TieredSaves:
         due = False
         if self.s.persist_every is not None and self._saves % self.s.persist_every == 0:
             due = True
-        if self.s.persist_every_seconds is not None and time.monotonic() - self._last_drain >= \
+        if self.s.persist_every_seconds is not None and self.m.clock() - self._last_drain >= \
                 self.s.persist_every_seconds:
             due = True
         if self.comm.world_size > 1:
             due = bool(self.comm.broadcast_object(due, 0))
         if due:
-            self._last_drain = time.monotonic()
+            self._last_drain = self.m.clock()
         return due
 
     def _after_commit(self, step: int, md: dict[str, Any], saved_at: float, due: bool,
@@ -252,12 +252,19 @@ class TieredSaves:
             self._pool.shutdown(wait=True)
 
     # -- restoring -----------------------------------------------------------------------------
-    def load(self, state: Any, step: Optional[int], load_kwargs: dict[str, Any]) -> LoadResult:
+    def _plan(self, step: Optional[int]) -> _restore.RestorePlan:
+        """The agreed restore plan (collective): every rank's node folder and rank 0's index."""
         self.wait()
         mine = _restore.Holding(self.topology.nodes[self.comm.rank], _local.scan(self.root, self.m.naming.parse))
         holdings = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
-        object_steps = self.m.steps()
-        plan = _restore.plan_restore(holdings, object_steps, peers=True, step=step)
+        return _restore.plan_restore(holdings, self.m.steps(), peers=True, step=step)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest step every rank can restore from some tier (None: none)."""
+        return self._plan(None).step
+
+    def load(self, state: Any, step: Optional[int], load_kwargs: dict[str, Any]) -> LoadResult:
+        plan = self._plan(step)
         if plan.step is None:
             raise TierRestoreError(f"nothing to restore from {str(self.root)!r} or {self.m.root!r}: {plan.why}")
         d = self.step_dir(plan.step)
