@@ -71,19 +71,19 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for rep in range(cfg["repeat"] + 1):  # the first round warms up (connections, allocator), untimed
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         works = [dist.isend(send, dst=other), dist.irecv(recv, src=other)]
         for w in works:
             w.wait()
         dist.barrier()
-        base_s = time.perf_counter() - t0
+        base_s, base_cpu = time.perf_counter() - t0, time.process_time() - c0
         mem0 = meminfo()
         with h.PeakRss() as rss:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             report = replicate(comm, topo, step, files, 1, piece_bytes=cfg["piece_mib"] * h.MiB)
             dist.barrier()
-            rep_s = time.perf_counter() - t0
+            rep_s, rep_cpu = time.perf_counter() - t0, time.process_time() - c0
         mem1 = meminfo()
         received = [(pathlib.Path(cfg["dir"]) / f"node{rank}" / "step-1" / f"blobs/a/r{other:05d}-{i:04d}.bin")
                     for i in range(len(files))]
@@ -94,7 +94,8 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
         if rep == 0:
             continue
-        rows.append({"baseline_s": base_s, "replicate_s": rep_s, "data_phase_s": report.ranks[rank].seconds,
+        rows.append({"baseline_s": base_s, "replicate_s": rep_s, "baseline_cpu_s": base_cpu,
+                     "replicate_cpu_s": rep_cpu, "data_phase_s": report.ranks[rank].seconds,
                      "rss_delta": rss.delta, "buffer_bytes": report.ranks[rank].buffer_bytes,
                      "cached_delta": mem1.get("Cached", 0) - mem0.get("Cached", 0),
                      "shmem_delta": mem1.get("Shmem", 0) - mem0.get("Shmem", 0),
@@ -132,6 +133,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         "baseline_gbps": nbytes / base / 1e9 if base else None,
         "replicate_gbps": nbytes / rep / 1e9 if rep else None,
         "ratio": base / rep if base and rep else None,
+        "baseline_cpu_s_per_gib": h.median(x["baseline_cpu_s"] for r in per_rank for x in r) * h.GiB / nbytes,
+        "replicate_cpu_s_per_gib": h.median(x["replicate_cpu_s"] for r in per_rank for x in r) * h.GiB / nbytes,
         "rss_delta_mib": max((x["rss_delta"] or 0) for r in per_rank for x in r) / h.MiB,
         "buffer_mib": max(x["buffer_bytes"] for r in per_rank for x in r) / h.MiB,
         "cached_delta_mib": h.median(x["cached_delta"] for x in per_rank[0]) / h.MiB,
@@ -139,10 +142,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         "verified": all(x["verified_sizes"] for r in per_rank for x in r),
     }
     h.log(h.md_table(
-        ["share", "gloo isend/irecv", "replicate", "replicate / gloo", "peak RSS Δ (rank max)", "piece buffers",
+        ["share", "gloo isend/irecv", "replicate", "replicate / gloo", "CPU s/GiB gloo, replicate", "peak RSS Δ (rank max)", "piece buffers",
          "page cache Δ", "Shmem Δ"],
         [[f"{args.mib} MiB", f"{h.fmt(summary['baseline_gbps'])} GB/s", f"{h.fmt(summary['replicate_gbps'])} GB/s",
-          h.fmt(summary["ratio"], "{:.2f}x"), f"{summary['rss_delta_mib']:.0f} MiB",
+          h.fmt(summary["ratio"], "{:.2f}x"),
+          f"{h.fmt(summary['baseline_cpu_s_per_gib'])}, {h.fmt(summary['replicate_cpu_s_per_gib'])}",
+          f"{summary['rss_delta_mib']:.0f} MiB",
           f"{summary['buffer_mib']:.0f} MiB", f"{summary['cached_delta_mib']:.0f} MiB",
           f"{summary['shmem_delta_mib']:.0f} MiB"]]))
     path = h.write_results(args.out, {"environment": h.environment(), "config": cfg | {"dir": fs},

@@ -232,11 +232,11 @@ def _die_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]:
     if rank == 1:
         real, calls = transfer._read_piece, [0]
 
-        def read_then_die(*a: Any) -> None:
+        def read_then_die(*a: Any) -> Any:
             calls[0] += 1
             if calls[0] == 4:  # three pieces are on their way
                 os.kill(os.getpid(), signal.SIGKILL)
-            real(*a)
+            return real(*a)
 
         transfer._read_piece = read_then_die
     t0 = time.monotonic()
@@ -272,11 +272,11 @@ def _stall_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]
     if rank == 1:  # alive but stuck (a swapping host, a stopped process): it stops answering
         real, calls = transfer._read_piece, [0]
 
-        def read_slowly(*a: Any) -> None:
+        def read_slowly(*a: Any) -> Any:
             calls[0] += 1
             if calls[0] == 4:
                 time.sleep(3.5)
-            real(*a)
+            return real(*a)
 
         transfer._read_piece = read_slowly
     t0 = time.monotonic()

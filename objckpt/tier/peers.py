@@ -175,7 +175,9 @@ def replicate(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, file
     across ranks or does not fit the topology (``k >=`` nodes or world size) is a
     :class:`~objckpt.tier.topology.TopologyError`, a listed file this rank does not
     have a :class:`PeerCopyError`, on every rank alike.  Received files appear
-    atomically, once every rank has finished; see the module docstring for failures."""
+    atomically, once every rank has finished; see the module docstring for failures.
+    ``piece_bytes`` bounds each message (two buffers of it per partner are all the
+    memory a call holds)."""
     t0 = time.perf_counter()
     step = pathlib.Path(local_step_dir)
     problem = ""
