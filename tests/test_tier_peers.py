@@ -95,6 +95,10 @@ def test_repair_plan_sends_each_file_once_spread_over_holders() -> None:
     assert set(got) == {(2, "f5"), (2, "f6"), (2, "meta")}
     assert got[(2, "f5")] == 1 and got[(2, "f6")] == 1
     assert got[(2, "meta")] == 0, "the second file goes to the holder with less load"
+    # a holder whose size disagrees with the others' is not used
+    odd = [(a, [], {"f": 10}), (b, [], {"f": 11}), (("n3", "/d3"), [], {"f": 10}), (c, ["f"], {})]
+    plan, missing = plan_repair(odd)
+    assert [(t.src, t.size) for t in plan] == [(0, 10)] and missing == {}
 
 
 # --------------------------------------------------------------------------- real ranks
@@ -190,27 +194,55 @@ def test_replicate_then_repair_a_lost_node_bit_identically(tmp_path: pathlib.Pat
         assert sorted(nothing.missing_for(r)) == sorted(list(_files(r)) + ["meta.json"])
 
 
-def _mismatch(rank: int, world: int, base: str) -> str:
+def _refusals_and_peer_dir(rank: int, world: int, base: str) -> dict[str, str]:
     from objckpt.distributed.comm import get_comm
     from objckpt.tier.peers import replicate
 
     os.environ[NODE_ENV] = f"node{rank}"
     comm = get_comm()
-    step = pathlib.Path(base) / f"node{rank}"
+    topo = Topology.build(comm)
+    root = pathlib.Path(base)
+    step = root / f"node{rank}"
     step.mkdir(parents=True, exist_ok=True)
-    (step / "mine.bin").write_bytes(b"x" * 10)
+    (step / "mine.bin").write_bytes(_content(rank, 5, 3 * PIECE + 5))
+    (step / "a-file").write_bytes(b"")
+    out: dict[str, str] = {}
     files = ["mine.bin"] if rank == 0 else ["mine.bin", "not-there.bin"]
-    try:
-        replicate(comm, Topology.build(comm), step, files, 1)
-    except PeerCopyError as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    for case, listed, where in [
+        ("lacking", files, None),
+        # rank 1 cannot write what it receives (its replica folder would be under a file)
+        ("unwritable", ["mine.bin"], (lambda src: step / "a-file" / "x") if rank == 1 else None),
+        ("peer_dir", ["mine.bin"], lambda src: root / f"node{rank}" / "replicas" / f"from-{src}"),
+    ]:
+        try:
+            replicate(comm, topo, step, listed, 1, peer_dir=where, piece_bytes=PIECE)
+            out[case] = "no error"
+        except PeerCopyError as e:
+            out[case] = f"{type(e).__name__} {sorted(e.failures)}: {e}"
+        comm.barrier()
+        out[case + " files"] = " ".join(_listing(root))
+        comm.barrier()
+    return out
 
 
-def test_a_listed_file_one_rank_lacks_is_refused_on_every_rank_before_sending(tmp_path: pathlib.Path) -> None:
-    res = run_ranks(2, _mismatch, str(tmp_path))
-    assert res[0] == res[1] and "not-there.bin" in res[0] and "rank 1" in res[0], res
-    assert _listing(tmp_path) == ["node0/mine.bin", "node1/mine.bin"]
+def test_local_failures_are_refused_on_every_rank_and_replicas_go_to_peer_dir(tmp_path: pathlib.Path) -> None:
+    res = run_ranks(2, _refusals_and_peer_dir, str(tmp_path))
+    assert res[0] == res[1], res
+    out = res[0]
+    # a listed file one rank lacks: refused before anything is sent
+    assert out["lacking"].startswith("PeerCopyError [1]: replicate: nothing was sent") and "not-there.bin" in out[
+        "lacking"], out
+    assert out["lacking files"] == "node0/a-file node0/mine.bin node1/a-file node1/mine.bin"
+    # rank 1 cannot write: both ranks raise, and rank 0's received copy is not renamed into place either
+    assert out["unwritable"].startswith("PeerCopyError [1]: replicate failed; nothing was renamed") and \
+        "rank 1: writing 'mine.bin' from rank 0" in out["unwritable"], out
+    assert out["unwritable files"] == out["lacking files"], "no file (nor temp file) was left behind"
+    assert out["peer_dir"] == "no error"
+    assert out["peer_dir files"].split() == ["node0/a-file", "node0/mine.bin", "node0/replicas/from-1/mine.bin",
+                                             "node1/a-file", "node1/mine.bin", "node1/replicas/from-0/mine.bin"]
+    for r in (0, 1):
+        copy = tmp_path / f"node{1 - r}" / "replicas" / f"from-{r}" / "mine.bin"
+        assert copy.read_bytes() == _content(r, 5, 3 * PIECE + 5)
 
 
 # --------------------------------------------------------------------------- a rank killed mid-copy
