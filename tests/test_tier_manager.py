@@ -292,3 +292,18 @@ def test_the_drain_cap_paces_uploads(monkeypatch: pytest.MonkeyPatch) -> None:
     unlimited = drain_mod.Throttle(None)
     unlimited.account(10 ** 12)
     assert sum(slept) == pytest.approx(2.0)
+
+
+def test_a_step_already_drained_or_local_is_never_saved_again(tmp_path: Path) -> None:
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                  persist_every=1)
+    m.save(1, {"x": torch.ones(3)})
+    m.wait()
+    shutil.rmtree(tmp_path / "local" / "step-0000000001")  # only the drained copy is left
+    with pytest.raises(objckpt.CheckpointExistsError, match="already committed under"):
+        m.save(1, {"x": torch.zeros(3)})
+    m.save(2, {"x": torch.ones(3)})
+    with pytest.raises(objckpt.CheckpointExistsError, match="local tier"):
+        m.save(2, {"x": torch.zeros(3)})
+    m.close()
+    assert torch.equal(objckpt.read(str(tmp_path / "root" / "step-0000000001"))["x"], torch.ones(3))

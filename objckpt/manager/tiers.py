@@ -142,6 +142,8 @@ class TieredSaves:
         problem = _local.space_error(self.root, _local.share_bytes(state)) or _local.writable_error(self.root) or ""
         if d.exists() and (d / keys.MANIFEST_NAME).exists():
             problem = problem or f"step {step} is already committed in the local tier at {str(d)!r}"
+        if step in self.m._known_steps():  # drained before (rank 0's index, broadcast): never replaced
+            problem = problem or f"step {step} is already committed under {self.m.root!r}"
         problems = self.comm.all_gather_object(problem) if self.comm.world_size > 1 else [problem]
         bad = {r: p for r, p in enumerate(problems) if p}
         if bad:
