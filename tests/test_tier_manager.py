@@ -307,3 +307,26 @@ def test_a_step_already_drained_or_local_is_never_saved_again(tmp_path: Path) ->
         m.save(2, {"x": torch.zeros(3)})
     m.close()
     assert torch.equal(objckpt.read(str(tmp_path / "root" / "step-0000000001"))["x"], torch.ones(3))
+
+
+def _two_per_node(rank: int, world: int, root: str, local: str, restore: bool) -> Any:
+    with _manager(rank, root, local, {}, node_override=f"n{rank // 2}") as m:
+        if restore:
+            st = _zeros(rank, world)
+            res = m.load(st)
+            _check(st, rank, world, res.step)
+            return res.step, res.source
+        for s in (1, 2, 3):
+            m.save(s, _state(rank, world, s))
+        m.wait()
+        return m.steps()
+
+
+def test_four_ranks_on_two_nodes_restore_a_lost_nodes_shares_from_its_peers(tmp_path: Path) -> None:
+    root, local = str(tmp_path / "root"), str(tmp_path / "{node}" / "ckpt")
+    assert run_multiprocess(4, _two_per_node, root, local, False) == [[2]] * 4
+    blobs = tmp_path / "n1" / "ckpt" / "step-0000000003" / "blobs"
+    (attempt,) = os.listdir(blobs)  # n1 holds its own ranks' blobs and the copies of n0's
+    assert sorted(os.listdir(blobs / attempt)) == [f"r0000{r}-0000.bin" for r in range(4)]
+    shutil.rmtree(tmp_path / "n0")
+    assert run_multiprocess(4, _two_per_node, root, local, True) == [(3, "peer")] * 2 + [(3, "local")] * 2
