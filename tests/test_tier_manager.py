@@ -276,6 +276,7 @@ def test_persist_every_seconds_drains_by_the_managers_clock_and_latest_step_sees
     m.wait()
     assert m.steps() == [3]  # the one save 60 s after the last drain (the manager's start)
     assert m.latest_step() == 4  # local only, but restorable
+    assert m.step_tiers() == {1: ["local"], 2: ["local"], 3: ["local", "object"], 4: ["local"]}
     m.close()
 
 

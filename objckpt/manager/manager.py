@@ -418,6 +418,14 @@ class CheckpointManager:
         kw = {**self._dist_kwargs(), **load_kwargs}
         return _load(state, self.step_uri(step), **kw)
 
+    def step_tiers(self) -> dict[int, list[str]]:
+        """Each step and where it is: ``"object"`` (under the root), and with a local tier
+        ``"local"`` / ``"local-partial"`` (this node's folder; see docs/tiering.md).  Every
+        rank calls it."""
+        if self._tiers is None:
+            return {s: ["object"] for s in self.steps()}
+        return self._tiers.step_tiers()
+
     def advice(self) -> Advice:
         """The Young/Daly checkpoint interval from this manager's measured tiered saves and
         ``failure_rate`` (see :mod:`objckpt.tier.advice`)."""

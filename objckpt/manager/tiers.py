@@ -261,6 +261,17 @@ class TieredSaves:
         holdings = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
         return _restore.plan_restore(holdings, self.m.steps(), peers=True, step=step)
 
+    def step_tiers(self) -> dict[int, list[str]]:
+        """Each step and the tiers that hold it, as this rank sees them: ``"local"`` (this node's
+        folder holds it whole), ``"local-partial"`` (its manifest and some of its files: the rest
+        is on other nodes), ``"object"`` (committed and indexed under the root)."""
+        out: dict[int, list[str]] = {}
+        for s, held in _local.scan(self.root, self.m.naming.parse).items():
+            out.setdefault(s, []).append("local" if held.complete else "local-partial")
+        for s in self.m.steps():
+            out.setdefault(s, []).append("object")
+        return dict(sorted(out.items()))
+
     def latest_step(self) -> Optional[int]:
         """The newest step every rank can restore from some tier (None: none)."""
         return self._plan(None).step
