@@ -101,6 +101,29 @@ def test_repair_plan_sends_each_file_once_spread_over_holders() -> None:
     assert [(t.src, t.size) for t in plan] == [(0, 10)] and missing == {}
 
 
+def test_files_of_rank_lists_what_each_rank_wrote(tmp_path: pathlib.Path) -> None:
+    import torch
+
+    import objckpt
+    from objckpt.errors import NotFoundError
+    from objckpt.format.manifest import Blob, Manifest, RankIndexRef
+    from objckpt.tier.peers import files_of_rank
+
+    step = tmp_path / "step-1"
+    objckpt.save({"w": torch.arange(1000.0), "b": torch.ones(3)}, str(step))
+    mine = files_of_rank(step, 0)
+    assert mine and sorted(mine + ["manifest.json"]) == _listing(step), "every file but the manifest is rank 0's"
+    assert files_of_rank(step, 0, with_manifest=True)[-1] == "manifest.json"
+    assert files_of_rank(step, 1) == []
+    two = Manifest(tensors={}, blobs=[Blob("blobs/a/r00000-0000.bin", 4, 0), Blob("blobs/a/r00001-0000.bin", 4, 1),
+                                      Blob("spread/a/r00001-0001.bin", 4, 1, spread="0f")], tree=None,
+                   rank_indexes=[RankIndexRef("blobs/a/r00000.index.json", 1, 0),
+                                 RankIndexRef("blobs/a/r00001.index.json", 1, 0)])
+    assert files_of_rank(step, 1, manifest=two) == ["blobs/a/r00001-0000.bin", "blobs/a/r00001.index.json"]
+    with pytest.raises(NotFoundError, match="step-2"):
+        files_of_rank(tmp_path / "step-2", 0)
+
+
 # --------------------------------------------------------------------------- real ranks
 
 

@@ -134,7 +134,7 @@ def _read_piece(state: _State, src_path: Callable[[Transfer], pathlib.Path], t: 
         f = state.reading.get(key)
         if f is None:
             f = state.reading[key] = open(src_path(t), "rb", buffering=0)
-        view = memoryview(buf.numpy())
+        view = buf.numpy().data
         got = 0
         while got < len(view):
             n = f.readinto(view[got:])
@@ -177,7 +177,7 @@ def _write_piece(state: _State, dst_path: Callable[[Transfer], pathlib.Path], t:
         inbound = state.writing.get(key)
         if inbound is None:
             inbound = state.writing[key] = _start(dst_path, t)
-        view = memoryview(buf.numpy())
+        view = buf.numpy().data
         done = 0
         while done < len(view):
             done += os.write(inbound.fd, view[done:])
