@@ -296,8 +296,8 @@ def test_the_drain_cap_paces_uploads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_step_already_drained_or_local_is_never_saved_again(tmp_path: Path) -> None:
-    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
-                                  persist_every=1)
+    # replicas left to its default: none on a single node (there is no other node to copy to)
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), persist_every=1)
     m.save(1, {"x": torch.ones(3)})
     m.wait()
     shutil.rmtree(tmp_path / "local" / "step-0000000001")  # only the drained copy is left

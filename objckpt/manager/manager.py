@@ -68,7 +68,8 @@ class CheckpointManager:
                  step_format: str = DEFAULT_STEP_FORMAT, async_save: bool = False,
                  storage_options: Optional[dict[str, Any]] = None, process_group: Any = None,
                  no_dist: bool = False, leftover_grace: float = LEFTOVER_GRACE,
-                 clock: Callable[[], float] = time.time, local_dir: Optional[str] = None, replicas: int = 1,
+                 clock: Callable[[], float] = time.time, local_dir: Optional[str] = None,
+                 replicas: Optional[int] = None,
                  persist_every: Optional[int] = 10, persist_every_seconds: Optional[float] = None,
                  local_keep: int = 2, drain_bandwidth: Optional[float] = None, direct: bool = False,
                  node_override: Optional[str] = None, failure_rate: Optional[float] = None) -> None:
@@ -90,7 +91,7 @@ class CheckpointManager:
         Tiered checkpoints (docs/tiering.md; without ``local_dir`` none of this applies):
         ``local_dir`` (a node-local directory, ``{node}`` replaced by the node's name)
         receives every save, committed there; ``replicas`` peers on other nodes get a copy
-        in the background; every ``persist_every``-th save (or one every
+        in the background (default: 1 where the ranks span several nodes, else 0); every ``persist_every``-th save (or one every
         ``persist_every_seconds``) drains to ``root`` in the background, at most
         ``drain_bandwidth`` bytes/s per rank, and is indexed there; ``local_keep`` local
         steps stay per node; ``direct``: local blobs written with O_DIRECT; ``node_override``:

@@ -11,6 +11,7 @@ save (or when ``persist_every_seconds`` passed since the last), the index update
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ class TierSettings:
     """The tier options, which every rank must pass alike (all-gathered and compared)."""
 
     local_dir: str
-    replicas: int
+    #: None: one where the job spans several nodes, none on a single node
+    replicas: Optional[int]
     persist_every: Optional[int]
     persist_every_seconds: Optional[float]
     local_keep: int
@@ -58,6 +60,8 @@ class TierSettings:
             raise TierSettingsError(f"local_dir must be a directory path, got {self.local_dir!r}")
         for name in ("replicas", "local_keep"):
             v = getattr(self, name)
+            if v is None and name == "replicas":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "replicas" else 1):
                 raise TierSettingsError(f"{name} must be an integer >= {0 if name == 'replicas' else 1}, got {v!r}")
         if self.persist_every is not None and (not isinstance(self.persist_every, int) or self.persist_every < 1):
@@ -108,10 +112,12 @@ class TieredSaves:
             shown = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items())[:4])
             cls = LocalTierError if any("local_dir" in p for p in bad.values()) else TierSettingsError
             raise cls(f"the local tier cannot be used ({shown})")
-        if settings.replicas >= comm.world_size and settings.replicas > 0:
+        if settings.replicas is not None and 0 < comm.world_size <= settings.replicas:
             raise TierSettingsError(f"replicas={settings.replicas} needs more ranks than the world size "
                                     f"{comm.world_size}: use replicas < {comm.world_size}")
         self.topology = Topology.build(comm, node_override)
+        if settings.replicas is None:  # the default: a copy elsewhere where there is an elsewhere
+            self.s = settings = dataclasses.replace(settings, replicas=min(1, len(self.topology.node_names) - 1))
         if settings.replicas:
             self.topology.check_replicas(settings.replicas)
         self.bg: Comm = tier_comm(comm) if comm.world_size > 1 else comm
