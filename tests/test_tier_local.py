@@ -158,3 +158,26 @@ def test_every_node_folder_gets_the_manifest(tmp_path: Path) -> None:
     assert torch.equal(mine["w"].local, torch.ones(2, 3))
     with pytest.raises(objckpt.BlobMissingError, match="r00000"):  # rank 0's rows live on n0 (or a replica)
         objckpt.read(str(tmp_path / "n1" / "s"), "w")
+
+
+def test_a_drained_file_larger_than_a_part_goes_up_whole_in_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    moto_s3: tuple[str, dict[str, Any]]) -> None:
+    from objckpt.storage import open_store
+    from objckpt.tier import drain
+
+    bucket, opts = moto_s3
+    monkeypatch.setattr(drain, "DRAIN_PART", 5 << 20)  # S3's smallest part
+    data = os.urandom((11 << 20) + 3)  # two whole parts and an unaligned last one
+    src = tmp_path / "blob.bin"
+    src.write_bytes(data)
+    store, prefix = open_store(f"s3://{bucket}/run/step", opts)
+    throttle = drain.Throttle(None)
+    assert drain.upload_file(src, store, prefix + "/blobs/a/r00000-0000.bin", throttle) == len(data)
+    assert throttle.sent == len(data)
+    import boto3
+
+    from conftest import s3_options
+
+    got = boto3.client("s3", **s3_options(opts["endpoint_url"])).get_object(
+        Bucket=bucket, Key="run/step/blobs/a/r00000-0000.bin")
+    assert got["Body"].read() == data
