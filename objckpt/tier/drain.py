@@ -13,7 +13,6 @@ tiers.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from ..format import keys
 from ..runtime import loop as _runtime
 from ..storage import ObjectStore
 from ..units import MiB
+from .errors import DrainError
 
 #: bytes read from a local file and sent per write (a part of a multipart upload)
 DRAIN_PART = 16 * MiB
@@ -119,10 +119,3 @@ def drain(comm: Comm, step: int, step_dir: Path, files: list[str], store: Object
     rep.committed = True
     return rep
 
-
-class DrainError(ObjckptError, OSError):
-    """A drain did not commit (a rank's upload failed, or the commit did)."""
-
-
-def file_bytes(step_dir: Path, files: list[str]) -> int:
-    return sum(os.path.getsize(step_dir / n) for n in files if (step_dir / n).exists())

@@ -14,3 +14,7 @@ class LocalTierError(StorageError):
 
 class TierRestoreError(ObjckptError, FileNotFoundError):
     """No step is complete in any tier for every rank."""
+
+
+class DrainError(ObjckptError, OSError):
+    """A drain did not commit (a rank's upload failed, or the commit did): nothing is in object storage."""

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..distributed.comm import Comm
-from ..errors import NotFoundError
 from ..format import keys
 from ..format import manifest as _manifest
 from ..runtime import loop as _runtime
@@ -205,16 +204,6 @@ def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int) -> 
     comm.barrier()
 
 
-def write_missing_metadata(step_dir: Path, manifest: bytes, indexes: dict[str, bytes]) -> None:
-    """Give a node's folder the step's metadata it lacks, manifest last (restore, repair)."""
-    store = LocalStore(str(step_dir))
-    for name, data in indexes.items():
-        if not (step_dir / name).exists():
-            _runtime.run(store.put(name, data))
-    if not (step_dir / keys.MANIFEST_NAME).exists():
-        _runtime.run(store.put(keys.MANIFEST_NAME, manifest, if_absent=True))
-
-
 def delete_step(step_dir: Path) -> None:
     """Remove a local step: its manifest first (it stops being a checkpoint at once), then the rest."""
     try:
@@ -225,9 +214,3 @@ def delete_step(step_dir: Path) -> None:
         raise LocalTierError(f"cannot delete the local checkpoint {str(step_dir)!r}: {e.strerror or e}") from e
     shutil.rmtree(step_dir, ignore_errors=True)
 
-
-def require_step(root: Path, name: str) -> Path:
-    d = root / name
-    if read_manifest(d) is None:
-        raise NotFoundError(f"no committed local checkpoint at {str(d)!r}")
-    return d
