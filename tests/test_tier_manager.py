@@ -330,3 +330,17 @@ def test_four_ranks_on_two_nodes_restore_a_lost_nodes_shares_from_its_peers(tmp_
     assert sorted(os.listdir(blobs / attempt)) == [f"r0000{r}-0000.bin" for r in range(4)]
     shutil.rmtree(tmp_path / "n0")
     assert run_multiprocess(4, _two_per_node, root, local, True) == [(3, "peer")] * 2 + [(3, "local")] * 2
+
+
+def test_the_local_tier_saves_and_restores_while_object_storage_is_unreachable(tmp_path: Path) -> None:
+    down = {"endpoint_url": "http://127.0.0.1:9", "aws_access_key_id": "x", "aws_secret_access_key": "y",
+            "region_name": "us-east-1"}  # nothing listens on port 9: every request is refused
+    m = objckpt.CheckpointManager("s3://bucket/run", storage_options=down, local_dir=str(tmp_path / "local"),
+                                  persist_every=None)
+    m.save(1, {"x": torch.full((5,), 1.0)})
+    m.save(2, {"x": torch.full((5,), 2.0)})
+    m.wait()
+    st = {"x": torch.zeros(5)}
+    res = m.load(st)
+    assert (res.step, res.source) == (2, "local") and torch.equal(st["x"], torch.full((5,), 2.0))
+    m.close()

@@ -22,7 +22,7 @@ from ..api import async_save as _async_save
 from ..api import load as _load
 from ..api import save as _save
 from ..distributed.comm import Comm
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, ObjckptError
 from ..format import manifest as _manifest
 from ..format import keys
 from ..results import LoadResult
@@ -148,7 +148,8 @@ class TieredSaves:
         problem = _local.space_error(self.root, _local.share_bytes(state)) or _local.writable_error(self.root) or ""
         if d.exists() and (d / keys.MANIFEST_NAME).exists():
             problem = problem or f"step {step} is already committed in the local tier at {str(d)!r}"
-        if step in self.m._known_steps():  # drained before (rank 0's index, broadcast): never replaced
+        known = self._known()
+        if known is not None and step in known:  # drained before (rank 0's index, broadcast): never replaced
             problem = problem or f"step {step} is already committed under {self.m.root!r}"
         problems = self.comm.all_gather_object(problem) if self.comm.world_size > 1 else [problem]
         bad = {r: p for r, p in enumerate(problems) if p}
@@ -169,13 +170,24 @@ class TieredSaves:
             _local.spread_metadata(self.comm, d, list(self.topology.nodes), self.comm.rank)
         commit_s = time.perf_counter() - t0
         self._saves += 1
-        self.m._learn(step, md, saved_at)
+        if known is not None:
+            self.m._learn(step, md, saved_at)
         due = self._drain_due()
         if handle is None:
             self.commits.append(commit_s)
         self._pending = [f for f in self._pending if not f.done()] + [
             self._pool.submit(self._after_commit, step, md, saved_at, due, handle, t0)]
         self.stalls.append(time.perf_counter() - t0)
+
+    def _known(self) -> Optional[dict[int, Any]]:
+        """The manager's known (drained) steps; None when object storage cannot be read now:
+        the local tier goes on without it (the drain, later, reports its own error)."""
+        try:
+            return self.m._known_steps()  # rank 0's read, its error on every rank alike
+        except (ObjckptError, OSError) as e:
+            log.warning("objckpt: cannot read the steps under %s (%s: %s): saving to the local tier anyway",
+                        self.m.root, type(e).__name__, e)
+            return None
 
     def _drain_due(self) -> bool:
         """Whether this save drains: rank 0 decides (its clock), every rank learns it."""
@@ -265,7 +277,13 @@ class TieredSaves:
         self.wait()
         mine = _restore.Holding(self.topology.nodes[self.comm.rank], _local.scan(self.root, self.m.naming.parse))
         holdings = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
-        return _restore.plan_restore(holdings, self.m.steps(), peers=True, step=step)
+        try:
+            drained = self.m.steps()  # rank 0's read: its error reaches every rank alike
+        except (ObjckptError, OSError) as e:  # object storage down: the local tiers may still do
+            log.warning("objckpt: cannot read the steps under %s (%s: %s): choosing among the local tiers only",
+                        self.m.root, type(e).__name__, e)
+            drained = []
+        return _restore.plan_restore(holdings, drained, peers=True, step=step)
 
     def step_tiers(self) -> dict[int, list[str]]:
         """Each step and the tiers that hold it, as this rank sees them: ``"local"`` (this node's
