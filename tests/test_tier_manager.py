@@ -18,7 +18,7 @@ import torch
 
 import objckpt
 from mp import run_multiprocess
-from objckpt.tier.errors import LocalTierError, TierSettingsError
+from objckpt.tier.errors import DrainError, LocalTierError, TierSettingsError
 
 ROWS, COLS = 6, 1001  # unaligned row bytes
 
@@ -336,11 +336,12 @@ def test_the_local_tier_saves_and_restores_while_object_storage_is_unreachable(t
     down = {"endpoint_url": "http://127.0.0.1:9", "aws_access_key_id": "x", "aws_secret_access_key": "y",
             "region_name": "us-east-1"}  # nothing listens on port 9: every request is refused
     m = objckpt.CheckpointManager("s3://bucket/run", storage_options=down, local_dir=str(tmp_path / "local"),
-                                  persist_every=None)
-    m.save(1, {"x": torch.full((5,), 1.0)})
-    m.save(2, {"x": torch.full((5,), 2.0)})
-    m.wait()
+                                  persist_every=1)
+    m.save(1, {"x": torch.full((5,), 1.0)})  # its drain fails in the background ...
+    m.save(2, {"x": torch.full((5,), 2.0)})  # ... and the saves go on
     st = {"x": torch.zeros(5)}
     res = m.load(st)
     assert (res.step, res.source) == (2, "local") and torch.equal(st["x"], torch.full((5,), 2.0))
+    with pytest.raises(DrainError, match="step 1"):  # wait() reports the failed drains
+        m.wait()
     m.close()

@@ -32,7 +32,7 @@ from ..tier import local as _local
 from ..tier import restore as _restore
 from ..tier.advice import Advice, advise
 from ..tier.drain import drain
-from ..tier.errors import LocalTierError, TierRestoreError, TierSettingsError
+from ..tier.errors import DrainError, LocalTierError, TierRestoreError, TierSettingsError
 from ..tier.topology import Topology, tier_comm
 from .worker import CommitJob
 
@@ -130,6 +130,8 @@ class TieredSaves:
         self.stalls: list[float] = []
         self.commits: list[float] = []
         self.drains: list[float] = []
+        #: drains that did not commit, raised by the next wait() (logged at ERROR when they fail)
+        self.drain_failures: list[DrainError] = []
 
     # -- paths ---------------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
@@ -161,7 +163,7 @@ class TieredSaves:
         store = LocalStore("/", direct=self.s.direct)
         handle: Optional[SaveHandle] = None
         if self.m.async_save:  # the stall is the staging copy; the local commit follows in the background
-            self.wait()  # one save in flight, as the manager's async saves
+            self.wait(drains=False)  # one save in flight, as the manager's async saves
             handle = _async_save(state, str(d), store=store, metadata=md, overwrite=False, max_in_flight=1,
                                  process_group=self.m.process_group, no_dist=self.m.no_dist)
         else:
@@ -223,14 +225,20 @@ class TieredSaves:
             if due:
                 self._draining.add(step)
                 store, prefix = self.m.index.store, self.m.index.step_prefix(step)
-                rep = drain(self.bg, step, d, mine, store, prefix, self.m.step_uri(step), self.s.drain_bandwidth)
-                self.drains.append(rep.seconds)
-                if self.m._worker is not None:
-                    job = self.m._submit(CommitJob(step, md, saved_at=saved_at))
-                    if job is not None:
-                        job.indexed.wait()
-                log.info("objckpt: step %d drained to %s (%d bytes from rank %d, %.2fs)", step,
-                         self.m.step_uri(step), rep.bytes, self.comm.rank, rep.seconds)
+                try:
+                    rep = drain(self.bg, step, d, mine, store, prefix, self.m.step_uri(step),
+                                self.s.drain_bandwidth)
+                except DrainError as e:  # the same verdict on every rank (the outcomes were all-gathered)
+                    log.error("objckpt: %s; the step stays in the local tier and training goes on", e)
+                    self.drain_failures.append(e)
+                else:
+                    self.drains.append(rep.seconds)
+                    if self.m._worker is not None:
+                        job = self.m._submit(CommitJob(step, md, saved_at=saved_at))
+                        if job is not None:
+                            job.indexed.wait()
+                    log.info("objckpt: step %d drained to %s (%d bytes from rank %d, %.2fs)", step,
+                             self.m.step_uri(step), rep.bytes, self.comm.rank, rep.seconds)
         finally:
             self._draining.discard(step)
             self._retain()
@@ -257,13 +265,18 @@ class TieredSaves:
             if f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
 
-    def wait(self) -> None:
-        """Until every replication and drain issued so far finished; raises the first error."""
+    def wait(self, drains: bool = True) -> None:
+        """Until every replication and drain issued so far finished; raises the first error,
+        and with ``drains`` the first drain that failed since the last such call (a failed
+        drain does not stop the saves: object storage may be down for a while)."""
         pending, self._pending = self._pending, []
         concurrent.futures.wait(pending)
         for f in pending:
             if f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
+        if drains and self.drain_failures:
+            first, self.drain_failures = self.drain_failures[0], []
+            raise first
 
     def close(self) -> None:
         try:
@@ -274,7 +287,7 @@ class TieredSaves:
     # -- restoring -----------------------------------------------------------------------------
     def _plan(self, step: Optional[int]) -> _restore.RestorePlan:
         """The agreed restore plan (collective): every rank's node folder and rank 0's index."""
-        self.wait()
+        self.wait(drains=False)
         mine = _restore.Holding(self.topology.nodes[self.comm.rank], _local.scan(self.root, self.m.naming.parse))
         holdings = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
         try:
