@@ -212,10 +212,11 @@ def test_a_full_disk_is_refused_before_anything_is_written(tmp_path: Path) -> No
 
 def test_advice_is_young_daly_from_measured_stalls(tmp_path: Path) -> None:
     m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
-                                  persist_every=1, failure_rate=2.0)
+                                  persist_every=1, failure_rate=2.0, direct=True)  # O_DIRECT where it is taken
     for s in (1, 2):
-        m.save(s, {"x": torch.ones(1000)})
+        m.save(s, {"x": torch.arange(10_007.0) + s})
     m.wait()
+    assert torch.equal(objckpt.read(str(tmp_path / "local" / "step-0000000002"))["x"], torch.arange(10_007.0) + 2)
     a = m.advice()
     assert a.saves_measured == 2 and a.mtbf_s == 1800.0 and a.drain_s is not None
     assert a.interval_s == pytest.approx(max(math.sqrt(2 * a.stall_s * 1800.0), a.drain_s))
