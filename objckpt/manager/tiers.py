@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("objckpt.manager")
 
+#: saves that do not read the object store's steps again after a failed read
+KNOWN_RETRY = 10
+
 
 @dataclass(frozen=True)
 class TierSettings:
@@ -105,8 +108,10 @@ class TieredSaves:
                                                      if comm.world_size > 1 else [(settings, problem)])
         diffs = _differences([s for s, _ in everyone])
         if diffs:
+            hint = (" (for a folder per node, pass one local_dir with {node} in it: it is replaced by each "
+                    "rank's node name)") if any(d.startswith("local_dir:") for d in diffs) else ""
             raise TierSettingsError("the ranks passed different tier settings to CheckpointManager: "
-                                    + "; ".join(diffs) + ". Every rank must pass the same values")
+                                    + "; ".join(diffs) + ". Every rank must pass the same values" + hint)
         bad = {r: p for r, (_, p) in enumerate(everyone) if p}
         if bad:
             shown = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items())[:4])
@@ -126,6 +131,7 @@ class TieredSaves:
         self._draining: set[int] = set()
         self._replicated: Optional[int] = None
         self._saves = 0
+        self._known_skip = 0
         self._last_drain = manager.clock()
         self.stalls: list[float] = []
         self.commits: list[float] = []
@@ -183,10 +189,17 @@ class TieredSaves:
 
     def _known(self) -> Optional[dict[int, Any]]:
         """The manager's known (drained) steps; None when object storage cannot be read now:
-        the local tier goes on without it (the drain, later, reports its own error)."""
+        the local tier goes on without it (the drain, later, reports its own error).  After a
+        failed read the next :data:`KNOWN_RETRY` saves do not try again, so an outage does not
+        add a timed-out request to every save's stall (a count, not a clock: every rank skips
+        alike, the read being a collective)."""
+        if self._known_skip > 0:
+            self._known_skip -= 1
+            return None
         try:
             return self.m._known_steps()  # rank 0's read, its error on every rank alike
         except (ObjckptError, OSError) as e:
+            self._known_skip = KNOWN_RETRY
             log.warning("objckpt: cannot read the steps under %s (%s: %s): saving to the local tier anyway",
                         self.m.root, type(e).__name__, e)
             return None
