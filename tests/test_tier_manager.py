@@ -278,6 +278,16 @@ def test_persist_every_seconds_drains_by_the_managers_clock_and_latest_step_sees
     assert m.latest_step() == 4  # local only, but restorable
     assert m.step_tiers() == {1: ["local"], 2: ["local"], 3: ["local", "object"], 4: ["local"]}
     m.close()
+    # objckpt ls shows the same tiers from the command line ({node} resolved as the manager does)
+    from objckpt.cli import main
+
+    out = subprocess.run([sys.executable, "-m", "objckpt", "ls", str(tmp_path / "root"), "--local-dir",
+                                 str(tmp_path / "{node}"), "--node", "local"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = {int(line.split()[0]): line.split() for line in out.stdout.splitlines()[1:-1]}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert "local,object" in rows[3] and "local" in rows[1] and "object" not in " ".join(rows[4])
+    assert main(["ls", str(tmp_path / "root")]) == 0  # without --local-dir: the index only, as before
 
 
 def test_the_drain_cap_paces_uploads(monkeypatch: pytest.MonkeyPatch) -> None:

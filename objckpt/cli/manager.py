@@ -4,6 +4,11 @@
   no LIST), with size, date and metadata; a prefix without an index (plain
   ``objckpt.save`` checkpoints) or ``--objects`` prints the raw listing of
   committed checkpoints instead.  ``ls`` never writes, not even to repair.
+  With ``--local-dir DIR`` (a tiered manager's ``local_dir``, ``{node}`` replaced
+  by ``--node`` or this host's node name) a TIERS column says where each step
+  is: ``object`` (indexed under ROOT), ``local`` (this node's folder holds it
+  whole) or ``local-partial`` (its manifest and some files: the rest is on other
+  nodes), and steps held only locally are listed too.
 * ``rm URI``: :func:`objckpt.delete` (manifest first, then its objects); when
   URI is a step of a manager root, the step leaves the index first.
 * ``prune ROOT --keep-last M --keep-every K [--keep-best N --best-key KEY]
@@ -65,13 +70,37 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps([e.to_json() for e in doc.steps], indent=1))
         return 0
-    print(f"{'STEP':>10}  {'SIZE':>9}  {'SAVED (UTC)':<19}  METADATA")
-    for e in doc.steps:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.time)) if e.time else "?"
-        print(f"{e.step:>10}  {_size(e.bytes):>9}  {when:<19}  {json.dumps(e.metadata, sort_keys=True)}")
+    local = _local_steps(args, StepIndex(store, prefix).naming.parse)
+    if local is None:
+        print(f"{'STEP':>10}  {'SIZE':>9}  {'SAVED (UTC)':<19}  METADATA")
+    else:
+        print(f"{'STEP':>10}  {'SIZE':>9}  {'SAVED (UTC)':<19}  {'TIERS':<20}  METADATA")
+    indexed = {e.step: e for e in doc.steps}
+    for step in sorted(set(indexed) | set(local or {})):
+        e = indexed.get(step)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.time)) if e and e.time else "?"
+        size, meta = (_size(e.bytes), json.dumps(e.metadata, sort_keys=True)) if e else ("?", "")
+        if local is None:
+            print(f"{step:>10}  {size:>9}  {when:<19}  {meta}")
+            continue
+        tiers = ([local[step]] if step in local else []) + (["object"] if e else [])
+        print(f"{step:>10}  {size:>9}  {when:<19}  {','.join(tiers):<20}  {meta}")
     print(f"{len(doc.steps)} step(s) under {args.uri.rstrip('/')}/" + ("" if doc.seq >= 0 else
-          " (no index yet: read from the manifests)"))
+          " (no index yet: read from the manifests)")
+          + ("" if local is None else f"; {len(local)} in {args.local_dir}"))
     return 0
+
+
+def _local_steps(args: argparse.Namespace, parse: Any) -> Optional[dict[int, str]]:
+    """Each step in this node's local tier (``--local-dir``) -> ``local`` / ``local-partial``;
+    None without ``--local-dir``."""
+    if not getattr(args, "local_dir", None):
+        return None
+    from ..tier.local import resolve_dir, scan
+    from ..tier.topology import node_name
+
+    root = resolve_dir(args.local_dir, node_name(args.node))
+    return {s: "local" if held.complete else "local-partial" for s, held in scan(root, parse).items()}
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -119,6 +148,10 @@ def add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--objects", action="store_true",
                    help="the raw listing of committed checkpoints instead of the manager's index")
     p.add_argument("--json", action="store_true", help="the index entries as JSON")
+    p.add_argument("--local-dir", default=None,
+                   help="a tiered manager's local_dir ({node}: this node's name): adds a TIERS column")
+    p.add_argument("--node", default=None, help="the node name for {node} in --local-dir (default: "
+                                                "$OBJCKPT_NODE, else the hostname)")
 
 
 def add_rm(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -33,7 +33,7 @@ from ..tier import restore as _restore
 from ..tier.advice import Advice, advise
 from ..tier.drain import drain
 from ..tier.errors import DrainError, LocalTierError, TierRestoreError, TierSettingsError
-from ..tier.topology import Topology, tier_comm
+from ..tier.topology import Topology, node_name, tier_comm
 from .worker import CommitJob
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class TieredSaves:
         problem = ""
         try:
             settings.check()
-            node = _local.node_name_for(node_override)
+            node = node_name(node_override)
             self.root = _local.resolve_dir(settings.local_dir, node)
             problem = _local.writable_error(self.root) or ""
         except (TierSettingsError, ValueError) as e:

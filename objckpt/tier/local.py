@@ -37,13 +37,6 @@ from .errors import LocalTierError
 _INDEX = re.compile(r"r(\d{5,})\.index\.json$")
 
 
-def node_name_for(override: Optional[str] = None) -> str:
-    """This rank's node name (:func:`objckpt.tier.topology.node_name`)."""
-    from .topology import node_name
-
-    return node_name(override)
-
-
 def resolve_dir(template: str, node: str) -> Path:
     """``template`` with ``{node}`` replaced by the node's name, absolute."""
     return Path(os.path.abspath(os.path.expanduser(template.replace("{node}", node))))
