@@ -61,6 +61,14 @@ READ_TEMP_BYTES = 64 * MiB
 #: ``copy`` / ``diff`` / ``verify``: parts or tensors held at once
 COPY_MEMORY_BYTES = 256 * MiB
 DIFF_MEMORY_BYTES = 256 * MiB
+#: a copy of the tier between ranks (``replicate``, ``repair``): its piece buffers, two per partner
+#: and direction, drawn from the process-wide pool (``memory_bytes=`` overrides); pieces shrink to fit
+TIER_COPY_BYTES = 64 * MiB
+#: the smallest piece such a copy cuts files into: a budget without room for its buffers at this
+#: size is refused before a byte moves
+TIER_MIN_PIECE_BYTES = 1 * MiB
+#: a drain's upload buffer (one part at a time, from the pool; ``memory_bytes=`` overrides)
+DRAIN_MEMORY_BYTES = 64 * MiB
 #: the idle buffers the process-wide pool keeps for the next operation, at most: this share of
 #: physical memory (an async save's whole share stays pinned from one save to the next), or
 #: :data:`POOL_KEEP_BYTES` where the machine does not say; ``$OBJCKPT_HOST_POOL_BYTES`` overrides

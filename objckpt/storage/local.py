@@ -42,7 +42,10 @@ from .base import BlobWriter, ObjectInfo, ObjectStore
 from .fs_errors import is_absent, missing, storage_error
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: "str | os.PathLike[str]") -> None:
+    """Make a rename or create in ``path`` durable (best effort: a folder that cannot be
+    opened or synced, as on some filesystems, is left as it is).  Shared with the tier's
+    copies between ranks (:mod:`objckpt.tier.transfer`)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -437,7 +440,7 @@ class LocalStore(ObjectStore):
                 raise
             if if_absent:
                 _unlink_quietly(tmp)
-            _fsync_dir(d)
+            fsync_dir(d)
 
         await _runtime.in_thread(write)
 

@@ -10,6 +10,13 @@ the step does not exist in object storage (its blobs are leftovers for ``objckpt
 gc``, as a killed ordinary save leaves).  The manifest is the local one byte for
 byte: the names it records are relative to the step prefix, the same in both
 tiers.
+
+Each rank uploads from one reused buffer at a time, taken from the process-wide
+host pool and drawn from the drain's memory budget (``memory_bytes``, else
+:data:`~objckpt.runtime.memory.DRAIN_MEMORY_BYTES`): the part shrinks to fit a
+given budget, down to the store's smallest part; below that the rank's upload
+fails with a :class:`~objckpt.errors.MemoryBudgetError` naming the budget, and
+the drain commits nothing.
 """
 from __future__ import annotations
 
@@ -20,9 +27,10 @@ from pathlib import Path
 from typing import BinaryIO, Optional
 
 from ..distributed.comm import Comm
-from ..errors import CheckpointExistsError, ObjckptError, PreconditionFailed
+from ..errors import CheckpointExistsError, MemoryBudgetError, ObjckptError, PreconditionFailed
 from ..format import keys
 from ..runtime import loop as _runtime
+from ..runtime.memory import DRAIN_MEMORY_BYTES, Budget, OperationBudget, host_bytes, host_pool
 from ..storage import ObjectStore
 from ..units import MiB
 from .errors import DrainError
@@ -69,44 +77,91 @@ def _forget(f: BinaryIO) -> None:
         pass
 
 
-def upload_file(src: Path, store: ObjectStore, key: str, throttle: Throttle) -> int:
-    """``src`` to ``key``, in parts of :data:`DRAIN_PART` (a multipart upload past one part)."""
+def drain_budget(memory_bytes: Optional[int] = None) -> OperationBudget:
+    """A drain's upload buffer budget: ``memory_bytes`` (strict), else
+    :data:`~objckpt.runtime.memory.DRAIN_MEMORY_BYTES` (lenient: a part the store requires
+    larger than that, for a huge file, is still taken alone, as it always was)."""
+    if memory_bytes is None:
+        return OperationBudget(DRAIN_MEMORY_BYTES, f"drain memory budget (default {DRAIN_MEMORY_BYTES} bytes)",
+                               strict=False)
+    if not (isinstance(memory_bytes, int) and memory_bytes > 0):
+        raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
+    return OperationBudget(memory_bytes, f"drain memory budget (memory_bytes={memory_bytes})")
+
+
+def _part_size(src: Path, size: int, store: ObjectStore, budget: OperationBudget) -> int:
+    """Bytes per upload (``size`` itself: one PUT): :data:`DRAIN_PART`, fewer where the
+    budget says, never fewer than the store's smallest part or than its part count allows."""
+    floor = max(store.min_part_size, -(-size // max(store.max_parts, 1)))
+    part = max(DRAIN_PART, floor)
+    if size <= min(part, budget.nbytes) or not budget.strict:
+        return min(size, part)
+    if budget.nbytes < floor:
+        need = floor if size > floor else size
+        raise MemoryBudgetError(
+            f"draining {str(src)!r} ({size} bytes) needs a buffer of {need} bytes (the store's smallest part), "
+            f"more than the {budget.name} ({budget.nbytes} bytes); give a larger budget")
+    return min(part, budget.nbytes)
+
+
+def upload_file(src: Path, store: ObjectStore, key: str, throttle: Throttle,
+                budget: Optional[OperationBudget] = None) -> int:
+    """``src`` to ``key``, in parts of :data:`DRAIN_PART` (a multipart upload past one part),
+    through one buffer from the host pool drawn from ``budget`` (default :func:`drain_budget`)."""
+    budget = budget if budget is not None else drain_budget()
     size = src.stat().st_size
-    part = max(DRAIN_PART, store.min_part_size, -(-size // max(store.max_parts, 1)))
-    with open(src, "rb") as f:
-        if size <= part:
-            data = f.read()
-            _forget(f)
-            _runtime.run(store.put(key, data))
-            throttle.account(len(data))
-            return size
-        nparts = -(-size // part)
-        writer = store.open_writer(key, size, nparts)
+    part = _part_size(src, size, store, budget)
+    pool = host_pool()
+    with open(src, "rb", buffering=0) as f, budget.hold(part, f"a drain's upload buffer for {str(src)!r}"):
+        buf = pool.take(max(part, 1), Budget(max(part, 1)))  # exactly what the budget drew
         try:
-            for i in range(nparts):
-                data = f.read(part)
+            view = host_bytes(buf)
+
+            def fill(n: int) -> memoryview:
+                got = 0
+                while got < n:
+                    r = f.readinto(view[got:n])
+                    if not r:
+                        raise OSError(f"{str(src)!r} is shorter than the {size} bytes it had (changed while draining)")
+                    got += r
                 _forget(f)
-                _runtime.run(writer.write_part(i, i * part, memoryview(data)))
-                throttle.account(len(data))
-            _runtime.run(writer.complete())
-        except BaseException:
-            _runtime.run(writer.abort())
-            raise
+                return view[:n]
+
+            if size <= part:
+                data = fill(size)
+                _runtime.run(store.put(key, data))
+                throttle.account(size)
+                return size
+            nparts = -(-size // part)
+            writer = store.open_writer(key, size, nparts)
+            try:
+                for i in range(nparts):
+                    n = min(part, size - i * part)
+                    _runtime.run(writer.write_part(i, i * part, fill(n)))
+                    throttle.account(n)
+                _runtime.run(writer.complete())
+            except BaseException:
+                _runtime.run(writer.abort())
+                raise
+        finally:
+            pool.give(buf)
     return size
 
 
 def drain(comm: Comm, step: int, step_dir: Path, files: list[str], store: ObjectStore, prefix: str, uri: str,
-          bandwidth: Optional[float] = None) -> DrainReport:
+          bandwidth: Optional[float] = None, memory_bytes: Optional[int] = None) -> DrainReport:
     """Collective over ``comm``: copy this rank's ``files`` from ``step_dir`` to ``prefix``,
     then rank 0 commits the local manifest there once every rank succeeded.  Raises on
-    every rank when any rank failed (naming them); nothing is committed then."""
+    every rank when any rank failed (naming them); nothing is committed then.
+    ``memory_bytes``: the upload buffer's budget (:func:`drain_budget`)."""
     rep = DrainReport(step, uri)
+    budget = drain_budget(memory_bytes)
     t0 = time.perf_counter()
     throttle = Throttle(bandwidth)
     error = ""
     try:
         for name in files:
-            rep.bytes += upload_file(step_dir / name, store, keys.join(prefix, name), throttle)
+            rep.bytes += upload_file(step_dir / name, store, keys.join(prefix, name), throttle, budget)
             rep.files += 1
     except (OSError, ObjckptError) as e:
         error = f"{type(e).__name__}: {e}"

@@ -8,8 +8,9 @@ all-gather of what each rank has, a plan every rank computes alike from it,
 point-to-point sends in bounded pieces over objckpt's own gloo group, one
 all-gather of the outcome, and only then the renames.  So:
 
-* memory stays bounded: two sets of pieces per partner (``piece_bytes``, 16 MiB by
-  default), reused for the whole call, whatever the files' sizes;
+* memory stays bounded: two buffers per partner and direction (``piece_bytes``, 16 MiB by
+  default, smaller where ``memory_bytes`` requires), from the process-wide host pool and
+  drawn from the copy's budget, whatever the files' sizes;
 * a received file appears under its final name only when every rank finished
   (temp file + fsync + rename); a rank that dies mid-way leaves temp files only,
   and every other rank raises :class:`~objckpt.errors.CollectiveError` (a closed
@@ -34,7 +35,7 @@ from ..distributed.comm import Comm
 from ..format.keys import MANIFEST_NAME
 from ..format.manifest import Manifest, decode
 from .topology import Topology, TopologyError, tier_comm
-from .transfer import PIECE_BYTES, PeerCopyError, RankTraffic, Transfer, is_temp_name, run_transfers
+from .transfer import PIECE_BYTES, PeerCopyError, RankTraffic, Transfer, copy_budget, is_temp_name, run_transfers
 
 __all__ = ["PIECE_BYTES", "PeerCopyError", "RankTraffic", "ReplicaReport", "RepairReport", "Restored",
            "files_of_rank", "replicate", "repair"]
@@ -166,7 +167,7 @@ class _Offer:
 
 def replicate(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, files: list[str], k: int, *,
               peer_dir: Optional[Callable[[int], pathlib.Path]] = None,
-              piece_bytes: int = PIECE_BYTES) -> ReplicaReport:
+              piece_bytes: int = PIECE_BYTES, memory_bytes: Optional[int] = None) -> ReplicaReport:
     """Collective: copy this rank's ``files`` (relative to ``local_step_dir``) to its
     ``k`` peers (:meth:`Topology.peers_for`), which write them under their own
     ``local_step_dir``, or under ``peer_dir(src_rank)`` when given.
@@ -176,9 +177,13 @@ def replicate(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, file
     :class:`~objckpt.tier.topology.TopologyError`, a listed file this rank does not
     have a :class:`PeerCopyError`, on every rank alike.  Received files appear
     atomically, once every rank has finished; see the module docstring for failures.
-    ``piece_bytes`` bounds each message (two buffers of it per partner are all the
-    memory a call holds)."""
+    ``piece_bytes`` bounds each message; ``memory_bytes`` (default
+    :data:`~objckpt.runtime.memory.TIER_COPY_BYTES`) bounds the piece buffers together
+    (two per partner and direction): pieces shrink to fit it, and a budget below two
+    minimal pieces per partner and direction is a
+    :class:`~objckpt.errors.MemoryBudgetError` on every rank before a byte moves."""
     t0 = time.perf_counter()
+    budget = copy_budget(memory_bytes)
     step = pathlib.Path(local_step_dir)
     problem = ""
     try:
@@ -209,7 +214,7 @@ def replicate(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, file
     def dest(t: Transfer) -> pathlib.Path:
         return _under(pathlib.Path(peer_dir(t.src)) if peer_dir is not None else step, t.rel)
 
-    traffic = run_transfers(comm, tc, plan, lambda t: _under(step, t.rel), dest, piece_bytes, "replicate")
+    traffic = run_transfers(comm, tc, plan, lambda t: _under(step, t.rel), dest, piece_bytes, "replicate", budget)
     return ReplicaReport(k, peers, traffic, time.perf_counter() - t0)
 
 
@@ -282,15 +287,16 @@ def plan_repair(holdings: Sequence[tuple[tuple[str, str], Sequence[str], dict[st
 
 
 def repair(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, needed: list[str], *,
-           piece_bytes: int = PIECE_BYTES) -> RepairReport:
+           piece_bytes: int = PIECE_BYTES, memory_bytes: Optional[int] = None) -> RepairReport:
     """Collective: every rank states which of ``needed`` (relative to
     ``local_step_dir``) it lacks, and what files its step directory holds; each
     missing file is sent by exactly one holder (:func:`plan_repair`: deterministic,
     spread over holders) and written under the receiver's ``local_step_dir``
     atomically.  Files nobody holds are reported per rank in
     :attr:`RepairReport.missing` (read those from object storage).  Every rank
-    returns the same report; failures as in :func:`replicate`."""
+    returns the same report; failures and ``memory_bytes`` as in :func:`replicate`."""
     t0 = time.perf_counter()
+    budget = copy_budget(memory_bytes)
     step = pathlib.Path(local_step_dir)
     problem = ""
     try:
@@ -307,7 +313,7 @@ def repair(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, needed:
         raise PeerCopyError("repair: nothing was sent: " + "; ".join(problems.values()), problems)
     plan, missing = plan_repair([(h.dir_id, h.needed, h.listing) for h in everyone])
     traffic = run_transfers(comm, tc, plan, lambda t: _under(step, t.rel), lambda t: _under(step, t.rel),
-                            piece_bytes, "repair")
+                            piece_bytes, "repair", budget)
     restored = []
     for t in plan:  # a file delivered to a shared directory serves every rank there that needed it
         for r, h in enumerate(everyone):

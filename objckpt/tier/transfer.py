@@ -3,28 +3,45 @@
 The engine behind :func:`~objckpt.tier.peers.replicate` and
 :func:`~objckpt.tier.peers.repair`.  Every rank holds the same plan (a list of
 :class:`Transfer`, computed alike everywhere from one all-gather); each ordered
-pair of ranks has one stream, the concatenation of its files cut into pieces
-of at most ``piece_bytes``, and piece ``i`` of every stream moves in round
-``i`` (``isend``/``irecv``, so a rank serves all its partners at once).  Round
-``i+1`` is posted before round ``i``'s pieces are written, so disk and network
-overlap; two buffers per partner, allocated once, are all the memory it takes.
-Gloo matches the messages of one pair in order, and every rank posts round
-``i`` only after its round ``i-1`` completed, so the rounds cannot deadlock.
+pair of ranks has one stream, the concatenation of its files cut into pieces,
+and piece ``i`` of every stream moves in round ``i`` (``isend``/``irecv``, so a
+rank serves all its partners at once).
+
+Three threads keep the wire busy: a reader fills the next round's send buffers
+(``readinto`` straight into them), the calling thread posts round ``i+1`` before
+it waits for round ``i`` (so gloo always has a round queued), and a writer
+empties the received buffers into the temp files (``os.write`` from them, no
+other copy).  Two buffers per partner and direction are all the memory it
+takes; they come from the process-wide :class:`~objckpt.runtime.memory.HostPool`
+(reused from one copy to the next) and are drawn from one
+:class:`~objckpt.runtime.memory.OperationBudget` (``memory_bytes``, else
+:data:`~objckpt.runtime.memory.TIER_COPY_BYTES`): the piece is the smaller of
+``piece_bytes`` and what that budget allows, agreed by every rank (one small
+all-gather), and a budget that cannot hold pieces of
+:data:`~objckpt.runtime.memory.TIER_MIN_PIECE_BYTES` is a
+:class:`~objckpt.errors.MemoryBudgetError` on every rank before a byte moves.
+Gloo matches the messages of one pair in order, and every rank posts its rounds
+in order, so the rounds cannot deadlock.
 
 A piece that cannot be read (a file shrank) or written (a full disk) does not
 stop the rounds, which would leave partners waiting: the rank sends zeros or
 drops the bytes, carries on, and reports the failure in the outcome
 all-gather, after which every rank raises :class:`PeerCopyError`.  Received
 files stay under temp names until that outcome says every rank succeeded; only
-then are they renamed (each was fsynced when complete).  A failed collective (a
-dead rank: gloo's closed connection, or the group's timeout) removes this
-rank's temp files and raises :class:`~objckpt.errors.CollectiveError`.
+then are they renamed.  Each is fsynced once, when complete, and dropped from
+the page cache, except on tmpfs (``/dev/shm``), where the file *is* memory and
+an fsync means nothing.  A failed collective (a dead rank: gloo's closed
+connection, or the group's timeout) removes this rank's temp files and raises
+:class:`~objckpt.errors.CollectiveError`.
 """
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
+import queue
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -32,12 +49,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..distributed.comm import Comm
-from ..errors import CollectiveError, ObjckptError
+from ..errors import CollectiveError, MemoryBudgetError, ObjckptError
+from ..runtime.memory import TIER_COPY_BYTES, TIER_MIN_PIECE_BYTES, Budget, OperationBudget, host_pool
+from ..storage.local import fsync_dir
 
-#: the largest piece one message carries (memory per partner is twice this)
+#: the largest piece one message carries (memory per partner and direction is twice this)
 PIECE_BYTES = 16 << 20
 #: marks a file being received: never a final name (see :func:`is_temp_name`)
 TEMP_MARK = ".objckpt-tmp-"
+#: filesystems whose files live in memory: no fsync, no page-cache advice
+_VOLATILE_FS = frozenset({"tmpfs", "ramfs"})
 
 
 class PeerCopyError(ObjckptError, OSError):
@@ -89,16 +110,44 @@ class _Inbound:
     fd: int = -1
 
 
+def _mount_types() -> list[tuple[str, str]]:
+    """(mount point, filesystem type), longest mount point first."""
+    out = []
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    out.append((parts[1].replace("\\040", " "), parts[2]))
+    except OSError:
+        pass
+    return sorted(out, key=lambda m: len(m[0]), reverse=True)
+
+
+def volatile(path: pathlib.Path) -> bool:
+    """Whether ``path`` (a folder) is on a filesystem that lives in memory (tmpfs, ramfs):
+    its files need no fsync and do not sit in a page cache apart from themselves."""
+    real = os.path.realpath(path)
+    for mount, fstype in _mount_types():
+        if real == mount or real.startswith(mount.rstrip("/") + "/"):
+            return fstype in _VOLATILE_FS
+    return False
+
+
 @dataclass
 class _State:
     error: str = ""
     reading: dict[tuple[int, str], Any] = field(default_factory=dict)
     writing: dict[tuple[int, str], _Inbound] = field(default_factory=dict)
     done: list[_Inbound] = field(default_factory=list)
+    #: folder -> whether it is in memory (no fsync there), asked once per folder
+    in_memory: dict[pathlib.Path, bool] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, message: str) -> None:
-        if not self.error:
-            self.error = message
+        with self.lock:
+            if not self.error:
+                self.error = message
 
     def cleanup(self) -> None:
         """Close and remove every temp file (a failed call renames nothing)."""
@@ -144,9 +193,9 @@ def _read_piece(state: _State, src_path: Callable[[Transfer], pathlib.Path], t: 
             got += n
         if off + len(view) >= t.size:
             state.reading.pop(key).close()
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - kept for the outcome: the rounds must go on
         buf.zero_()
-        state.fail(f"rank {t.src}: reading {t.rel!r} for rank {t.dst}: {e}")
+        state.fail(f"rank {t.src}: reading {t.rel!r} for rank {t.dst}: {type(e).__name__}: {e}")
 
 
 def _start(dst_path: Callable[[Transfer], pathlib.Path], t: Transfer) -> _Inbound:
@@ -158,11 +207,20 @@ def _start(dst_path: Callable[[Transfer], pathlib.Path], t: Transfer) -> _Inboun
     return inbound
 
 
+def _in_memory(state: _State, folder: pathlib.Path) -> bool:
+    known = state.in_memory.get(folder)
+    if known is None:
+        known = state.in_memory[folder] = volatile(folder)
+    return known
+
+
 def _finish(state: _State, inbound: _Inbound) -> None:
-    """fsync a complete temp file and let it go from the page cache (it stays on its medium)."""
-    os.fsync(inbound.fd)
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(inbound.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    """A complete temp file: fsynced once and let go from the page cache (it stays on its
+    medium), except in memory (tmpfs), where there is nothing to sync or let go."""
+    if not _in_memory(state, inbound.tmp.parent):
+        os.fsync(inbound.fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(inbound.fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(inbound.fd)
     inbound.fd = -1
     state.done.append(inbound)
@@ -180,37 +238,89 @@ def _write_piece(state: _State, dst_path: Callable[[Transfer], pathlib.Path], t:
         view = buf.numpy().data
         done = 0
         while done < len(view):
-            done += os.write(inbound.fd, view[done:])
+            done += os.pwrite(inbound.fd, view[done:], off + done)
         if off + len(view) >= t.size:
             _finish(state, state.writing.pop(key))
-    except OSError as e:
-        state.fail(f"rank {t.dst}: writing {t.rel!r} from rank {t.src}: {e}")
+    except Exception as e:  # noqa: BLE001 - kept for the outcome: the rounds must go on
+        state.fail(f"rank {t.dst}: writing {t.rel!r} from rank {t.src}: {type(e).__name__}: {e}")
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _streams(plan: Sequence[Transfer], me: int, piece: int) -> tuple[dict[int, list[_Piece]], dict[int, list[_Piece]]]:
+    """This rank's send and receive streams, by partner, cut into pieces of ``piece``."""
+    outgoing = [t for t in plan if t.src == me]
+    incoming = [t for t in plan if t.dst == me]
+    sends = {p: _pieces([t for t in outgoing if t.dst == p], piece) for p in sorted({t.dst for t in outgoing})}
+    recvs = {p: _pieces([t for t in incoming if t.src == p], piece) for p in sorted({t.src for t in incoming})}
+    return sends, recvs
+
+
+def _piece_limit(plan: Sequence[Transfer], me: int, budget: OperationBudget) -> int:
+    """The largest piece this rank's budget allows: two buffers per partner and direction."""
+    partners = len({t.dst for t in plan if t.src == me}) + len({t.src for t in plan if t.dst == me})
+    return budget.nbytes // (2 * partners) if partners else 1 << 62
+
+
+def _agree_piece(comm: Comm, tc: Comm, plan: Sequence[Transfer], piece: int, budget: OperationBudget) -> int:
+    """The piece every rank uses (senders and receivers must cut alike): the smallest of
+    ``piece`` and every rank's budget limit.  A budget that cannot hold the minimal piece is
+    a :class:`MemoryBudgetError` on every rank, naming the ranks and their budgets."""
+    mine = (_piece_limit(plan, comm.rank, budget), budget.name)
+    limits = tc.all_gather_object(mine) if comm.world_size > 1 else [mine]
+    low = {r: (lim, name) for r, (lim, name) in enumerate(limits) if lim < TIER_MIN_PIECE_BYTES}
+    if low:
+        shown = "; ".join(f"rank {r}: the {name} allows pieces of {lim} bytes" for r, (lim, name) in low.items())
+        raise MemoryBudgetError(
+            f"a tier copy needs two buffers of at least {TIER_MIN_PIECE_BYTES} bytes per partner and direction "
+            f"(TIER_MIN_PIECE_BYTES), more than a rank's budget holds ({shown}); give a larger memory_bytes")
+    return min([piece] + [lim for lim, _name in limits])
+
+
+class _Buffers:
+    """The piece buffers of one call: taken from the process-wide pool, drawn from the budget."""
+
+    def __init__(self, budget: OperationBudget, sizes: dict[str, dict[int, int]]) -> None:
+        self.pool, self.budget, self.held = host_pool(), budget, 0
+        self.taken: list[torch.Tensor] = []
+        #: [slot][direction][partner] -> a buffer of exactly the stream's largest piece
+        self.slots: list[dict[str, dict[int, torch.Tensor]]] = []
+        total = 2 * sum(n for by_partner in sizes.values() for n in by_partner.values())
+        self.budget.draw(total, f"the piece buffers of a tier copy ({total} bytes)")
+        self.held = total
+        try:
+            for _slot in range(2):
+                slot: dict[str, dict[int, torch.Tensor]] = {}
+                for direction, by_partner in sizes.items():
+                    slot[direction] = {}
+                    for p, n in by_partner.items():
+                        # exactly n: a larger idle buffer would hold more than the budget drew
+                        buf = self.pool.take(max(n, 1), Budget(max(n, 1)))
+                        self.taken.append(buf)
+                        slot[direction][p] = buf[:n]
+                self.slots.append(slot)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self, reuse: bool = True) -> None:
+        if reuse:
+            for buf in self.taken:
+                self.pool.give(buf)
+        self.taken.clear()
+        self.budget.release(self.held)
+        self.held = 0
 
 
 def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
-              dst_path: Callable[[Transfer], pathlib.Path], piece: int, state: _State, what: str) -> RankTraffic:
+              dst_path: Callable[[Transfer], pathlib.Path], piece: int, budget: OperationBudget, state: _State,
+              what: str) -> RankTraffic:
     """This rank's part of the rounds; a failed collective raises CollectiveError."""
     import torch.distributed as dist
 
     me = comm.rank
     to_global = comm.global_ranks()
+    sends, recvs = _streams(plan, me, piece)
     outgoing = [t for t in plan if t.src == me]
     incoming = [t for t in plan if t.dst == me]
-    sends = {p: _pieces([t for t in outgoing if t.dst == p], piece) for p in sorted({t.dst for t in outgoing})}
-    recvs = {p: _pieces([t for t in incoming if t.src == p], piece) for p in sorted({t.src for t in incoming})}
     for t in incoming:
         if t.size == 0 and not state.error:
             try:
@@ -222,10 +332,41 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
     def size(stream: list[_Piece]) -> int:
         return max((n for _t, _o, n in stream), default=0)
 
-    sbuf = [{p: torch.empty(size(v), dtype=torch.uint8) for p, v in sends.items()} for _ in range(2)]
-    rbuf = [{p: torch.empty(size(v), dtype=torch.uint8) for p, v in recvs.items()} for _ in range(2)]
-    held = sum(b.numel() for slot in sbuf + rbuf for b in slot.values())
+    bufs = _Buffers(budget, {"send": {p: size(v) for p, v in sends.items()},
+                             "recv": {p: size(v) for p, v in recvs.items()}})
+    held = bufs.held
     group = tc.group
+    stop = threading.Event()
+    free_send: queue.Queue[Optional[int]] = queue.Queue()
+    ready: queue.Queue[int] = queue.Queue()
+    free_recv: queue.Queue[int] = queue.Queue()
+    to_write: queue.Queue[Optional[tuple[int, int]]] = queue.Queue()
+    for slot in range(2):
+        free_send.put(slot)
+        free_recv.put(slot)
+
+    def reader() -> None:  # fills round i's send buffers while the wire carries round i-1
+        for i in range(rounds):
+            slot = free_send.get()
+            if slot is None or stop.is_set():
+                return
+            for p, stream in sends.items():
+                if i < len(stream):
+                    t, off, n = stream[i]
+                    _read_piece(state, src_path, t, off, bufs.slots[slot]["send"][p][:n])
+            ready.put(slot)
+
+    def writer() -> None:  # empties round i's receive buffers while the wire carries round i+1
+        while True:
+            item = to_write.get()
+            if item is None or stop.is_set():
+                return
+            i, slot = item
+            for p, stream in recvs.items():
+                if i < len(stream):
+                    t, off, n = stream[i]
+                    _write_piece(state, dst_path, t, off, bufs.slots[slot]["recv"][p][:n])
+            free_recv.put(slot)
 
     def failed(p: int, e: RuntimeError) -> CollectiveError:
         return CollectiveError(
@@ -233,59 +374,90 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
             f"the network failed, or it did not answer within the collective timeout); nothing was "
             f"renamed into place: {e}")
 
-    def post(i: int) -> list[Any]:
-        slot, works = i % 2, []
+    def post(i: int, sslot: int, rslot: int) -> list[Any]:
+        works = []
         for p, stream in sends.items():
             if i < len(stream):
-                t, off, n = stream[i]
-                buf = sbuf[slot][p][:n]
-                _read_piece(state, src_path, t, off, buf)
                 try:
-                    works.append((p, dist.isend(buf, dst=to_global[p], group=group)))
+                    works.append((p, dist.isend(bufs.slots[sslot]["send"][p][: stream[i][2]], dst=to_global[p],
+                                                group=group)))
                 except RuntimeError as e:
                     raise failed(p, e) from e
         for p, stream in recvs.items():
             if i < len(stream):
                 try:
-                    works.append((p, dist.irecv(rbuf[slot][p][: stream[i][2]], src=to_global[p], group=group)))
+                    works.append((p, dist.irecv(bufs.slots[rslot]["recv"][p][: stream[i][2]], src=to_global[p],
+                                                group=group)))
                 except RuntimeError as e:
                     raise failed(p, e) from e
         return works
 
-    def wait(works: list[Any]) -> None:
+    def complete(i: int, sslot: int, rslot: int, works: list[Any]) -> None:
         for p, w in works:
             try:
                 w.wait()
             except RuntimeError as e:
                 raise failed(p, e) from e
+        free_send.put(sslot)
+        to_write.put((i, rslot))
 
+    threads = [threading.Thread(target=reader, name="objckpt-tier-read", daemon=True),
+               threading.Thread(target=writer, name="objckpt-tier-write", daemon=True)]
     t0 = time.perf_counter()
-    pending = post(0) if rounds else []
-    for i in range(rounds):
-        following = post(i + 1) if i + 1 < rounds else []
-        wait(pending)
-        slot = i % 2
-        for p, stream in recvs.items():
-            if i < len(stream):
-                t, off, n = stream[i]
-                _write_piece(state, dst_path, t, off, rbuf[slot][p][:n])
-        pending = following
+    clean = False
+    try:
+        for th in threads:
+            th.start()
+        inflight: collections.deque[tuple[int, int, int, list[Any]]] = collections.deque()
+        for i in range(rounds):
+            sslot, rslot = ready.get(), free_recv.get()
+            inflight.append((i, sslot, rslot, post(i, sslot, rslot)))
+            if len(inflight) > 1:  # round i is queued behind i-1: the wire never waits for us
+                complete(*inflight.popleft())
+        while inflight:
+            complete(*inflight.popleft())
+        to_write.put(None)
+        threads[1].join()
+        clean = True
+    finally:
+        stop.set()
+        free_send.put(None)
+        to_write.put(None)
+        for th in threads:
+            if th.ident is not None:
+                th.join()
+        # after a failed collective gloo may still hold a posted buffer: those are not handed
+        # back to the pool (another operation would reuse them), only released from the budget
+        bufs.close(reuse=clean)
     return RankTraffic(me, sum(t.size for t in outgoing), sum(t.size for t in incoming), len(outgoing),
                        len(incoming), time.perf_counter() - t0, held)
 
 
+def copy_budget(memory_bytes: Optional[int]) -> OperationBudget:
+    """A tier copy's budget: ``memory_bytes`` when given, else :data:`TIER_COPY_BYTES`."""
+    if memory_bytes is None:
+        return OperationBudget(TIER_COPY_BYTES, f"tier copy memory budget (default {TIER_COPY_BYTES} bytes)")
+    if not (isinstance(memory_bytes, int) and memory_bytes > 0):
+        raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
+    return OperationBudget(memory_bytes, f"tier copy memory budget (memory_bytes={memory_bytes})")
+
+
 def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
-                  dst_path: Callable[[Transfer], pathlib.Path], piece: int, what: str) -> tuple[RankTraffic, ...]:
+                  dst_path: Callable[[Transfer], pathlib.Path], piece: int, what: str,
+                  budget: Optional[OperationBudget] = None) -> tuple[RankTraffic, ...]:
     """Collective: carry out ``plan`` (the same on every rank) over ``tc`` (the tier's
-    gloo group over ``comm``'s ranks), agree on the outcome, then rename.  Returns
-    every rank's traffic, by rank."""
+    gloo group over ``comm``'s ranks), agree on the outcome, then rename.  ``budget``
+    bounds the piece buffers (default: :func:`copy_budget`).  Returns every rank's
+    traffic, by rank."""
     if not (isinstance(piece, int) and piece > 0):
         raise ValueError(f"piece_bytes must be a positive number of bytes, got {piece!r}")
+    budget = budget if budget is not None else copy_budget(None)
     state = _State()
     mine: Optional[RankTraffic] = None
     try:
         if comm.world_size > 1:
-            mine = _exchange(comm, tc, plan, src_path, dst_path, piece, state, what)
+            piece = _agree_piece(comm, tc, plan, piece, budget)
+            mine = _exchange(comm, tc, plan, src_path, dst_path, piece, budget, state, what)
             outcomes: list[tuple[str, RankTraffic]] = tc.all_gather_object((state.error, mine))
         else:
             outcomes = [("", RankTraffic(comm.rank))]
@@ -303,7 +475,8 @@ def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Call
             os.replace(inbound.tmp, inbound.final)
             dirs.add(inbound.final.parent)
         for d in sorted(dirs):
-            _fsync_dir(d)
+            if not _in_memory(state, d):
+                fsync_dir(d)
     except OSError as e:
         problem = f"rank {comm.rank}: renaming a received file into place: {e}"
         state.cleanup()
