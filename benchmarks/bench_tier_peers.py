@@ -17,6 +17,17 @@ machine's page cache (``Cached``), ``Shmem`` and ``Dirty`` growth across it (``/
 both ranks together).  Received files are fsynced and dropped from the page cache
 (``POSIX_FADV_DONTNEED``), so on a disk the cache should not grow by the bytes received;
 on tmpfs the files *are* memory (``Shmem`` grows by them).
+
+**Restore** (``--restore``, on by default): a ``CheckpointManager`` per rank (``local_dir``
+with ``{node}`` under ``--dir``, ``replicas=1``, ``persist_every=1``, the in-memory S3 server
+of testkit/ in the parent process as object storage) saves one step of ``--mib`` MiB a rank
+(eight float32 tensors of unaligned sizes) and drains it.  Each repeat then deletes node1's
+folder and times ``CheckpointManager.load`` into existing, touched tensors on both ranks
+(rank 1's share and the rest of the step come from rank 0 over the tier's gloo group:
+``repair``, then the read from the local folder), against a plain one-way ``dist.send`` of
+the bytes that restore moved, in the same processes, interleaved.  Then every local folder
+is deleted and the same load comes from S3 (the same tensors; every rank reads its share).
+Every restore is checked bit-identical.
 """
 from __future__ import annotations
 
@@ -81,7 +92,8 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         with h.PeakRss() as rss:
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            report = replicate(comm, topo, step, files, 1, piece_bytes=cfg["piece_mib"] * h.MiB)
+            budget = {"memory_bytes": cfg["memory"]} if cfg["memory"] else {}
+            report = replicate(comm, topo, step, files, 1, piece_bytes=cfg["piece_mib"] * h.MiB, **budget)
             dist.barrier()
             rep_s, rep_cpu = time.perf_counter() - t0, time.process_time() - c0
         mem1 = meminfo()
@@ -101,7 +113,84 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                      "shmem_delta": mem1.get("Shmem", 0) - mem0.get("Shmem", 0),
                      "dirty_delta": mem1.get("Dirty", 0) - mem0.get("Dirty", 0), "verified_sizes": ok})
     everyone = comm.all_gather_object(rows)
-    return {"ranks": everyone}
+    restore = _restore(rank, comm, cfg) if cfg["restore"] else []
+    return {"ranks": everyone, "restore": comm.all_gather_object(restore)}
+
+
+def _share(rank: int, nbytes: int) -> dict[str, Any]:
+    import torch
+
+    n = nbytes // 4 // 8
+    g = torch.Generator().manual_seed(100 + rank)
+    # unaligned sizes, per-rank keys (each rank's share is its own)
+    return {f"rank{rank}.layer{i}.w": torch.randn(n + 13 * i, generator=g) for i in range(8)}
+
+
+def _restore(rank: int, comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """A node's folder deleted, the manager's restore from its peer, against gloo moving the
+    same bytes; then every folder deleted, the same restore from S3."""
+    import pathlib
+
+    import torch
+    import torch.distributed as dist
+
+    import objckpt
+
+    opts = {"endpoint_url": cfg["endpoint"], "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+            "region_name": "us-east-1"}
+    base = pathlib.Path(cfg["dir"]) / "restore"
+    state = _share(rank, cfg["mib"] * h.MiB)
+    dst = {k: torch.zeros_like(v) for k, v in state.items()}
+    m = objckpt.CheckpointManager("s3://bench/peers", storage_options=opts, local_dir=str(base / "{node}"),
+                                  replicas=1, persist_every=1, local_keep=2, node_override=f"n{rank}")
+    rows: list[dict[str, Any]] = []
+    buf: Optional[torch.Tensor] = None
+    try:
+        m.save(1, state)
+        m.wait()
+        for rep in range(cfg["repeat"] + 1):  # the first round warms up, untimed
+            dist.barrier()
+            if rank == 1:
+                shutil.rmtree(base / "n1", ignore_errors=True)  # node n1 replaced: its folder is gone
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            res = m.load(dst)
+            dist.barrier()
+            peer_s, peer_cpu = time.perf_counter() - t0, time.process_time() - c0
+            ok = res.tiers == {0: "local", 1: "peer"} and all(torch.equal(dst[k], v) for k, v in state.items())
+            for v in dst.values():
+                v.zero_()
+            moved = sum(p.stat().st_size for p in (base / "n1").rglob("*") if p.is_file()) if rank == 1 else 0
+            moved = comm.all_gather_object(moved)[1]
+            if buf is None or buf.numel() != moved:  # touched before timing, on both ranks
+                buf = torch.empty(moved, dtype=torch.uint8)
+                buf.random_(0, 256) if rank == 0 else buf.zero_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, dst=1)
+            else:
+                dist.recv(buf, src=0)
+            dist.barrier()
+            base_s = time.perf_counter() - t0
+            if rep:
+                rows.append({"what": "peer", "restore_s": peer_s, "restore_cpu_s": peer_cpu, "gloo_s": base_s,
+                             "bytes_moved": moved, "verified": ok})
+        for rep in range(cfg["repeat"]):
+            dist.barrier()
+            shutil.rmtree(base / f"n{rank}", ignore_errors=True)  # every node's folder is gone
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            res = m.load(dst)
+            dist.barrier()
+            s3_s, s3_cpu = time.perf_counter() - t0, time.process_time() - c0
+            ok = res.source == "object" and all(torch.equal(dst[k], v) for k, v in state.items())
+            for v in dst.values():
+                v.zero_()
+            rows.append({"what": "s3", "restore_s": s3_s, "restore_cpu_s": s3_cpu, "verified": ok})
+    finally:
+        m.close()
+    return rows
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -110,16 +199,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--file-mib", type=int, default=64, help="size of each file of the share (MiB)")
     ap.add_argument("--piece-mib", type=int, default=16, help="replicate's piece size (MiB)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--memory-mib", type=int, default=None,
+                    help="replicate's memory budget (MiB; default TIER_COPY_BYTES)")
+    ap.add_argument("--no-restore", dest="restore", action="store_false",
+                    help="skip the restore measurements (peer, S3)")
     ap.add_argument("--dir", default=None, help="parent of the node folders (default: a temporary directory)")
     ap.add_argument("--out", default=h.result_path("tier-peers"))
     args = ap.parse_args(argv)
     parent = args.dir or tempfile.mkdtemp(prefix="bench-tier-peers-")
     work = tempfile.mkdtemp(prefix="run-", dir=parent)
     cfg = {"mib": args.mib, "file_mib": args.file_mib, "piece_mib": args.piece_mib, "repeat": args.repeat,
-           "dir": work}
+           "dir": work, "restore": args.restore, "endpoint": None,
+           "memory": args.memory_mib * h.MiB if args.memory_mib else None}
+    server = None
     try:
+        if args.restore:
+            import boto3
+            from testkit.s3server import S3Server
+
+            server = S3Server()
+            server.start()
+            cfg["endpoint"] = server.endpoint_url
+            boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id="testing",
+                         aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="bench")
         out = h.spawn_gloo(2, _rank, cfg, timeout=900)
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(work, ignore_errors=True)
         if args.dir is None:
             shutil.rmtree(parent, ignore_errors=True)
@@ -150,9 +256,39 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"{summary['rss_delta_mib']:.0f} MiB",
           f"{summary['buffer_mib']:.0f} MiB", f"{summary['cached_delta_mib']:.0f} MiB",
           f"{summary['shmem_delta_mib']:.0f} MiB"]]))
+    restore_summary = _restore_summary(out["restore"], nbytes) if args.restore else {}
+    summary["restore"] = restore_summary
+    if restore_summary:
+        p, s3 = restore_summary["peer"], restore_summary["s3"]
+        h.log(h.md_table(
+            ["restore of a lost node's share", "bytes moved", "gloo send of them", "restore", "restore / gloo",
+             "restore from S3", "S3 / gloo"],
+            [[f"{args.mib} MiB a rank", f"{p['bytes_moved_mib']:.0f} MiB", f"{h.fmt(p['gloo_gbps'])} GB/s",
+              f"{h.fmt(p['restore_gbps'])} GB/s ({h.fmt(p['restore_s'])} s)", h.fmt(p["ratio"], "{:.2f}x"),
+              f"{h.fmt(s3['restore_gbps'])} GB/s ({h.fmt(s3['restore_s'])} s)", h.fmt(s3["ratio"], "{:.2f}x")]]))
     path = h.write_results(args.out, {"environment": h.environment(), "config": cfg | {"dir": fs},
-                                      "summary": summary, "ranks": per_rank})
+                                      "summary": summary, "ranks": per_rank,
+                                      "restore": out["restore"]})
     print(path)
+
+
+def _restore_summary(per_rank: list[list[dict[str, Any]]], nbytes: int) -> dict[str, Any]:
+    """Medians over repeats of the slower rank's time (each rank's restore ends at a barrier)."""
+    peer = [[x for x in r if x["what"] == "peer"] for r in per_rank]
+    s3 = [[x for x in r if x["what"] == "s3"] for r in per_rank]
+    restore = h.median(max(r[i]["restore_s"] for r in peer) for i in range(len(peer[0])))
+    gloo = h.median(max(r[i]["gloo_s"] for r in peer) for i in range(len(peer[0])))
+    moved = peer[0][0]["bytes_moved"]
+    s3_s = h.median(max(r[i]["restore_s"] for r in s3) for i in range(len(s3[0])))
+    return {
+        "peer": {"bytes_moved_mib": moved / h.MiB, "restore_s": restore, "gloo_s": gloo,
+                 "restore_gbps": moved / restore / 1e9, "gloo_gbps": moved / gloo / 1e9, "ratio": gloo / restore,
+                 "restore_cpu_s_rank1": h.median(x["restore_cpu_s"] for x in peer[1])},
+        # S3: every rank reads its own share (the whole step between them), against the same gloo rate
+        "s3": {"restore_s": s3_s, "restore_gbps": 2 * nbytes / s3_s / 1e9,
+               "ratio": (2 * nbytes / s3_s) / (moved / gloo)},
+        "verified": all(x["verified"] for r in per_rank for x in r),
+    }
 
 
 if __name__ == "__main__":

@@ -313,7 +313,7 @@ def repair(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, needed:
         raise PeerCopyError("repair: nothing was sent: " + "; ".join(problems.values()), problems)
     plan, missing = plan_repair([(h.dir_id, h.needed, h.listing) for h in everyone])
     traffic = run_transfers(comm, tc, plan, lambda t: _under(step, t.rel), lambda t: _under(step, t.rel),
-                            piece_bytes, "repair", budget)
+                            piece_bytes, "repair", budget, keep_cached=True)
     restored = []
     for t in plan:  # a file delivered to a shared directory serves every rank there that needed it
         for r, h in enumerate(everyone):

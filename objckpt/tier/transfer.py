@@ -28,8 +28,9 @@ stop the rounds, which would leave partners waiting: the rank sends zeros or
 drops the bytes, carries on, and reports the failure in the outcome
 all-gather, after which every rank raises :class:`PeerCopyError`.  Received
 files stay under temp names until that outcome says every rank succeeded; only
-then are they renamed.  Each is fsynced once, when complete, and dropped from
-the page cache, except on tmpfs (``/dev/shm``), where the file *is* memory and
+then are they renamed.  Each is fsynced once, when complete, and (a replica,
+not a repair's file, which the restore reads right back) dropped from the page
+cache, except on tmpfs (``/dev/shm``), where the file *is* memory and
 an fsync means nothing.  A failed collective (a dead rank: gloo's closed
 connection, or the group's timeout) removes this rank's temp files and raises
 :class:`~objckpt.errors.CollectiveError`.
@@ -142,6 +143,10 @@ class _State:
     done: list[_Inbound] = field(default_factory=list)
     #: folder -> whether it is in memory (no fsync there), asked once per folder
     in_memory: dict[pathlib.Path, bool] = field(default_factory=dict)
+    #: leave received files in the page cache (a repair's files are read back at once)
+    keep_cached: bool = False
+    #: complete files for the syncing thread (fsync off the writer's path); None: inline
+    syncing: Optional[queue.Queue[Optional[_Inbound]]] = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, message: str) -> None:
@@ -216,14 +221,22 @@ def _in_memory(state: _State, folder: pathlib.Path) -> bool:
 
 def _finish(state: _State, inbound: _Inbound) -> None:
     """A complete temp file: fsynced once and let go from the page cache (it stays on its
-    medium), except in memory (tmpfs), where there is nothing to sync or let go."""
+    medium), except in memory (tmpfs), where there is nothing to sync or let go.  With a
+    syncing thread the fsync happens there, while the writer goes on with the next file."""
     if not _in_memory(state, inbound.tmp.parent):
-        os.fsync(inbound.fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(inbound.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if state.syncing is not None:
+            state.syncing.put(inbound)
+            return
+        _sync(state, inbound)
     os.close(inbound.fd)
     inbound.fd = -1
     state.done.append(inbound)
+
+
+def _sync(state: _State, inbound: _Inbound) -> None:
+    os.fsync(inbound.fd)
+    if hasattr(os, "posix_fadvise") and not state.keep_cached:
+        os.posix_fadvise(inbound.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _write_piece(state: _State, dst_path: Callable[[Transfer], pathlib.Path], t: Transfer, off: int,
@@ -341,6 +354,8 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
     ready: queue.Queue[int] = queue.Queue()
     free_recv: queue.Queue[int] = queue.Queue()
     to_write: queue.Queue[Optional[tuple[int, int]]] = queue.Queue()
+    sync_q: queue.Queue[Optional[_Inbound]] = queue.Queue()
+    state.syncing = sync_q
     for slot in range(2):
         free_send.put(slot)
         free_recv.put(slot)
@@ -367,6 +382,21 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
                     t, off, n = stream[i]
                     _write_piece(state, dst_path, t, off, bufs.slots[slot]["recv"][p][:n])
             free_recv.put(slot)
+
+    def syncer() -> None:  # fsyncs complete files while the writer goes on (disk only)
+        while True:
+            inbound = sync_q.get()
+            if inbound is None:
+                return
+            try:
+                if not stop.is_set():
+                    _sync(state, inbound)
+            except OSError as e:
+                state.fail(f"rank {me}: syncing {str(inbound.final)!r}: {e}")
+            finally:
+                os.close(inbound.fd)
+                inbound.fd = -1
+                state.done.append(inbound)
 
     def failed(p: int, e: RuntimeError) -> CollectiveError:
         return CollectiveError(
@@ -402,7 +432,8 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
         to_write.put((i, rslot))
 
     threads = [threading.Thread(target=reader, name="objckpt-tier-read", daemon=True),
-               threading.Thread(target=writer, name="objckpt-tier-write", daemon=True)]
+               threading.Thread(target=writer, name="objckpt-tier-write", daemon=True),
+               threading.Thread(target=syncer, name="objckpt-tier-sync", daemon=True)]
     t0 = time.perf_counter()
     clean = False
     try:
@@ -418,14 +449,19 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
             complete(*inflight.popleft())
         to_write.put(None)
         threads[1].join()
+        sync_q.put(None)
+        threads[2].join()
         clean = True
     finally:
         stop.set()
         free_send.put(None)
         to_write.put(None)
-        for th in threads:
+        for i, th in enumerate(threads):
+            if i == 2:
+                sync_q.put(None)  # after the writer: every file it finished gets closed
             if th.ident is not None:
                 th.join()
+        state.syncing = None
         # after a failed collective gloo may still hold a posted buffer: those are not handed
         # back to the pool (another operation would reuse them), only released from the budget
         bufs.close(reuse=clean)
@@ -444,15 +480,17 @@ def copy_budget(memory_bytes: Optional[int]) -> OperationBudget:
 
 def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
                   dst_path: Callable[[Transfer], pathlib.Path], piece: int, what: str,
-                  budget: Optional[OperationBudget] = None) -> tuple[RankTraffic, ...]:
+                  budget: Optional[OperationBudget] = None, keep_cached: bool = False) -> tuple[RankTraffic, ...]:
     """Collective: carry out ``plan`` (the same on every rank) over ``tc`` (the tier's
     gloo group over ``comm``'s ranks), agree on the outcome, then rename.  ``budget``
-    bounds the piece buffers (default: :func:`copy_budget`).  Returns every rank's
-    traffic, by rank."""
+    bounds the piece buffers (default: :func:`copy_budget`).  ``keep_cached``: received
+    files stay in the page cache (a restore reads them right back); otherwise they are
+    dropped from it once synced (a replica is read only after a failure).  Returns every
+    rank's traffic, by rank."""
     if not (isinstance(piece, int) and piece > 0):
         raise ValueError(f"piece_bytes must be a positive number of bytes, got {piece!r}")
     budget = budget if budget is not None else copy_budget(None)
-    state = _State()
+    state = _State(keep_cached=keep_cached)
     mine: Optional[RankTraffic] = None
     try:
         if comm.world_size > 1:
