@@ -33,6 +33,9 @@ from .errors import (
     UnsupportedValueError,
 )
 from .results import LoadResult, SaveResult
+from .tier.errors import DrainError, LocalTierError, TierRestoreError, TierSettingsError
+from .tier.topology import TopologyError
+from .tier.transfer import PeerCopyError
 from .save.background import SaveHandle
 from .ops.copy import CopyReport, copy
 
@@ -54,6 +57,12 @@ __all__ = [
     "SaveResult",
     "LoadResult",
     "ObjckptError",
+    "DrainError",
+    "LocalTierError",
+    "PeerCopyError",
+    "TierRestoreError",
+    "TierSettingsError",
+    "TopologyError",
     "NotFoundError",
     "BucketNotFoundError",
     "CheckpointExistsError",

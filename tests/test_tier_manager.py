@@ -360,3 +360,13 @@ def test_the_local_tier_saves_and_restores_while_object_storage_is_unreachable(t
     with pytest.raises(DrainError, match="step 1"):  # wait() reports the failed drains
         m.wait()
     m.close()
+
+
+def test_tier_errors_are_public_objckpt_errors() -> None:
+    """A training loop catches what wait()/close()/load() raise by its public name."""
+    for name, builtin in (("DrainError", OSError), ("LocalTierError", OSError), ("PeerCopyError", OSError),
+                          ("TierRestoreError", FileNotFoundError), ("TierSettingsError", ValueError),
+                          ("TopologyError", ValueError)):
+        cls = getattr(objckpt, name)
+        assert name in objckpt.__all__ and issubclass(cls, objckpt.ObjckptError) and issubclass(cls, builtin)
+    assert objckpt.DrainError is DrainError and objckpt.TierSettingsError is TierSettingsError
