@@ -12,7 +12,7 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -271,36 +271,45 @@ def test_local_failures_are_refused_on_every_rank_and_replicas_go_to_peer_dir(tm
 # --------------------------------------------------------------------------- a rank killed mid-copy
 
 
-def _die_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]:
+def _replicate_with_rank1_hooked(rank: int, base: str, folder: str, name: str, pieces: int, timeout: str,
+                                  on_fourth_read: Callable[[], None]) -> dict[str, Any]:
+    """Both ranks replicate one file of ``pieces`` pieces; rank 1 calls ``on_fourth_read``
+    at its fourth piece read (dies, stalls).  The outcome each rank saw, and its folder."""
     from objckpt.distributed.comm import get_comm
     from objckpt.tier import transfer
     from objckpt.tier.peers import replicate
 
     os.environ[NODE_ENV] = f"node{rank}"
-    os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = "30"
+    os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = timeout
     comm = get_comm()
     topo = Topology.build(comm)
-    step = pathlib.Path(base) / f"node{rank}" / "step-3"
+    step = pathlib.Path(base) / f"node{rank}" / folder
     step.mkdir(parents=True)
-    name = f"r{rank:05d}.bin"
-    (step / name).write_bytes(_content(rank, 0, 40 * PIECE))
+    file = name.format(rank=rank)
+    (step / file).write_bytes(_content(rank, 0, pieces * PIECE))
     if rank == 1:
         real, calls = transfer._read_piece, [0]
 
-        def read_then_die(*a: Any) -> Any:
+        def hooked(*a: Any) -> Any:
             calls[0] += 1
-            if calls[0] == 4:  # three pieces are on their way
-                os.kill(os.getpid(), signal.SIGKILL)
+            if calls[0] == 4:
+                on_fourth_read()
             return real(*a)
 
-        transfer._read_piece = read_then_die
+        transfer._read_piece = hooked
     t0 = time.monotonic()
     try:
-        replicate(comm, topo, step, [name], 1, piece_bytes=PIECE)
+        replicate(comm, topo, step, [file], 1, piece_bytes=PIECE)
         err = "no error"
     except Exception as e:  # noqa: BLE001 - reported to the test
         err = f"{type(e).__module__}.{type(e).__name__}: {e}"
     return {"error": err, "seconds": time.monotonic() - t0, "files": _listing(step)}
+
+
+def _die_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]:
+    # three pieces are on their way when rank 1 dies
+    return _replicate_with_rank1_hooked(rank, base, "step-3", "r{rank:05d}.bin", 40, "30",
+                                        lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
 def test_a_rank_killed_while_replicating_leaves_no_partial_file_and_a_clear_error(tmp_path: pathlib.Path) -> None:
@@ -313,34 +322,8 @@ def test_a_rank_killed_while_replicating_leaves_no_partial_file_and_a_clear_erro
 
 
 def _stall_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]:
-    from objckpt.distributed.comm import get_comm
-    from objckpt.tier import transfer
-    from objckpt.tier.peers import replicate
-
-    os.environ[NODE_ENV] = f"node{rank}"
-    os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = "1.5"
-    comm = get_comm()
-    topo = Topology.build(comm)
-    step = pathlib.Path(base) / f"node{rank}"
-    step.mkdir(parents=True)
-    (step / "share.bin").write_bytes(_content(rank, 0, 20 * PIECE))
-    if rank == 1:  # alive but stuck (a swapping host, a stopped process): it stops answering
-        real, calls = transfer._read_piece, [0]
-
-        def read_slowly(*a: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 4:
-                time.sleep(3.5)
-            return real(*a)
-
-        transfer._read_piece = read_slowly
-    t0 = time.monotonic()
-    try:
-        replicate(comm, topo, step, ["share.bin"], 1, piece_bytes=PIECE)
-        err = "no error"
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        err = f"{type(e).__module__}.{type(e).__name__}: {e}"
-    return {"error": err, "seconds": time.monotonic() - t0, "files": _listing(step)}
+    # rank 1 is alive but stuck (a swapping host, a stopped process): it stops answering
+    return _replicate_with_rank1_hooked(rank, base, ".", "share.bin", 20, "1.5", lambda: time.sleep(3.5))
 
 
 def test_a_rank_that_stops_answering_is_an_error_after_the_collective_timeout(tmp_path: pathlib.Path) -> None:
