@@ -288,6 +288,7 @@ def test_persist_every_seconds_drains_by_the_managers_clock_and_latest_step_sees
     assert sorted(rows) == [1, 2, 3, 4]
     assert "local,object" in rows[3] and "local" in rows[1] and "object" not in " ".join(rows[4])
     assert main(["ls", str(tmp_path / "root")]) == 0  # without --local-dir: the index only, as before
+    assert main(["ls", str(tmp_path / "root"), "--local-dir", str(tmp_path / "nowhere")]) == 2  # named, not empty
 
 
 def test_the_drain_cap_paces_uploads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from typing import Any, Optional
 
+from ..errors import NotFoundError
 from ..format import keys
 from ..manager.index import HEAD_NAME, INDEX_DIR, StepIndex
 from ..manager.retention import RetentionPolicy, RetentionPolicyError
@@ -61,6 +63,7 @@ def _print_listing(uri: str, options: Optional[dict[str, Any]]) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     """A manager root's steps from its index; else (or ``--objects``) the checkpoints under a prefix."""
     opts = storage_options(args)
+    local_root = _local_root(args)
     if getattr(args, "objects", False):
         return _print_listing(args.uri, opts)
     store, prefix = open_store(args.uri, opts)
@@ -70,7 +73,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps([e.to_json() for e in doc.steps], indent=1))
         return 0
-    local = _local_steps(args, StepIndex(store, prefix).naming.parse)
+    local = None if local_root is None else _local_steps(local_root, StepIndex(store, prefix).naming.parse)
     if local is None:
         print(f"{'STEP':>10}  {'SIZE':>9}  {'SAVED (UTC)':<19}  METADATA")
     else:
@@ -91,15 +94,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _local_steps(args: argparse.Namespace, parse: Any) -> Optional[dict[int, str]]:
-    """Each step in this node's local tier (``--local-dir``) -> ``local`` / ``local-partial``;
-    None without ``--local-dir``."""
+def _local_root(args: argparse.Namespace) -> Optional[Path]:
+    """This node's folder of ``--local-dir`` ({node} resolved as the manager does); None
+    without it.  A folder that is not there is an error naming it, not an empty column."""
     if not getattr(args, "local_dir", None):
         return None
-    from ..tier.local import resolve_dir, scan
+    from ..tier.local import resolve_dir
     from ..tier.topology import node_name
 
     root = resolve_dir(args.local_dir, node_name(args.node))
+    if not root.is_dir():
+        raise NotFoundError(f"--local-dir {args.local_dir!r}: {str(root)!r} is not a directory on this node")
+    return root
+
+
+def _local_steps(root: Path, parse: Any) -> dict[int, str]:
+    """Each step in this node's local tier -> ``local`` / ``local-partial``."""
+    from ..tier.local import scan
+
     return {s: "local" if held.complete else "local-partial" for s, held in scan(root, parse).items()}
 
 
