@@ -201,11 +201,11 @@ async def stream_reads(store: ObjectStore, reads: Sequence[DeviceRead], stats: I
         return
     slot = max(s.length for s in segs)
     nslots = max(1, min(Budget(ring_bytes).slots(slot), store.concurrency, len(segs)))
-    pool, budget = host_pool(), Budget(nslots * slot)
+    pool = host_pool()
     if memory is not None:
         memory.draw(nslots * slot, f"the device ring ({nslots} slot(s) of {slot} bytes)")
     try:
-        await _ring(store, reads, stats, segs, streams, pool, [pool.take(slot, budget) for _ in range(nslots)])
+        await _ring(store, reads, stats, segs, streams, pool, [pool.take(slot, Budget(slot)) for _ in range(nslots)])
     finally:
         if memory is not None:
             memory.release(nslots * slot)

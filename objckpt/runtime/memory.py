@@ -140,9 +140,14 @@ class OperationBudget:
             return max(self.nbytes - self.held, 0)
 
     def share(self, want: int) -> Budget:
-        """A part's cap: ``want`` (its named default), or what is left when that is less
-        (at least one byte: a part that gets nothing takes its pieces one at a time, and
-        :meth:`hold` says when one of them cannot fit)."""
+        """A part's cap: ``want`` (its named default).  Under a budget the caller gave
+        (strict), what is left when that is less (at least one byte: a part that gets
+        nothing takes its pieces one at a time, and :meth:`hold` says when one of them
+        cannot fit).  A default budget never shrinks a part: a load without
+        ``memory_bytes`` keeps every part's default however much the others hold (a
+        large cast temporary must not leave the device ring one 64 KiB slot)."""
+        if not self.strict:
+            return Budget(max(want, 1))
         return Budget(max(min(want, self.room()), 1))
 
     def draw(self, nbytes: int, what: str, *, sized: bool = False) -> None:
@@ -224,11 +229,18 @@ def want_pinned() -> bool:
 
 def pool_keep_bytes() -> int:
     """The pool's cap on idle buffers: ``$OBJCKPT_HOST_POOL_BYTES`` (bytes; 0 keeps none), else
-    :data:`POOL_KEEP_FRACTION` of physical memory.  Read once, when the pool is made."""
+    :data:`POOL_KEEP_FRACTION` of physical memory divided among the node's processes
+    (``LOCAL_WORLD_SIZE``).  Read once, when the pool is made."""
     raw = os.environ.get(POOL_KEEP_ENV, "").strip()
     if not raw:
+        # each of a node's processes keeps its share of the fraction, not the whole of it
+        # (torchrun's LOCAL_WORLD_SIZE: 8 ranks a node must not each pin a quarter of RAM)
         try:
-            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * POOL_KEEP_FRACTION)
+            local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        except ValueError:
+            local = 1
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * POOL_KEEP_FRACTION) // local
         except (AttributeError, ValueError, OSError):
             return POOL_KEEP_BYTES
     try:
