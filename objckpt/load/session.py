@@ -258,9 +258,23 @@ class ReadSession:
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor ``key`` as a new CPU tensor."""
-        out = torch.empty(self.shape(key), dtype=self.dtype(key))
+        out = self._alloc(self.stored_key(key))
         self.fill([FillTarget(key, whole(out.shape), out)])
         return out
+
+    def _alloc(self, sk: str) -> torch.Tensor:
+        """A new CPU tensor for stored key ``sk``: refused before allocating when the
+        checkpoint holds fewer bytes than it claims; packed dtypes allocated as bytes
+        (``new_empty``: torch's deterministic mode refuses them otherwise)."""
+        m = self.manifest
+        e = m.tensors[sk]
+        dt = dtype_from_name(e.dtype, sk)
+        held = sum(c.length for c in e.chunks) if e.chunks else m.total_blob_bytes
+        if e.numel * itemsize(dt) > held:
+            raise CorruptCheckpointError(
+                f"checkpoint {self.uri!r}: tensor {sk!r} of shape {list(e.shape)} needs "
+                f"{e.numel * itemsize(dt)} bytes but only {held} are stored")
+        return new_empty(e.shape, dt)
 
     def read_tree(self, keys: Optional[Iterable[str]], allow_pickle: bool) -> Any:
         """Tensors (on CPU) and values without a template; with ``keys``, only what they select
@@ -272,7 +286,8 @@ class ReadSession:
         while True:
             t0 = time.perf_counter()
             stats = IOStats()
-            m = self.refresh(stats)
+            # the manifest held (fetched now if none yet); anew only when it was replaced meanwhile
+            m = self.refresh(stats) if self._manifest is None or tries else self._manifest
             try:
                 sel = select_keys(m, wanted_keys, self.uri)
                 out = self._read_selection(sel, allow_pickle, stats)
@@ -290,15 +305,9 @@ class ReadSession:
         for k in sel.tensors:
             sk = stored_key(m, k)
             if sk not in bufs:
-                e = m.tensors[sk]
-                dt = dtype_from_name(e.dtype, sk)
-                held = sum(c.length for c in e.chunks) if e.chunks else m.total_blob_bytes
-                if e.numel * itemsize(dt) > held:  # refuse before allocating what no bytes back
-                    raise CorruptCheckpointError(
-                        f"checkpoint {self.uri!r}: tensor {sk!r} of shape {list(e.shape)} needs "
-                        f"{e.numel * itemsize(dt)} bytes but only {held} are stored")
-                bufs[sk] = new_empty(e.shape, dt)
-        fill_boxes(self.store, self.prefix, m, [FillTarget(k, whole(t.shape), t) for k, t in bufs.items()], stats)
+                bufs[sk] = self._alloc(sk)
+        fill_boxes(self.store, self.prefix, m, [FillTarget(k, whole(t.shape), t) for k, t in bufs.items()], stats,
+                   resolver=self.resolver)
         tensors = {k: bufs[stored_key(m, k)] for k in sel.tensors}  # aliases: the tensor they are tied to
         where = repr(self.uri)
         if sel.nodes is None:
