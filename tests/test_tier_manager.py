@@ -371,3 +371,20 @@ def test_tier_errors_are_public_objckpt_errors() -> None:
         cls = getattr(objckpt, name)
         assert name in objckpt.__all__ and issubclass(cls, objckpt.ObjckptError) and issubclass(cls, builtin)
     assert objckpt.DrainError is DrainError and objckpt.TierSettingsError is TierSettingsError
+
+
+def test_async_tiered_saves_commit_locally_and_drain_in_the_background(tmp_path: Path) -> None:
+    """async_save=True: save() returns once staged; the local commit, the drain and local
+    retention follow in save order, and a fresh manager restores the newest step."""
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    m = objckpt.CheckpointManager(root, local_dir=local, async_save=True, persist_every=2, local_keep=2)
+    for step in range(1, 6):
+        m.save(step, {"x": torch.full((1000,), float(step)), "step": step})
+    m.close()
+    assert m.steps() == [2, 4]
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step-0000000004", "step-0000000005"]
+    fresh = objckpt.CheckpointManager(root, local_dir=local)
+    st = {"x": torch.zeros(1000), "step": 0}
+    res = fresh.load(st)
+    assert (res.step, res.source, st["step"]) == (5, "local", 5) and torch.equal(st["x"], torch.full((1000,), 5.0))
+    fresh.close()

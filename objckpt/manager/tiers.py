@@ -138,6 +138,7 @@ class TieredSaves:
         self.drains: list[float] = []
         #: drains that did not commit, raised by the next wait() (logged at ERROR when they fail)
         self.drain_failures: list[DrainError] = []
+        self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
 
     # -- paths ---------------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
@@ -169,8 +170,11 @@ class TieredSaves:
         store = LocalStore("/", direct=self.s.direct)
         handle: Optional[SaveHandle] = None
         if self.m.async_save:  # the stall is the staging copy; the local commit follows in the background
-            self.wait(drains=False)  # one save in flight, as the manager's async saves
-            handle = _async_save(state, str(d), store=store, metadata=md, overwrite=False, max_in_flight=1,
+            # one local commit in flight, as the manager's async saves; the previous step's
+            # replication and drain go on (their errors come at the next save or wait())
+            if self._last_handle is not None:
+                concurrent.futures.wait([self._last_handle])
+            handle = self._last_handle = _async_save(state, str(d), store=store, metadata=md, overwrite=False, max_in_flight=1,
                                  process_group=self.m.process_group, no_dist=self.m.no_dist)
         else:
             _save(state, str(d), store=store, metadata=md, overwrite=False,
@@ -183,8 +187,9 @@ class TieredSaves:
         due = self._drain_due()
         if handle is None:
             self.commits.append(commit_s)
-        self._pending = [f for f in self._pending if not f.done()] + [
-            self._pool.submit(self._after_commit, step, md, saved_at, due, handle, t0)]
+        # finished ones stay until _raise_failed (the next save) or wait() looks at them: an
+        # error of the step before is raised, never dropped with its future
+        self._pending.append(self._pool.submit(self._after_commit, step, md, saved_at, due, handle, t0))
         self.stalls.append(time.perf_counter() - t0)
 
     def _known(self) -> Optional[dict[int, Any]]:
@@ -254,15 +259,17 @@ class TieredSaves:
                              self.m.step_uri(step), rep.bytes, self.comm.rank, rep.seconds)
         finally:
             self._draining.discard(step)
-            self._retain()
+            self._retain(step)
 
-    def _retain(self) -> None:
-        """Local retention (each node's first rank): the newest ``local_keep`` steps stay, and
-        never a step still draining or the newest replicated one."""
+    def _retain(self, upto: int) -> None:
+        """Local retention (each node's first rank), after step ``upto`` was replicated and
+        drained: the newest ``local_keep`` steps stay, and never a step still draining, the
+        newest replicated one, or one newer than ``upto`` (an async save's local commit
+        that this thread has not replicated or drained yet)."""
         if not self.first_on_node:
             return
         steps = sorted(_local.scan(self.root, self.m.naming.parse))
-        keep = set(steps[-self.s.local_keep:]) | self._draining
+        keep = set(steps[-self.s.local_keep:]) | self._draining | {s for s in steps if s > upto}
         if self._replicated is not None:
             keep.add(self._replicated)
         for s in steps:

@@ -138,6 +138,7 @@ class _LocalWriter(BlobWriter):
         self._size = size
         self._fd: Optional[int] = None
         self._dfd: Optional[int] = None  # the O_DIRECT descriptor (None: buffered writes)
+        self._refused_dfd: Optional[int] = None  # one O_DIRECT refused mid-blob: closed at the end
         self._padded = False  # the last page was written padded: truncate at complete()
         try:
             os.makedirs(os.path.dirname(self._path), exist_ok=True)
@@ -162,18 +163,21 @@ class _LocalWriter(BlobWriter):
         return self._dfd is not None
 
     def _drop_direct(self, e: OSError) -> None:
-        dfd, self._dfd = self._dfd, None
-        if dfd is not None:
-            os.close(dfd)
-        _direct_refused(self._path, e)
+        """Write buffered from now on.  The O_DIRECT descriptor stays open until
+        complete/abort: other threads may be writing parts through it right now (closed
+        here, its number could be reused by another file they would then write into)."""
+        if self._dfd is not None:
+            self._refused_dfd, self._dfd = self._dfd, None
+            _direct_refused(self._path, e)
 
     def _direct(self, offset: int, buf: mmap.mmap, n: int) -> None:
         """``buf[:n]`` (n aligned) at ``offset`` with O_DIRECT; buffered if refused."""
         view = memoryview(buf)
+        dfd = self._dfd  # one descriptor for this write, whatever another thread does meanwhile
         try:
             done = 0
-            while done < n and self._dfd is not None:
-                got = os.pwrite(self._dfd, view[done:n], offset + done)
+            while done < n and dfd is not None:
+                got = os.pwrite(dfd, view[done:n], offset + done)
                 if got <= 0 or got % DIRECT_ALIGN:
                     break  # a short, unaligned write: the rest goes buffered
                 done += got
@@ -268,9 +272,15 @@ class _LocalWriter(BlobWriter):
         except OSError as e:
             raise self._store._error(f"writing at offset {offset} of", self._key, e) from e
 
+    def _take_direct(self) -> Optional[int]:
+        """The O_DIRECT descriptor to close at the end (in use, or refused mid-blob)."""
+        dfd, self._dfd = self._dfd, None
+        refused, self._refused_dfd = self._refused_dfd, None
+        return dfd if dfd is not None else refused
+
     async def complete(self) -> None:
         fd, self._fd = self._fd, None
-        dfd, self._dfd = self._dfd, None
+        dfd = self._take_direct()
         if fd is None:
             return
         def finish() -> None:
@@ -289,7 +299,7 @@ class _LocalWriter(BlobWriter):
 
     async def abort(self) -> None:
         fd, self._fd = self._fd, None
-        dfd, self._dfd = self._dfd, None
+        dfd = self._take_direct()
         if dfd is not None:
             try:
                 os.close(dfd)
