@@ -71,7 +71,7 @@ from ..distributed.comm import Comm, TensorGroup, TorchComm, refusal_class, subg
 from ..distributed.placements import Ranks, mesh_group, replica_group
 from ..errors import CollectiveLoadError
 from ..format.manifest import Manifest
-from ..runtime.memory import COLLECTIVE_BYTES, Budget, OperationBudget, load_budget
+from ..runtime.memory import COLLECTIVE_BYTES, MIN_SLOT_BYTES, Budget, OperationBudget, load_budget
 from ..options import ReadStrategy
 from ..planning.boxes import Box, rows_of
 from ..planning.collective_plan import Batch, CostModel, ItemSize, plan_group
@@ -163,7 +163,7 @@ def batch_cap(collective_bytes: int, rooms: Sequence[int]) -> int:
     """The bytes per collective batch: ``collective_bytes``, or less when the ranks' budgets
     have less ``rooms`` left: 4/9 of the least, after 64 KiB for headers and alignment
     (a batch of cap C holds up to 1.25 C, its reads up to C more in temporaries)."""
-    return max(1, min([collective_bytes] + [(r - (64 << 10)) * 4 // 9 for r in rooms]))
+    return max(1, min([collective_bytes] + [(r - MIN_SLOT_BYTES) * 4 // 9 for r in rooms]))
 
 
 @dataclass

@@ -30,15 +30,14 @@ import torch
 from ..runtime import loop as _runtime
 from ..checksum import CellCrcs, crc32c, crc32c_combine
 from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
-from ..runtime.memory import RING_BYTES, RING_SLOT_BYTES, Budget, HostPool, OperationBudget, host_pool, side_stream
+from ..runtime.memory import (MIN_SLOT_BYTES, RING_BYTES, RING_SLOT_BYTES, Budget, HostPool, OperationBudget,
+                              host_pool, side_stream)
 from ..results import IOStats
 from ..storage.base import ObjectStore
 
 #: bytes per segment: one ranged GET each, the piece size host loads split large spans into
 #: (the ring's host memory at most is ``RING_BYTES``, both named in :mod:`objckpt.runtime.memory`)
 SLOT_BYTES = RING_SLOT_BYTES
-#: the smallest slot a load's budget may shrink the ring to
-MIN_SLOT_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,7 @@ def _run_batch(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[Fill
     if memory is None:
         _run_batch_held(st, prefix, m, targets, batch, stats, verify, None)
         return
-    temps = sum(s.piece.hi - s.piece.lo for s in batch.staged)
-    with memory.hold(temps, f"read temporaries of {len(batch.staged)} piece(s) of "
+    with memory.hold(batch.temp_bytes, f"read temporaries of {len(batch.staged)} piece(s) of "
                             f"{sorted({targets[s.target].key for s in batch.staged})[:3]}"):
         _run_batch_held(st, prefix, m, targets, batch, stats, verify, memory)
 

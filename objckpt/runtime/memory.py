@@ -54,6 +54,9 @@ COLLECTIVE_BYTES = 256 * MiB
 RING_BYTES = 256 * MiB
 #: bytes per ring slot: one ranged GET each
 RING_SLOT_BYTES = 8 * MiB
+#: the smallest ring slot (and collective headroom) a load's budget may cut down to: less left
+#: is an error naming the budget, not thousands of tiny GETs
+MIN_SLOT_BYTES = 64 << 10
 #: everything a load holds at once by default (``memory_bytes=None``): each of its parts' defaults
 LOAD_MEMORY_BYTES = LOAD_TEMP_BYTES + CAST_BATCH_BYTES + COLLECTIVE_BYTES + RING_BYTES
 #: ``read()`` and open checkpoints: temporaries per batch
@@ -194,7 +197,7 @@ def load_budget(memory_bytes: Optional[int] = None, collective_bytes: int = COLL
     here anything below one byte counts as one."""
     if memory_bytes is not None:
         return OperationBudget(max(memory_bytes, 1), f"load memory budget (memory_bytes={memory_bytes})")
-    total = LOAD_TEMP_BYTES + CAST_BATCH_BYTES + max(collective_bytes, 1) + RING_BYTES
+    total = LOAD_MEMORY_BYTES - COLLECTIVE_BYTES + max(collective_bytes, 1)
     return OperationBudget(total, f"load memory budget (default {total} bytes)", strict=False)
 
 
