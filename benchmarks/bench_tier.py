@@ -1,7 +1,9 @@
-"""Tiered checkpoints (one process, CPU): save stall and restore against a memcpy, O_DIRECT against buffered.
+"""Tiered checkpoints (one process; the state on the CPU or, with ``--device cuda``, a GPU): save stall
+and restore against a memcpy, O_DIRECT against buffered.
 
     python -m benchmarks.bench_tier                      # 512 MiB share, 3 repeats
     python -m benchmarks.bench_tier --mib 64 --repeat 1  # quick check
+    python -m benchmarks.bench_tier --device cuda        # the state on a GPU: pinned D2H / H2D references
 
 Measures, in one run (ratios within the run):
 
@@ -11,7 +13,7 @@ Measures, in one run (ratios within the run):
   in-memory S3 server of testkit/, in this process) until it returns, and a memcpy of the
   share into pre-touched host tensors;
 * **restore**: ``CheckpointManager.load`` from the local tier into pre-touched tensors, against
-  the same memcpy;
+  a copy of the share back from host memory (a pinned host-to-device copy on a GPU);
 * **O_DIRECT vs buffered** on a disk directory (``--disk``, default a temporary folder under
   /var/tmp): write throughput of ``objckpt.save`` through ``LocalStore(direct=...)``, and the
   page-cache growth: the blob files' resident pages right after the save (``mincore``) and
@@ -41,20 +43,36 @@ from objckpt.storage.local import LocalStore
 MiB = 1 << 20
 
 
-def make_state(mib: int) -> dict[str, torch.Tensor]:
+def make_state(mib: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     n = mib * MiB // 4 // 8
     g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.w": torch.randn(n + 13 * i, generator=g) for i in range(8)}  # unaligned sizes
+    return {f"layer{i}.w": torch.randn(n + 13 * i, generator=g).to(device) for i in range(8)}  # unaligned sizes
 
 
 def touched_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
+def host_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pre-touched host tensors of the state's shapes: pinned when the state is on a GPU, so the
+    reference copy is the fastest one the host allows (a pinned device-to-host DMA)."""
+    pin = any(v.is_cuda for v in state.values())
+    return {k: torch.zeros(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state.items()}
+
+
+def _sync(state: dict[str, torch.Tensor]) -> None:
+    if any(v.is_cuda for v in state.values()):
+        torch.cuda.synchronize()
+
+
 def memcpy(dst: dict[str, torch.Tensor], src: dict[str, torch.Tensor]) -> float:
+    """Seconds to copy ``src`` into ``dst`` (non-blocking per tensor, then one synchronize on a GPU)."""
+    _sync(src)
     t0 = time.perf_counter()
     for k, v in src.items():
-        dst[k].copy_(v)
+        dst[k].copy_(v, non_blocking=True)
+    _sync(src)
+    _sync(dst)
     return time.perf_counter() - t0
 
 
@@ -118,9 +136,12 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
 
     import boto3
 
-    dst = touched_like(state)
+    dst = host_like(state)  # the share into host memory: the stall's reference
     memcpy(dst, state)
     copies = [memcpy(dst, state) for _ in range(repeat)]
+    back = touched_like(state)  # host (pinned on a GPU) into the state's device: the restore's reference
+    memcpy(back, dst)
+    loads = [memcpy(back, dst) for _ in range(repeat)]
     server = S3Server()
     server.start()
     opts = {"endpoint_url": server.endpoint_url, "aws_access_key_id": "testing",
@@ -155,19 +176,20 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
             dst2 = touched_like(state)
             t0 = time.perf_counter()
             res = m.load(dst2)
+            _sync(dst2)
             restores.append(time.perf_counter() - t0)
             assert res.source == "local"
         m.close()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         server.stop()
-    mc = statistics.median(copies)
+    mc, ld = statistics.median(copies), statistics.median(loads)
     sync, asy = statistics.median(tiered[False][1:]), statistics.median(tiered[True][1:])
     return {"memcpy_s": mc, "tiered_sync_stall_s": sync, "tiered_async_stall_s": asy,
             "s3_async_stall_s": statistics.median(asyncs[1:]), "local_restore_s": statistics.median(restores),
             "tiered_sync_over_memcpy": sync / mc, "tiered_async_over_memcpy": asy / mc,
             "s3_async_over_memcpy": statistics.median(asyncs[1:]) / mc,
-            "local_restore_over_memcpy": statistics.median(restores) / mc}
+            "load_memcpy_s": ld, "local_restore_over_memcpy": statistics.median(restores) / ld}
 
 
 def main() -> None:
@@ -175,12 +197,15 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512, help="the rank's share in MiB")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--disk", default="", help="a directory on a disk for the O_DIRECT comparison")
+    ap.add_argument("--device", default="cpu", help="where the state lives for the stall and restore (cuda: "
+                    "the references are pinned device-to-host and host-to-device copies)")
     a = ap.parse_args()
     state = make_state(a.mib)
     disk = a.disk or tempfile.mkdtemp(prefix="objckpt-bench-direct-", dir="/var/tmp")
     try:
         result = {"share_mib": a.mib, "repeat": a.repeat, "direct": bench_direct(state, disk, a.repeat),
-                  "stall": bench_stall(state, a.repeat)}
+                  "device": a.device,
+                  "stall": bench_stall(make_state(a.mib, a.device) if a.device != "cpu" else state, a.repeat)}
     finally:
         if not a.disk:
             shutil.rmtree(disk, ignore_errors=True)

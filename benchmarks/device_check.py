@@ -67,6 +67,15 @@ WEIGHTS = {"tests": 150.0, "stall": 90.0, "restore": 120.0, "multirank": 90.0}
 OUT_OF_TIME = "not run: out of time"
 
 
+def _portable(value: Any) -> Any:
+    """A setting as the results record it: paths inside the repository relative to it, other
+    absolute paths by their last part only (results are committed; no machine's paths in them)."""
+    if isinstance(value, str) and os.path.isabs(value):
+        rel = os.path.relpath(value, REPO_ROOT)
+        return rel if not rel.startswith("..") else os.path.join("<abs>", os.path.basename(value))
+    return value
+
+
 class StepTimeout(Exception):
     """Raised in the main thread when a step outlives its slice (SIGALRM)."""
 
@@ -209,7 +218,7 @@ class Run:
         self.t0 = time.monotonic()
         self.safety = min(5.0, 0.1 * args.budget_s)  # for the last writes and the server's stop
         self.deadline = self.t0 + args.budget_s - self.safety
-        self.results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        self.results: dict[str, Any] = {"config": {k: _portable(v) for k, v in vars(args).items() if k not in ("out",)},
                                         "steps": {}}
         self._server: Optional[h.Server] = None
         self._affinity: Optional[set[int]] = None
