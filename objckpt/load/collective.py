@@ -40,7 +40,12 @@ the caller gave (``memory_bytes``), every rank says in the first exchange how
 much of its budget is left, and the batches are cut to 4/9 of the least of
 those, the same on every rank (:func:`batch_cap`): a batch may come out a
 quarter larger than its cap, and the reads that fill it need room for its
-largest piece besides.  Large pieces travel
+largest piece besides.  A budget too small for the smallest batch a group can
+move (:data:`~objckpt.runtime.memory.MIN_SLOT_BYTES`, or one row of its widest
+tensor: rows are never cut) is a :class:`~objckpt.errors.MemoryBudgetError` on
+every rank alike, naming the tightest rank's budget, the piece and the budget
+that would do, before a byte is read (:meth:`CollectiveReader.refuse_below_floor`).
+Large pieces travel
 straight from and into destination memory when it is contiguous on the
 collective's device.
 
@@ -69,7 +74,7 @@ import torch
 
 from ..distributed.comm import Comm, TensorGroup, TorchComm, refusal_class, subgroup
 from ..distributed.placements import Ranks, mesh_group, replica_group
-from ..errors import CollectiveLoadError
+from ..errors import CollectiveLoadError, MemoryBudgetError
 from ..format.manifest import Manifest
 from ..runtime.memory import COLLECTIVE_BYTES, MIN_SLOT_BYTES, Budget, OperationBudget, load_budget
 from ..options import ReadStrategy
@@ -147,6 +152,10 @@ class GroupSummary:
     nbytes: int
     wants_cuda: bool  # some destination is on a GPU
     mesh_has_group: bool  # the DeviceMesh already has a process group of exactly these ranks
+    n_items: int = 1
+    #: the widest row of the group's items (the smallest piece a batch can hold) and its key
+    row_bytes: int = 0
+    widest: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,13 +166,47 @@ class Hello:
     groups: dict[Ranks, GroupSummary]
     #: bytes left of this rank's load budget (a budget the caller gave; None: the defaults)
     room: Optional[int] = None
+    #: that budget's name and size (named when it is the tightest and too small)
+    budget: str = ""
+    budget_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """How one replica group reads, as every rank derives it from the first exchange."""
+
+    how: str  # the group's collectives: "pg" (the load's), "mesh", "new", "none"; "" when not agreed
+    strategy: ReadStrategy  # DIRECT when the group cannot (or should not) read collectively
+    cuda: bool  # its collectives run on the GPU (NCCL)
+    info: GroupSummary
+
+
+def _summary(g: Ranks, its: Sequence[_Item]) -> GroupSummary:
+    """What this rank says of group ``g`` (its items ``its``) in the first exchange."""
+    sizes = [it.size() for it in its]
+    widest = max(range(len(its)), key=lambda i: sizes[i].row_bytes)
+    return GroupSummary(_digest(its), sum(sz.nbytes for sz in sizes), any(it.dest.is_cuda for it in its),
+                        mesh_group(its[0].source, g) is not None, len(its), sizes[widest].row_bytes,
+                        its[widest].key)
+
+
+def room_cap(room: int) -> int:
+    """The batch a budget with ``room`` bytes left allows: 4/9 of it, after
+    :data:`MIN_SLOT_BYTES` for headers and alignment (a batch of cap C holds up to 1.25 C,
+    its reads up to C more in temporaries)."""
+    return (room - MIN_SLOT_BYTES) * 4 // 9
+
+
+def room_needed(cap: int) -> int:
+    """The least room whose :func:`room_cap` is ``cap`` (the inverse, rounded up)."""
+    return MIN_SLOT_BYTES + -(-cap * 9 // 4)
 
 
 def batch_cap(collective_bytes: int, rooms: Sequence[int]) -> int:
     """The bytes per collective batch: ``collective_bytes``, or less when the ranks' budgets
-    have less ``rooms`` left: 4/9 of the least, after 64 KiB for headers and alignment
-    (a batch of cap C holds up to 1.25 C, its reads up to C more in temporaries)."""
-    return max(1, min([collective_bytes] + [(r - MIN_SLOT_BYTES) * 4 // 9 for r in rooms]))
+    have less ``rooms`` left (:func:`room_cap` of the least).  Never below one byte here:
+    :meth:`CollectiveReader.refuse_below_floor` refuses budgets under the floor first."""
+    return max(1, min([collective_bytes] + [room_cap(r) for r in rooms]))
 
 
 @dataclass
@@ -261,16 +304,18 @@ class CollectiveReader:
             else:
                 items[ident] = _Item(t.key, t.box, [t.dest], src)
         mine = {g: [d[k] for k in sorted(d)] for g, d in by_group.items()}
-        summary = {g: GroupSummary(_digest(its), sum(it.size().nbytes for it in its),
-                                   any(it.dest.is_cuda for it in its), mesh_group(its[0].source, g) is not None)
-                   for g, its in mine.items()}
+        summary = {g: _summary(g, its) for g, its in mine.items()}
         self.exchanged = True
-        everyone = self._first_exchange(Hello(None, summary, self.memory.room() if self.memory.strict else None))
+        strict = self.memory.strict
+        everyone = self._first_exchange(Hello(None, summary, self.memory.room() if strict else None,
+                                              self.memory.name if strict else "", self.memory.nbytes))
         errors = {r: h.error for r, h in enumerate(everyone) if h.error}
         if errors:
             self._raise_for(errors, uri, "before reading")
         self.batch_bytes = batch_cap(self.budget.nbytes, [h.room for h in everyone if h.room is not None])
-        plans = self._plan_groups(mine, summary, everyone, pg_ranks, direct)
+        choices = self._choices(everyone, pg_ranks)
+        self.refuse_below_floor(choices, everyone, uri)
+        plans = self._plan_groups(mine, choices, direct)
         store = NamingStore(st)
         if direct:
             try:
@@ -285,49 +330,109 @@ class CollectiveReader:
             gathered = comm.all_gather_object(self._error)
             self._raise_for({r: e for r, e in enumerate(gathered) if e}, uri, "while reading")
 
-    def _plan_groups(self, mine: dict[Ranks, list[_Item]], summary: dict[Ranks, GroupSummary],
-                     everyone: list[Hello], pg_ranks: Ranks, direct: list[FillTarget]) -> list[GroupPlan]:
-        """Which groups read collectively, over which process group, how; the rest join ``direct``.
+    def _choices(self, everyone: list[Hello], pg_ranks: Ranks) -> dict[Ranks, _Choice]:
+        """How every group any rank listed reads: the same answer on every rank (all see the
+        same exchange), for groups this rank is not in too.
 
-        A group is used when every member lists it with the same items; every
-        rank sees the same exchange, so every rank makes the same choices."""
-        pg = self.comm.group
+        A group reads collectively when every member lists it with the same items and a
+        process group of exactly its members can be had: the load's own, the DeviceMesh's,
+        or a new one (only when the load's process group is the whole job)."""
         index = {g: i for i, g in enumerate(pg_ranks)}
         listed: dict[Ranks, list[GroupSummary]] = {}
         for h in everyone:
             for g, info in h.groups.items():
                 listed.setdefault(g, []).append(info)
-        valid = {g for g, infos in listed.items()
-                 if len(infos) == len(g) and len({i.digest for i in infos}) == 1
-                 and all(g in everyone[index[r]].groups for r in g)}
         whole_job = set(pg_ranks) == set(range(self.comm.job_size()))
-        handles: dict[Ranks, Any] = {}
-        for g in sorted(valid):  # the same calls, in the same order, on every rank
-            if g == pg_ranks:
-                handles[g] = pg
-            elif all(i.mesh_has_group for i in listed[g]):
-                handles[g] = mesh_group(mine[g][0].source, g) if g in mine else None
-            elif whole_job:
-                handles[g] = subgroup(g)
-            # else: no way to make a group of a sub-set of a sub-group: direct
         backend = self.comm.backend()
+        out: dict[Ranks, _Choice] = {}
+        for g, infos in sorted(listed.items()):
+            valid = (len(infos) == len(g) and len({i.digest for i in infos}) == 1
+                     and all(g in everyone[index[r]].groups for r in g))
+            how = ""
+            if valid:
+                if g == pg_ranks:
+                    how = "pg"
+                elif all(i.mesh_has_group for i in infos):
+                    how = "mesh"
+                elif whole_job:
+                    how = "new"
+                else:
+                    how = "none"  # no way to make a group of a sub-set of a sub-group: direct
+            cuda = "nccl" in backend and (any(i.wants_cuda for i in infos) or "gloo" not in backend)
+            strategy = self.read_strategy if how in ("pg", "mesh", "new") else ReadStrategy.DIRECT
+            if strategy == ReadStrategy.AUTO:
+                info = infos[0]  # every member lists the same items (one digest)
+                strategy = self.model.choose(len(g), info.nbytes, max(1, -(-info.nbytes // self.batch_bytes)),
+                                             "nccl" if cuda else "gloo", info.n_items)
+            out[g] = _Choice(how, strategy, cuda, infos[0])
+        return out
+
+    def refuse_below_floor(self, choices: dict[Ranks, _Choice], everyone: list[Hello], uri: str) -> None:
+        """Under a budget the caller gave, refuse (on every rank alike, before a byte moves) a
+        load whose budget cannot hold the smallest batch a group can move.
+
+        A group read collectively moves at least :data:`MIN_SLOT_BYTES` a batch, or one row
+        of its widest item when that is larger (a row is never cut); its batch needs
+        :func:`room_needed` of that, and an all-gather one more slot of a row per further
+        member (the member that reads a one-row batch sets every member's slot).  Below
+        that the load used to run batches of a few bytes or one row each (thousands of
+        collectives) with buffers past the budget.  Every rank sees every rank's room and
+        every group, so every rank decides alike."""
+        rooms = [(h.room, r) for r, h in enumerate(everyone) if h.room is not None]
+        if not rooms:
+            return
+        room, rank = min(rooms)
+        floors = []
+        for g, c in choices.items():
+            if c.strategy == ReadStrategy.DIRECT:
+                continue
+            row = c.info.row_bytes
+            extra = (len(g) - 1) * row if c.strategy == ReadStrategy.ALLGATHER else 0
+            floors.append((room_needed(max(MIN_SLOT_BYTES, row)) + extra, g, c))
+        if not floors:
+            return
+        need, group, choice = max(floors, key=lambda x: (x[0], x[1]))
+        if room >= need:
+            return
+        h = everyone[rank]
+        held = h.budget_bytes - room
+        row = choice.info.row_bytes
+        piece = (f"one row of {choice.info.widest!r} ({row} bytes)" if row > MIN_SLOT_BYTES
+                 else f"the smallest batch ({MIN_SLOT_BYTES} bytes)")
+        if choice.strategy == ReadStrategy.ALLGATHER:
+            piece += f", held in each of its {len(group)} members' slots"
+        err = MemoryBudgetError(
+            f"collective load of {uri!r}: replica group {list(group)} ({choice.strategy.value}) moves at least "
+            f"{piece} at a time and needs {need} bytes of budget for it (its buffers, the reads that fill them "
+            f"and {MIN_SLOT_BYTES} bytes of headroom), but the {h.budget} of rank {rank} ({h.budget_bytes} bytes) "
+            f"has {room} left ({held} held by its other buffers), which would cut batches of "
+            f"{max(batch_cap(self.budget.nbytes, [room]), 0)} bytes; give memory_bytes of at least {held + need} "
+            "bytes on every rank, or read_strategy='direct'")
+        err.template_modified = False  # type: ignore[attr-defined]  # refused before a byte was read
+        raise err
+
+    def _plan_groups(self, mine: dict[Ranks, list[_Item]], choices: dict[Ranks, _Choice],
+                     direct: list[FillTarget]) -> list[GroupPlan]:
+        """This rank's groups as :class:`GroupPlan` (the ones read directly join ``direct``),
+        with the process groups :meth:`_choices` said to use."""
+        handles: dict[Ranks, Any] = {}
+        for g, c in sorted(choices.items()):  # the same calls, in the same order, on every rank
+            if c.how == "pg":
+                handles[g] = self.comm.group
+            elif c.how == "mesh":
+                handles[g] = mesh_group(mine[g][0].source, g) if g in mine else None
+            elif c.how == "new":
+                handles[g] = subgroup(g)
         plans: list[GroupPlan] = []
         used: set[str] = set()
         for g in sorted(mine):
-            its = mine[g]
-            strategy = self.read_strategy if g in handles else ReadStrategy.DIRECT
-            device = torch.device("cpu")
-            if "nccl" in backend and (any(i.wants_cuda for i in listed[g]) or "gloo" not in backend):
-                device = torch.device("cuda", torch.cuda.current_device())
-            if strategy == ReadStrategy.AUTO:
-                nbytes = summary[g].nbytes
-                strategy = self.model.choose(len(g), nbytes, max(1, -(-nbytes // self.batch_bytes)),
-                                             "nccl" if device.type == "cuda" else "gloo", len(its))
-            if strategy == ReadStrategy.DIRECT:
+            its, c = mine[g], choices[g]
+            if c.strategy == ReadStrategy.DIRECT:
                 direct.extend(FillTarget(it.key, it.box, d) for it in its for d in it.dests)
             else:
-                plans.append(GroupPlan(TensorGroup(g, handles[g]), its, strategy, device))
-            used.add(strategy.value)
+                device = torch.device("cuda", torch.cuda.current_device()) if c.cuda else torch.device("cpu")
+                plans.append(GroupPlan(TensorGroup(g, handles[g]), its, c.strategy, device))
+            used.add(c.strategy.value)
         # replica groups read directly (by choice or fallback) show up as "direct" next to the others
         self.strategy = "+".join(sorted(used, key=["allgather", "broadcast", "direct"].index)) or "direct"
         return plans

@@ -292,7 +292,10 @@ def _fill_batch(reader: CollectiveReader, st: ObjectStore, prefix: str, m: Manif
 def _say_template_touched(e: ObjckptError, n_tensors: int) -> None:
     """Tensors are filled in place as their bytes arrive, so a load that fails while
     reading may have overwritten some of the template's tensors: say so in the error
-    (``template_modified``) rather than leave the caller to guess."""
+    (``template_modified``) rather than leave the caller to guess.  An error raised
+    before any byte was read says so itself (``template_modified = False``)."""
+    if getattr(e, "template_modified", None) is False:
+        return
     note = (f"the template may be partially overwritten: some of its {n_tensors} tensor(s) may already hold "
             "checkpoint data (its non-tensor values are unchanged); load again or rebuild it")
     e.template_modified = True  # type: ignore[attr-defined]
