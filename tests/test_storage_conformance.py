@@ -111,6 +111,33 @@ class TestLocal(Conformance):
     def store(self, tmp_path: Any) -> ObjectStore:
         return LocalStore(str(tmp_path))
 
+    def test_tallied_reads_hash_every_cell_across_pieces(self, store: ObjectStore) -> None:
+        """A tallied read (the loads' and the device ring's path) scatters the bytes and hashes
+        them as they land, in pieces smaller than the request: every cell's crc32c must be
+        that of its bytes, across views and piece boundaries; a short read is an error."""
+        from objckpt.checksum import CellCrcs, crc32c
+        from objckpt.storage import local as local_mod
+
+        data = os.urandom(9 * MiB + 777)
+        run(store.put("t", data))
+        off = 409
+        sizes = [3, 5 * MiB, 123, 4 * MiB - 3]  # views crossing the 4 MiB pieces
+        bufs = [bytearray(n) for n in sizes]
+        total = sum(sizes)
+        cuts = [1, 3 + 17, 4 * MiB + 5, 5 * MiB + 3, total - 1]
+        tally = CellCrcs(cuts, total)
+        run(store.get_range_tallied("t", off, [memoryview(b) for b in bufs], tally))
+        assert b"".join(bufs) == data[off:off + total]
+        cells = tally.cells()
+        assert cells is not None and len(cells) == len(cuts) + 1
+        for start, n, crc in cells:
+            assert crc == crc32c(data[off + start:off + start + n]), (start, n)
+        assert local_mod.TALLY_PIECE < total  # the pieces were really cut
+        short = CellCrcs([10], 2 * MiB)
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            run(store.get_range_tallied("t", len(data) - MiB, [memoryview(bytearray(2 * MiB))], short))
+        assert short.cells() is None
+
 
 class TestFsspec(Conformance):
     @pytest.fixture

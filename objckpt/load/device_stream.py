@@ -22,6 +22,7 @@ worker thread; everything else (segments, slots, crc, errors) is the same code.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -72,6 +73,7 @@ class _Copier:
     def __init__(self, caller_streams: dict[int, Any]) -> None:
         self.caller_streams = caller_streams
         self.streams: dict[int, Any] = {}
+        self._waits: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     def _stream(self, device: torch.device) -> Any:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -95,18 +97,33 @@ class _Copier:
             used[id(stream)] = stream
         done = []
         for stream in used.values():
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # its waiter sleeps in the driver, it does not spin
             ev.record(stream)
             done.append(ev)
-        wait = 0.0002
-        while not all(ev.query() for ev in done):  # 8 MiB take under a millisecond: poll, hold no thread
-            await asyncio.sleep(wait)
-            wait = min(wait * 2, 0.005)
+        if all(ev.query() for ev in done):
+            return
+        # The slot is free the moment its copy ends: one thread waits on the events in the
+        # order they were recorded (a side stream completes in that order) and wakes this
+        # task then.  Polling with sleeps woke up to 5 ms late and kept slots idle.
+        await asyncio.get_running_loop().run_in_executor(self._waiter(), _synchronize, done)
+
+    def _waiter(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._waits is None:
+            self._waits = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-h2d-wait")
+        return self._waits
 
     def finish(self) -> None:
         """Every copy issued is complete (the destinations hold the bytes when the load returns)."""
         for s in self.streams.values():
             s.synchronize()
+        if self._waits is not None:
+            self._waits.shutdown(wait=True)
+            self._waits = None
+
+
+def _synchronize(events: Sequence[Any]) -> None:
+    for ev in events:
+        ev.synchronize()  # releases the GIL while it waits
 
 
 def caller_streams(reads: Sequence[DeviceRead]) -> dict[int, Any]:
