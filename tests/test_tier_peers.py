@@ -374,3 +374,144 @@ def run_ranks_allow_death(nproc: int, fn: Any, *args: Any, timeout: float) -> tu
                 p.join()
         shutil.rmtree(tmp, ignore_errors=True)
     return results, [p.exitcode for p in procs]
+
+
+# --------------------------------------------------------------------------- restores that move only what is read
+
+ROWS, COLS = 6, 1001  # unaligned rows
+
+
+def _rows(rank: int, world: int, step: int, dtensor: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s rows of one tensor (nothing replicated: each rank reads only its own share):
+    an ``objckpt.Shard`` (format v1: chunks in the manifest) or a DTensor (v2: rank indexes)."""
+    import math
+
+    import torch
+
+    import objckpt
+
+    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 1000 * step
+    if dtensor:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        return {"w": distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)]), "step": step}
+    per = math.ceil(ROWS / world)
+    lo, hi = min(rank * per, ROWS), min((rank + 1) * per, ROWS)
+    return {"w": objckpt.Shard(full[lo:hi].clone(), (ROWS, COLS), (lo, 0)), "step": step}
+
+
+def _tier_manager(rank: int, base: str, node: str) -> Any:
+    import objckpt
+
+    os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = "60"
+    return objckpt.CheckpointManager(str(pathlib.Path(base) / "root"), local_dir=str(pathlib.Path(base) / "{node}"),
+                                     replicas=1, persist_every=None, local_keep=2, node_override=node)
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t.local
+
+
+def _save_tiered(rank: int, world: int, base: str, dtensor: bool = False) -> list[str]:
+    with _tier_manager(rank, base, f"n{rank}") as m:
+        for s in (1, 2):
+            m.save(s, _rows(rank, world, s, dtensor))
+        m.wait()
+    step = pathlib.Path(base) / f"n{rank}" / "step-0000000002"
+    return _listing(step)
+
+
+def _restore_tiered(rank: int, world: int, base: str, nodes: tuple[str, ...], dtensor: bool = False
+                    ) -> dict[str, Any]:
+    import torch
+
+    with _tier_manager(rank, base, nodes[rank]) as m:
+        st = _rows(rank, world, 0, dtensor)
+        _local(st["w"]).zero_()
+        res = m.load(st)
+        want = _rows(rank, world, res.step, dtensor)
+        report = m._tiers.last_restore
+        return {"step": res.step, "tiers": res.tiers, "report": report, "received_bytes": res.received_bytes,
+                "equal": torch.equal(_local(st["w"]), _local(want["w"])) and st["step"] == res.step,
+                "folder": _listing(pathlib.Path(base) / nodes[rank] / "step-0000000002")}
+
+
+def test_restore_plan_counts_a_rank_local_when_its_folder_holds_what_its_load_reads() -> None:
+    from objckpt.tier.local import LocalStep
+    from objckpt.tier.restore import Holding, plan_restore
+
+    meta = ["manifest.json", "i0", "i1", "i2"]
+    every = meta + ["b0", "b1", "b2"]
+    # three nodes, replicas=1: each folder holds its own blob and its ring neighbour's copy, never all three
+    held = {0: ["b0", "b2"], 1: ["b1", "b0"], 2: ["b2", "b1"]}
+    steps = {r: {5: LocalStep(5, every, meta + held[r])} for r in range(3)}
+    reads = [Holding(f"n{r}", steps[r], {5: ("manifest.json", f"i{r}", f"b{r}")}) for r in range(3)]
+    plan = plan_restore(reads, [], peers=True)
+    assert plan.step == 5 and plan.sources == ["local"] * 3 and plan.wants == [(), (), ()]
+    # unknown reads (no template): the whole step is needed, as before
+    assert plan_restore([Holding(f"n{r}", steps[r]) for r in range(3)], [], peers=True).sources == ["peer"] * 3
+    # rank 1 reads rank 0's blob too (resharding) and its folder lost it: only that blob is wanted
+    steps[1] = {5: LocalStep(5, every, meta + ["b1"])}
+    reads[1] = Holding("n1", steps[1], {5: ("manifest.json", "i0", "i1", "b0", "b1")})
+    plan = plan_restore(reads, [], peers=True)
+    assert plan.sources == ["local", "peer", "local"] and plan.wants[1] == ("b0",)
+    # a replaced node's rank does not know its reads yet (no manifest): it learns them from its peers
+    reads[1] = Holding("n1", {})
+    plan = plan_restore(reads, [], peers=True)
+    assert plan.sources == ["local", "peer", "local"] and plan.wants[1] is None
+
+
+@pytest.mark.parametrize("dtensor", [False, True], ids=["shard-v1", "dtensor-v2"])
+def test_three_nodes_restore_locally_then_a_lost_node_receives_only_its_share_into_memory(
+        tmp_path: pathlib.Path, dtensor: bool) -> None:
+    base = str(tmp_path)
+    listings = run_ranks(3, _save_tiered, base, dtensor)
+    for r, names in enumerate(listings):  # replicas=1 on 3 nodes: no folder holds the whole step
+        assert sum(1 for n in names if n.endswith(".bin")) == 2, names
+    nodes = ("n0", "n1", "n2")
+
+    healthy = run_ranks(3, _restore_tiered, base, nodes, dtensor)
+    for r, out in enumerate(healthy):
+        assert out["equal"] and out["step"] == 2
+        assert out["tiers"] == {0: "local", 1: "local", 2: "local"}, out["tiers"]
+        rep = out["report"]
+        assert rep.bytes_moved == 0 and rep.rounds == 0 and rep.received == {} and out["received_bytes"] == 0
+        assert out["folder"] == listings[r], "a healthy restore writes nothing"
+
+    shutil.rmtree(tmp_path / "n1")  # node n1 replaced: its folder is gone
+    lost = run_ranks(3, _restore_tiered, base, nodes, dtensor)
+    for r, out in enumerate(lost):
+        assert out["equal"] and out["step"] == 2, f"rank {r} not bit-identical"
+        assert out["tiers"] == {0: "local", 1: "peer", 2: "local"}, out["tiers"]
+        rep = out["report"]
+        assert set(rep.bytes_by_rank) == {1}, "only the lost node's rank received anything"
+        assert not rep.written
+    rep1 = lost[1]["report"]
+    import objckpt
+    from objckpt.tier.local import files_of
+
+    m = objckpt.inspect(str(tmp_path / "n0" / "step-0000000002"))
+    want = sorted(["manifest.json"] + files_of(m, 1))  # the manifest, its own index and blob: its share
+    assert sorted(rep1.received) == want, rep1.received
+    # the manifest, then (format v2) the rank indexes its template needs, then its blob
+    assert rep1.rounds == (3 if dtensor else 2) and any(n.endswith(".index.json") for n in want) == dtensor
+    blob = next(n for n in want if n.endswith(".bin"))
+    # from n2, which holds n1's replica (the ring n0 -> n1 -> n2 -> n0), at the size the manifest gives
+    assert rep1.received[blob] == (2, next(b.size for b in m.blobs if b.name == blob))
+    assert lost[1]["received_bytes"] == rep1.bytes_moved == sum(size for _src, size in rep1.received.values())
+    assert lost[1]["folder"] == [], "the received files were held in memory, never written to the folder"
+
+
+def test_a_local_tier_on_two_nodes_reshards_to_three_ranks_on_three_nodes(tmp_path: pathlib.Path) -> None:
+    base = str(tmp_path)
+    run_ranks(2, _save_tiered, base)
+    # world 2 -> 3: rank 2 runs on a new node (no folder); its rows were written by rank 1
+    got = run_ranks(3, _restore_tiered, base, ("n0", "n1", "n2"))
+    assert all(out["equal"] and out["step"] == 2 for out in got)
+    assert got[0]["tiers"] == {0: "local", 1: "local", 2: "peer"}
+    rep = got[2]["report"]
+    assert set(rep.bytes_by_rank) == {2} and all(out["folder"] == _listing(tmp_path / n / "step-0000000002")
+                                                 for out, n in zip(got, ("n0", "n1", "n2")))
+    blobs = sorted(n for n in rep.received if n.endswith(".bin"))
+    assert len(blobs) == 1 and "r00001-" in blobs[0], f"rank 2's rows 4-5 are in rank 1's blob only: {blobs}"

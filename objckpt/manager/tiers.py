@@ -33,6 +33,8 @@ from ..tier import restore as _restore
 from ..tier.advice import Advice, advise
 from ..tier.drain import drain
 from ..tier.errors import DrainError, LocalTierError, TierRestoreError, TierSettingsError
+from ..tier.overlay import OverlayStore
+from ..tier.peer_restore import Received, receive, step_reads
 from ..tier.topology import Topology, node_name, tier_comm
 from .worker import CommitJob
 
@@ -305,10 +307,19 @@ class TieredSaves:
             self._pool.shutdown(wait=True)
 
     # -- restoring -----------------------------------------------------------------------------
-    def _plan(self, step: Optional[int]) -> _restore.RestorePlan:
-        """The agreed restore plan (collective): every rank's node folder and rank 0's index."""
+    #: the last load's step, sources and what came from peers (None: no load yet)
+    last_restore: Optional[_restore.RestoreReport] = None
+
+    def _plan(self, step: Optional[int], state: Any = None,
+              load_kwargs: Optional[dict[str, Any]] = None) -> _restore.RestorePlan:
+        """The agreed restore plan (collective, one all-gather): every rank's node folder, with
+        the files its load of ``state`` reads from each step held there but not whole, and
+        rank 0's index."""
         self.wait(drains=False)
-        mine = _restore.Holding(self.topology.nodes[self.comm.rank], _local.scan(self.root, self.m.naming.parse))
+        steps = _local.scan(self.root, self.m.naming.parse)
+        reads = ({} if state is None else
+                 step_reads(steps, self.step_dir, state, self.comm.rank, load_kwargs or {}, step))
+        mine = _restore.Holding(self.topology.nodes[self.comm.rank], steps, reads)
         holdings = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
         try:
             drained = self.m.steps()  # rank 0's read: its error reaches every rank alike
@@ -334,33 +345,38 @@ class TieredSaves:
         return self._plan(None).step
 
     def load(self, state: Any, step: Optional[int], load_kwargs: dict[str, Any]) -> LoadResult:
-        plan = self._plan(step)
+        plan = self._plan(step, state, load_kwargs)
         if plan.step is None:
             raise TierRestoreError(f"nothing to restore from {str(self.root)!r} or {self.m.root!r}: {plan.why}")
         d = self.step_dir(plan.step)
         sources = list(plan.sources)
-        if _restore.PEER in sources:
-            from ..tier import peers
-
-            d.mkdir(parents=True, exist_ok=True)
-            rep = peers.repair(self.comm, self.topology, d, plan.needed)
-            if not rep.complete:
-                raise TierRestoreError(f"restoring step {plan.step}: files no rank holds after all: "
-                                       f"{dict(list(rep.missing.items())[:4])}")
         log.info("objckpt: restoring %s", plan.why)
+        got = Received()
+        if _restore.PEER in sources:  # into memory; the load reads through it (nothing written)
+            got = receive(self.comm, self.topology, plan, d, state, load_kwargs)
+            log.info("objckpt: step %d: rank %d received %d file(s), %d bytes, from peers (%d round(s), %.3fs)",
+                     plan.step, self.comm.rank, len(got.files), got.bytes, got.rounds, got.seconds)
         src = sources[self.comm.rank]
         uri = self.m.step_uri(plan.step) if src == _restore.OBJECT else str(d)
         kw = {"process_group": self.m.process_group, "no_dist": self.m.no_dist, **load_kwargs}
         if src == _restore.OBJECT:
             kw.setdefault("storage_options", self.m.storage_options)
+        elif got.files:
+            kw["store"] = OverlayStore(LocalStore("/"), got.files)
         if len(set(sources)) > 1:
             kw["read_strategy"] = "direct"  # the same bytes, but from different places per rank
-        res = _load(state, uri, **kw)
+        try:
+            res = _load(state, uri, **kw)
+        finally:
+            got.files = {}  # the received bytes go with the load
+        self.last_restore = _restore.RestoreReport(plan.step, tuple(sources), dict(got.sources),
+                                                   dict(got.bytes_by_rank), got.rounds)
         if step is None:
             self._drop_newer(plan.step)
         res.step = plan.step
         res.source = src
         res.tiers = {r: s for r, s in enumerate(sources)}
+        res.received_bytes += got.bytes_by_rank.get(self.comm.rank, 0)
         return res
 
     def _drop_newer(self, restored: int) -> None:

@@ -31,14 +31,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from ..distributed.comm import Comm
 from ..format.keys import MANIFEST_NAME
 from ..format.manifest import Manifest, decode
 from .topology import Topology, TopologyError, tier_comm
 from .transfer import PIECE_BYTES, PeerCopyError, RankTraffic, Transfer, copy_budget, is_temp_name, run_transfers
 
-__all__ = ["PIECE_BYTES", "PeerCopyError", "RankTraffic", "ReplicaReport", "RepairReport", "Restored",
-           "files_of_rank", "replicate", "repair"]
+__all__ = ["PIECE_BYTES", "Fetched", "PeerCopyError", "RankTraffic", "ReplicaReport", "RepairReport", "Restored",
+           "fetch", "files_of_rank", "replicate", "repair"]
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,8 @@ class _Holding:
     needed: tuple[str, ...]
     listing: dict[str, int]  # rel -> size, every regular file under the step dir
     problem: str = ""
+    #: (fetch) this rank will ask for more in another round
+    more: bool = False
 
 
 def _listing(step: pathlib.Path) -> dict[str, int]:
@@ -248,14 +252,16 @@ def _listing(step: pathlib.Path) -> dict[str, int]:
     return out
 
 
-def plan_repair(holdings: Sequence[tuple[tuple[str, str], Sequence[str], dict[str, int]]]
-                ) -> tuple[list[Transfer], dict[int, tuple[str, ...]]]:
+def plan_repair(holdings: Sequence[tuple[tuple[str, str], Sequence[str], dict[str, int]]], *,
+                per_rank: bool = False) -> tuple[list[Transfer], dict[int, tuple[str, ...]]]:
     """Pure: who sends which file to whom.  ``holdings[r]`` is rank ``r``'s (directory
     id, needed files, listing).  A file is delivered once per directory (to the lowest
     rank there that needs it); its sender is the holder with the fewest bytes assigned
     so far (ties: the lowest rank), so the load spreads over holders.  Holders of a
     file must agree on its size; one whose size differs from the most common is not
-    used.  Returns the transfers and, per rank, the files no rank had."""
+    used.  ``per_rank``: delivered to every rank that needs it, not once per directory (a
+    :func:`fetch` into each rank's memory).  Returns the transfers and, per rank, the files
+    no rank had."""
     dir_of = {r: h[0] for r, h in enumerate(holdings)}
     have_by_dir: dict[tuple[str, str], dict[str, int]] = {}
     for r, (d, _need, listing) in enumerate(holdings):
@@ -263,11 +269,12 @@ def plan_repair(holdings: Sequence[tuple[tuple[str, str], Sequence[str], dict[st
     load = [0] * len(holdings)
     plan: list[Transfer] = []
     missing: dict[int, tuple[str, ...]] = {}
-    delivered: set[tuple[tuple[str, str], str]] = set()
+    delivered: set[tuple[object, str]] = set()
     for dst, (d, needed, _listing_) in enumerate(holdings):
         lost = []
         for rel in sorted(set(needed)):
-            if rel in have_by_dir[d] or (d, rel) in delivered:
+            to = dst if per_rank else d
+            if rel in have_by_dir[d] or (to, rel) in delivered:
                 continue
             sizes = [(r, h[2][rel]) for r, h in enumerate(holdings) if rel in h[2] and dir_of[r] != d]
             if not sizes:
@@ -279,7 +286,7 @@ def plan_repair(holdings: Sequence[tuple[tuple[str, str], Sequence[str], dict[st
             size = max(counts, key=lambda s: (counts[s], s))
             src = min((r for r, s in sizes if s == size), key=lambda r: (load[r], r))
             load[src] += size
-            delivered.add((d, rel))
+            delivered.add((to, rel))
             plan.append(Transfer(src, dst, rel, size))
         if lost:
             missing[dst] = tuple(lost)
@@ -321,3 +328,62 @@ def repair(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, needed:
                 restored.append(Restored(r, t.rel, t.src, t.size))
     return RepairReport(tuple(sorted(restored, key=lambda x: (x.rank, x.file))), missing, traffic,
                         time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- fetch into memory
+
+
+@dataclass
+class Fetched:
+    """What :func:`fetch` did: the report (the same on every rank) and this rank's files."""
+
+    report: RepairReport
+    #: name -> the file's bytes (a uint8 tensor), received by this rank
+    files: dict[str, torch.Tensor]
+    #: some rank said it will ask for more in another round
+    more: bool
+
+    @property
+    def bytes(self) -> int:
+        return sum(int(t.numel()) for t in self.files.values())
+
+
+def fetch(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, wants: list[str], *, more: bool = False,
+          problem: str = "", piece_bytes: int = PIECE_BYTES, memory_bytes: Optional[int] = None) -> Fetched:
+    """Collective: as :func:`repair`, but each rank receives the files of ``wants`` into its
+    own memory (not its folder, and to every rank that wants a file, not once per
+    folder): one all-gather of each rank's folder listing and wants, every rank computes
+    the same plan (:func:`plan_repair` with ``per_rank``), the bytes move as in
+    :func:`replicate` except that each piece lands straight in the received file's
+    tensor.  Nothing is written anywhere.  ``more``: this rank will call again (a restore
+    that learns which blobs it needs from the metadata this call brings); every rank
+    learns whether any rank will (:attr:`Fetched.more`), so they all call again alike.
+    A call in which no rank wants anything moves nothing and costs the one all-gather.
+    ``problem``: this rank cannot go on (said in the exchange, so that every rank raises
+    :class:`PeerCopyError` alike rather than wait for it)."""
+    t0 = time.perf_counter()
+    budget = copy_budget(memory_bytes)
+    step = pathlib.Path(local_step_dir)
+    try:
+        for rel in wants:
+            _under(step, rel)
+        listing = _listing(step)
+    except (PeerCopyError, OSError) as e:
+        listing, problem = {}, problem or f"rank {comm.rank}: {e}"
+    mine = _Holding(_dir_id(topology, comm.rank, step), tuple(wants), listing, problem, more)
+    tc = tier_comm(comm) if comm.world_size > 1 else comm
+    everyone: list[_Holding] = tc.all_gather_object(mine) if comm.world_size > 1 else [mine]
+    problems = {r: h.problem for r, h in enumerate(everyone) if h.problem}
+    if problems:
+        raise PeerCopyError("fetch: nothing was sent: " + "; ".join(problems.values()), problems)
+    again = any(h.more for h in everyone)
+    if not any(h.needed for h in everyone):
+        return Fetched(RepairReport((), {}, tuple(RankTraffic(r) for r in range(comm.world_size)),
+                                    time.perf_counter() - t0), {}, again)
+    plan, missing = plan_repair([(h.dir_id, h.needed, h.listing) for h in everyone], per_rank=True)
+    into: dict[tuple[int, str], torch.Tensor] = {}
+    traffic = run_transfers(comm, tc, plan, lambda t: _under(step, t.rel), lambda t: _under(step, t.rel),
+                            piece_bytes, "fetch", budget, into=into)
+    restored = tuple(sorted((Restored(t.dst, t.rel, t.src, t.size) for t in plan), key=lambda x: (x.rank, x.file)))
+    files = {rel: data for (_src, rel), data in into.items()}
+    return Fetched(RepairReport(restored, missing, traffic, time.perf_counter() - t0), files, again)

@@ -6,10 +6,18 @@ steps committed in object storage.  From that one exchange every rank computes
 the same :class:`RestorePlan`: the newest step for which every rank has a
 source, and per rank
 
-* ``"local"``: its node's folder holds the whole step;
+* ``"local"``: its node's folder holds every file its own load reads
+  (:func:`objckpt.load.needs.load_reads`: the manifest, the rank indexes and the
+  blobs its targets overlap; the whole step when the rank could not tell);
 * ``"peer"``: it does not, but the union of all folders does (replicas): the
-  missing files are repaired from the peers holding them (:func:`objckpt.tier.peers.repair`);
+  files it lacks are received from the peers holding them, into memory
+  (:func:`objckpt.tier.peers.fetch`), and the load reads through them;
 * ``"object"``: the step is committed in object storage and no tier above has it.
+
+A rank that cannot tell what it reads (its folder lacks the step's manifest: a
+replaced node; no template: :meth:`latest_step`) counts as needing the whole step:
+``local`` only where its folder holds all of it, ``peer`` only where all folders
+together do.
 
 A step the local tiers cannot complete and object storage does not hold is
 skipped: an older one is restored instead, never a mix of steps.
@@ -32,6 +40,8 @@ class Holding:
 
     node: str
     steps: dict[int, LocalStep]
+    #: step -> the files this rank's load reads from its node's folder (absent: unknown)
+    reads: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -43,9 +53,35 @@ class RestorePlan:
     #: files of the step (manifest, blobs, rank indexes) when a local tier holds its manifest
     needed: list[str] = field(default_factory=list)
     why: str = ""
+    #: per rank, the files it must receive from peers (its reads its folder lacks); None for a
+    #: ``peer`` rank that does not know its reads yet (it learns them from the metadata it fetches)
+    wants: list[Optional[tuple[str, ...]]] = field(default_factory=list)
 
     def source(self, rank: int) -> str:
         return self.sources[rank]
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """What a tiered load did (``CheckpointManager``'s, on this rank; the per-rank parts are
+    the same on every rank)."""
+
+    step: int
+    #: every rank's source, by rank
+    sources: tuple[str, ...]
+    #: the files this rank received from peers: name -> (the rank that sent it, bytes)
+    received: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: bytes each rank received from peers (ranks that received nothing are absent)
+    bytes_by_rank: dict[int, int] = field(default_factory=dict)
+    #: rounds of fetching from peers (0: every rank local or from object storage)
+    rounds: int = 0
+    #: received files are held in memory for the load, never written to the node's folder
+    written: bool = False
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes every rank together received from peers."""
+        return sum(self.bytes_by_rank.values())
 
 
 def plan_restore(holdings: list[Holding], object_steps: list[int], peers: bool,
@@ -59,17 +95,29 @@ def plan_restore(holdings: list[Holding], object_steps: list[int], peers: bool,
     skipped: list[str] = []
     for s in candidates:
         needed = next((h.steps[s].needed for h in holdings if s in h.steps), [])
-        node_complete = {h.node for h in holdings if s in h.steps and h.steps[s].complete}
+        on_node = {h.node: set(h.steps[s].present) for h in holdings if s in h.steps}
         union = {f for h in holdings if s in h.steps for f in h.steps[s].present}
         whole = bool(needed) and set(needed) <= union
         sources: list[str] = []
+        wants: list[Optional[tuple[str, ...]]] = []
         for h in holdings:
-            if h.node in node_complete:
+            here = on_node.get(h.node, set())
+            reads = h.reads.get(s) if s in h.steps else None
+            if reads is None:  # unknown: the whole step
+                lacks: Optional[tuple[str, ...]] = tuple(f for f in needed if f not in here) if s in h.steps else None
+                local, peer = s in h.steps and not lacks, whole
+            else:
+                lacks = tuple(f for f in reads if f not in here)
+                local, peer = not lacks, set(lacks) <= union
+            if local:
                 sources.append(LOCAL)
-            elif peers and whole:
+                wants.append(())
+            elif peers and peer:
                 sources.append(PEER)
+                wants.append(lacks if reads is not None else None)
             elif s in object_steps:
                 sources.append(OBJECT)
+                wants.append(())
             else:
                 break
         if len(sources) == len(holdings):
@@ -77,6 +125,6 @@ def plan_restore(holdings: list[Holding], object_steps: list[int], peers: bool,
                                              for src in (LOCAL, PEER, OBJECT) if src in sources)
             if skipped:
                 why += f" (newer step(s) not complete in any tier: {skipped})"
-            return RestorePlan(s, sources, list(needed), why)
+            return RestorePlan(s, sources, list(needed), why, wants)
         skipped.append(str(s))
     return RestorePlan(None, [], [], f"no step is complete in any tier (looked at: {skipped or 'none'})")

@@ -34,6 +34,11 @@ cache, except on tmpfs (``/dev/shm``), where the file *is* memory and
 an fsync means nothing.  A failed collective (a dead rank: gloo's closed
 connection, or the group's timeout) removes this rank's temp files and raises
 :class:`~objckpt.errors.CollectiveError`.
+
+A restore from peers (``into=``) receives into memory instead: each incoming file
+is one uint8 tensor of its size, and every piece is received straight into its
+place there (no receive buffer, no writer, no file; the sender's side is as
+above).  The tensors are handed back only when every rank succeeded.
 """
 from __future__ import annotations
 
@@ -267,17 +272,20 @@ def _streams(plan: Sequence[Transfer], me: int, piece: int) -> tuple[dict[int, l
     return sends, recvs
 
 
-def _piece_limit(plan: Sequence[Transfer], me: int, budget: OperationBudget) -> int:
-    """The largest piece this rank's budget allows: two buffers per partner and direction."""
-    partners = len({t.dst for t in plan if t.src == me}) + len({t.src for t in plan if t.dst == me})
+def _piece_limit(plan: Sequence[Transfer], me: int, budget: OperationBudget, in_memory: bool = False) -> int:
+    """The largest piece this rank's budget allows: two buffers per partner and direction
+    (none for receiving, ``in_memory``: pieces land in the received files' own memory)."""
+    receiving = set() if in_memory else {t.src for t in plan if t.dst == me}
+    partners = len({t.dst for t in plan if t.src == me}) + len(receiving)
     return budget.nbytes // (2 * partners) if partners else 1 << 62
 
 
-def _agree_piece(comm: Comm, tc: Comm, plan: Sequence[Transfer], piece: int, budget: OperationBudget) -> int:
+def _agree_piece(comm: Comm, tc: Comm, plan: Sequence[Transfer], piece: int, budget: OperationBudget,
+                 in_memory: bool = False) -> int:
     """The piece every rank uses (senders and receivers must cut alike): the smallest of
     ``piece`` and every rank's budget limit.  A budget that cannot hold the minimal piece is
     a :class:`MemoryBudgetError` on every rank, naming the ranks and their budgets."""
-    mine = (_piece_limit(plan, comm.rank, budget), budget.name)
+    mine = (_piece_limit(plan, comm.rank, budget, in_memory), budget.name)
     limits = tc.all_gather_object(mine) if comm.world_size > 1 else [mine]
     low = {r: (lim, name) for r, (lim, name) in enumerate(limits) if lim < TIER_MIN_PIECE_BYTES}
     if low:
@@ -325,8 +333,10 @@ class _Buffers:
 
 def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
               dst_path: Callable[[Transfer], pathlib.Path], piece: int, budget: OperationBudget, state: _State,
-              what: str) -> RankTraffic:
-    """This rank's part of the rounds; a failed collective raises CollectiveError."""
+              what: str, into: Optional[dict[tuple[int, str], torch.Tensor]] = None) -> RankTraffic:
+    """This rank's part of the rounds; a failed collective raises CollectiveError.  ``into``
+    given: each incoming file is received straight into a new uint8 tensor of its size,
+    stored there by (source rank, name); no receive buffers, no writer, no file."""
     import torch.distributed as dist
 
     me = comm.rank
@@ -334,8 +344,11 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
     sends, recvs = _streams(plan, me, piece)
     outgoing = [t for t in plan if t.src == me]
     incoming = [t for t in plan if t.dst == me]
+    if into is not None:
+        for t in incoming:
+            into[(t.src, t.rel)] = torch.empty(t.size, dtype=torch.uint8)
     for t in incoming:
-        if t.size == 0 and not state.error:
+        if into is None and t.size == 0 and not state.error:
             try:
                 _finish(state, _start(dst_path, t))
             except OSError as e:
@@ -346,7 +359,7 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
         return max((n for _t, _o, n in stream), default=0)
 
     bufs = _Buffers(budget, {"send": {p: size(v) for p, v in sends.items()},
-                             "recv": {p: size(v) for p, v in recvs.items()}})
+                             "recv": {} if into is not None else {p: size(v) for p, v in recvs.items()}})
     held = bufs.held
     group = tc.group
     stop = threading.Event()
@@ -378,7 +391,7 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
                 return
             i, slot = item
             for p, stream in recvs.items():
-                if i < len(stream):
+                if i < len(stream) and into is None:
                     t, off, n = stream[i]
                     _write_piece(state, dst_path, t, off, bufs.slots[slot]["recv"][p][:n])
             free_recv.put(slot)
@@ -415,9 +428,10 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
                     raise failed(p, e) from e
         for p, stream in recvs.items():
             if i < len(stream):
+                t, off, n = stream[i]
+                dest = into[(t.src, t.rel)][off: off + n] if into is not None else bufs.slots[rslot]["recv"][p][:n]
                 try:
-                    works.append((p, dist.irecv(bufs.slots[rslot]["recv"][p][: stream[i][2]], src=to_global[p],
-                                                group=group)))
+                    works.append((p, dist.irecv(dest, src=to_global[p], group=group)))
                 except RuntimeError as e:
                     raise failed(p, e) from e
         return works
@@ -480,13 +494,16 @@ def copy_budget(memory_bytes: Optional[int]) -> OperationBudget:
 
 def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
                   dst_path: Callable[[Transfer], pathlib.Path], piece: int, what: str,
-                  budget: Optional[OperationBudget] = None, keep_cached: bool = False) -> tuple[RankTraffic, ...]:
+                  budget: Optional[OperationBudget] = None, keep_cached: bool = False,
+                  into: Optional[dict[tuple[int, str], torch.Tensor]] = None) -> tuple[RankTraffic, ...]:
     """Collective: carry out ``plan`` (the same on every rank) over ``tc`` (the tier's
     gloo group over ``comm``'s ranks), agree on the outcome, then rename.  ``budget``
     bounds the piece buffers (default: :func:`copy_budget`).  ``keep_cached``: received
     files stay in the page cache (a restore reads them right back); otherwise they are
-    dropped from it once synced (a replica is read only after a failure).  Returns every
-    rank's traffic, by rank."""
+    dropped from it once synced (a replica is read only after a failure).  ``into`` (a dict,
+    filled): every file this rank receives lands in memory instead, a uint8 tensor by
+    (source rank, name), kept only when every rank succeeded (``dst_path`` is not used).
+    Returns every rank's traffic, by rank."""
     if not (isinstance(piece, int) and piece > 0):
         raise ValueError(f"piece_bytes must be a positive number of bytes, got {piece!r}")
     budget = budget if budget is not None else copy_budget(None)
@@ -494,17 +511,21 @@ def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Call
     mine: Optional[RankTraffic] = None
     try:
         if comm.world_size > 1:
-            piece = _agree_piece(comm, tc, plan, piece, budget)
-            mine = _exchange(comm, tc, plan, src_path, dst_path, piece, budget, state, what)
+            piece = _agree_piece(comm, tc, plan, piece, budget, into is not None)
+            mine = _exchange(comm, tc, plan, src_path, dst_path, piece, budget, state, what, into)
             outcomes: list[tuple[str, RankTraffic]] = tc.all_gather_object((state.error, mine))
         else:
             outcomes = [("", RankTraffic(comm.rank))]
     except BaseException:
         state.cleanup()
+        if into is not None:
+            into.clear()
         raise
     failures = {r: err for r, (err, _t) in enumerate(outcomes) if err}
     if failures:
         state.cleanup()
+        if into is not None:
+            into.clear()
         raise PeerCopyError(f"{what} failed; nothing was renamed into place: " + "; ".join(failures.values()),
                             failures)
     dirs, problem = set(), ""
