@@ -91,7 +91,9 @@ def async_save(state_dict: Any, uri: str, *, lazy: bool = False, max_in_flight: 
     waits for the oldest beyond that).  ``staging_bytes``: host memory for staging;
     by default this rank's whole share of the state, else staging and upload are
     pipelined part by part within the budget (and the call returns when the last
-    part is staged).
+    part is staged).  A given ``staging_bytes`` is a hard limit (for :func:`save`
+    too): a part to stage larger than it raises
+    :class:`~objckpt.errors.MemoryBudgetError` before anything is written.
     """
     opts, where = split_save_args("async_save", dict(kwargs))
     comm = _comm(opts.no_dist, where["process_group"])

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 
 from typing_extensions import TypedDict
 
-from .runtime.memory import COLLECTIVE_BYTES
+from .runtime.memory import COLLECTIVE_BYTES, positive_bytes
 
 #: the words that turn a switch (an environment variable, a string option) on or off,
 #: in any case and with spaces around; one list for every switch of the library
@@ -160,8 +160,7 @@ class LoadOptions:
         object.__setattr__(self, "read_strategy", ReadStrategy.parse(self.read_strategy))
         if self.collective_bytes <= 0:
             raise ValueError(f"collective_bytes must be positive, got {self.collective_bytes}")
-        if self.memory_bytes is not None and not (isinstance(self.memory_bytes, int) and self.memory_bytes > 0):
-            raise ValueError(f"memory_bytes must be a positive number of bytes or None, got {self.memory_bytes!r}")
+        positive_bytes(self.memory_bytes, "memory_bytes", optional=True)
         _check_timeout(self.collective_timeout)
 
 

@@ -81,9 +81,10 @@ def test_lazy_mode_with_wait_staged(tmp_path: Any) -> None:
 def test_lazy_violation_is_reported_and_commits_nothing(tmp_path: Any) -> None:
     real = open_store(str(tmp_path))[0]
     sd = _state(2)
-    # one staging buffer and slow uploads: staging cannot finish before the mutation below
+    # one staging buffer and slow uploads: staging cannot finish before the mutation below (the
+    # largest part is 65 KiB, 'b' after w's last chunk; staging_bytes is a hard limit, one such part fits)
     h = objckpt.async_save(sd, str(tmp_path / "bad"), lazy=True, store=SlowStore(real, 0.2), part_size=64 << 10,
-                           staging_bytes=64 << 10)
+                           staging_bytes=128 << 10)
     sd["w"].add_(1)  # mutated before wait_staged: a torn checkpoint must not be committed
     with pytest.raises(RuntimeError, match=r"'w' was modified before wait_staged"):
         h.result(timeout=60)

@@ -80,6 +80,12 @@ POOL_KEEP_BYTES = 4096 * MiB
 POOL_KEEP_ENV = "OBJCKPT_HOST_POOL_BYTES"
 
 
+def _check_budget(nbytes: int, name: str = "") -> None:
+    """A budget is a positive number of bytes (``name``: which one, for the error)."""
+    if nbytes <= 0:
+        raise ValueError(f"{name + ': ' if name else ''}a memory budget must be positive, got {nbytes}")
+
+
 @dataclass(frozen=True)
 class Budget:
     """A cap on bytes, as a value: what a planner cuts batches and counts slots with."""
@@ -87,8 +93,7 @@ class Budget:
     nbytes: int
 
     def __post_init__(self) -> None:
-        if self.nbytes <= 0:
-            raise ValueError(f"a memory budget must be positive, got {self.nbytes}")
+        _check_budget(self.nbytes)
 
     def slots(self, size: int) -> int:
         """How many buffers of ``size`` bytes fit (at least one)."""
@@ -121,8 +126,7 @@ class OperationBudget:
     Thread-safe: the ring draws on the I/O thread, fills on the caller's."""
 
     def __init__(self, nbytes: int, name: str, *, strict: bool = True) -> None:
-        if nbytes <= 0:
-            raise ValueError(f"{name}: a memory budget must be positive, got {nbytes}")
+        _check_budget(nbytes, name)
         self.nbytes, self.name, self.strict = nbytes, name, strict
         self.held = 0
         #: most bytes held at once
@@ -190,22 +194,43 @@ def operation_budget(budget: AnyBudget, name: str) -> OperationBudget:
     return budget if isinstance(budget, OperationBudget) else OperationBudget(budget.nbytes, name, strict=False)
 
 
+def positive_bytes(value: Any, name: str, *, optional: bool = False) -> Optional[int]:
+    """``value`` when it is a positive whole number of bytes (or None, where ``optional``);
+    anything else is a ValueError naming the option ``name`` (the one check every
+    ``memory_bytes``-like option makes)."""
+    if value is None and optional:
+        return None
+    if not (isinstance(value, int) and value > 0):
+        raise ValueError(f"{name} must be a positive number of bytes{' or None' if optional else ''}, got {value!r}")
+    return value
+
+
+def given_or_default(what: str, given: Optional[int], default: int, *, option: str = "memory_bytes",
+                     strict_default: bool = False) -> OperationBudget:
+    """One operation's budget, named for its errors: ``given`` (the caller's, always strict:
+    ``"<what> (<option>=<given>)"``), else ``default`` (``"<what> (default <n> bytes)"``,
+    lenient unless ``strict_default``: a piece larger than a default is taken alone, as it
+    always was).  Checking that ``given`` is positive is the options' job; here anything
+    below one byte counts as one."""
+    if given is not None:
+        return OperationBudget(max(given, 1), f"{what} ({option}={given})")
+    return OperationBudget(max(default, 1), f"{what} (default {default} bytes)", strict=strict_default)
+
+
 def load_budget(memory_bytes: Optional[int] = None, collective_bytes: int = COLLECTIVE_BYTES) -> OperationBudget:
     """A load's one budget: ``memory_bytes`` when given (strict), else the sum of its
     parts' defaults with ``collective_bytes`` for the collective batch (lenient: a
-    load that worked before still works).  Positive values are the options' to check;
-    here anything below one byte counts as one."""
-    if memory_bytes is not None:
-        return OperationBudget(max(memory_bytes, 1), f"load memory budget (memory_bytes={memory_bytes})")
-    total = LOAD_MEMORY_BYTES - COLLECTIVE_BYTES + max(collective_bytes, 1)
-    return OperationBudget(total, f"load memory budget (default {total} bytes)", strict=False)
+    load that worked before still works)."""
+    return given_or_default("load memory budget", memory_bytes,
+                            LOAD_MEMORY_BYTES - COLLECTIVE_BYTES + max(collective_bytes, 1))
 
 
 def save_budget(staging_bytes: Optional[int], default: int = SAVE_STAGING_BYTES) -> OperationBudget:
-    """A save's one staging budget: ``staging_bytes``, else ``default``.  Lenient: a
-    part larger than the whole budget is staged alone, as it always was."""
-    n = staging_bytes if staging_bytes is not None else default
-    return OperationBudget(max(n, 1), f"save staging budget (staging_bytes={n})", strict=False)
+    """A save's one staging budget: ``staging_bytes`` when given (strict: a part to stage
+    that is larger is refused before anything is written, see
+    :func:`objckpt.save.upload.refuse_unstageable`), else ``default`` (lenient: a part
+    larger than the whole budget is staged alone, as it always was)."""
+    return given_or_default("save staging budget", staging_bytes, default, option="staging_bytes")
 
 
 def plain_host(t: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ import torch
 from ..runtime import loop as _runtime
 from ..distributed.comm import Comm
 from ..errors import ForeignSaveError
-from ..runtime.memory import Budget, host_pool, side_stream
+from ..runtime.memory import Budget, host_pool, save_budget, side_stream
 from ..options import SaveOptions
 from ..results import SaveResult
 from ..storage import ObjectStore
@@ -237,8 +237,8 @@ def start_save(state_dict: Any, uri: str, st: ObjectStore, prefix: str, comm: Co
     nparts = sum(len(b.parts) for b in prep.plan.blobs)
     # the budget buys slots of the largest part; by default one per part (buffers are
     # allocated at each part's own size, so memory is this rank's share of the state)
-    nbytes = opts.staging_bytes if opts.staging_bytes is not None else max(max_part * nparts, max_part)
-    budget = Budget(max(nbytes, max_part))
+    # (``staging_bytes`` given: a hard limit, a larger part refused before anything is written)
+    budget = save_budget(opts.staging_bytes, default=max(max_part * nparts, max_part))
     handle = SaveHandle(uri)
 
     sources = list(prep.tensors.values())

@@ -44,7 +44,7 @@ from .describe import LocalState, Mirror, describe_local
 from .fingerprint import differing
 from .fingerprint import digest as prints_digest
 from .records import Piece, chunk_records, rank_blobs
-from .upload import write_plan
+from .upload import refuse_unstageable, staged_parts, write_plan
 
 log = get_logger("objckpt.save")
 
@@ -279,6 +279,9 @@ async def upload(prep: Prepared, pool: HostPool, budget: AnyBudget, *, zero_copy
             on_staged()
 
     try:
+        # a part larger than a staging budget the caller gave: refused before anything is written
+        refuse_unstageable(staged_parts(prep.plan, prep.tensors, zero_copy), budget, prep.uri,
+                           prep.store.min_part_size)
         crcs = await write_plan(prep.store, prep.blob_keys, prep.plan, prep.tensors, pool, budget, prep.stats,
                                 zero_copy=zero_copy, crc_block=prep.crc_block,
                                 on_staged=staged if on_staged is not None else None, stream=stream)

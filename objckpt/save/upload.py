@@ -20,6 +20,7 @@ import torch
 
 from ..runtime import loop as _runtime
 from ..checksum import block_crcs, crc32c, crc32c_combine
+from ..errors import MemoryBudgetError
 from ..runtime.memory import AnyBudget, Budget, HostPool, host_bytes, operation_budget, plain_host
 from ..planning.pack import ChunkPlan, PartPlan, SavePlan
 from ..results import IOStats
@@ -139,6 +140,38 @@ async def _event_done(ev: "torch.cuda.Event") -> None:
     while not ev.query():
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1e-3)
+
+
+def staged_parts(plan: SavePlan, tensors: Mapping[str, torch.Tensor], zero_copy: bool) -> list[PartPlan]:
+    """The parts of ``plan`` that go through a staging buffer: every part, or with
+    ``zero_copy`` those with a chunk that is not plain host memory (the rest upload
+    from the tensors' own memory)."""
+    direct = {k: plain_host(t) for k, t in tensors.items()} if zero_copy else {}
+    return [p for b in plan.blobs for p in b.parts if not (zero_copy and all(direct[c.key] for c in p.chunks))]
+
+
+def refuse_unstageable(parts: Sequence[PartPlan], budget: AnyBudget, uri: str, min_part_size: int) -> None:
+    """Under a staging budget the caller gave (strict), refuse a save with a part to stage
+    that is larger than the whole budget, before anything is written: a part is staged
+    whole (copied, checksummed and uploaded from one buffer), so it cannot be cut here.
+    A default budget (lenient) stages such a part alone, past the budget, as it always did."""
+    memory = operation_budget(budget, "save staging budget")
+    if not memory.strict or not parts:
+        return
+    big = max(parts, key=lambda p: p.size)
+    if big.size <= memory.nbytes:
+        return
+    names = sorted({c.key.split("\x00")[0] for c in big.chunks})  # packing keys: "<key>\x00<i>"
+    shown = ", ".join(map(repr, names[:3])) + (" ..." if len(names) > 3 else "")
+    # a part holds whole chunks (each at most part_size) until it reaches part_size: up to twice part_size
+    if memory.nbytes // 2 >= min_part_size:
+        smaller = f", or a part_size of at most {memory.nbytes // 2} (a part may grow to twice part_size)"
+    else:
+        smaller = f" (this store's multipart parts are at least {min_part_size} bytes: no part_size helps)"
+    raise MemoryBudgetError(
+        f"save to {uri!r}: part {big.index} of blob {big.blob} ({big.size} bytes of {shown}) is staged whole in "
+        f"host memory, but the {memory.name} is {memory.nbytes} bytes; give staging_bytes of at least "
+        f"{big.size}{smaller}.  Nothing was written.")
 
 
 async def write_plan(
