@@ -181,3 +181,50 @@ def test_a_drained_file_larger_than_a_part_goes_up_whole_in_parts(tmp_path: Path
     got = boto3.client("s3", **s3_options(opts["endpoint_url"])).get_object(
         Bucket=bucket, Key="run/step/blobs/a/r00000-0000.bin")
     assert got["Body"].read() == data
+
+
+def test_the_error_class_of_gathered_problems_comes_from_their_kinds() -> None:
+    from objckpt.tier.errors import LocalTierError, Problem, ProblemKind, TierSettingsError, raise_problems
+
+    exists = Problem(ProblemKind.EXISTS, "step 3 is already committed in the local tier")
+    full = Problem(ProblemKind.LOCAL, "local_dir '/x/already committed' has 0 bytes free")
+    raise_problems("nothing", [None, None])  # no problem: no error
+    with pytest.raises(objckpt.CheckpointExistsError, match=r"rank 1: step 3"):
+        raise_problems("step 3 not saved", [None, exists])
+    with pytest.raises(LocalTierError, match=r"rank 0: step 3 .*; rank 1: local_dir"):  # any local problem
+        raise_problems("step 3 not saved", [exists, full])
+    with pytest.raises(LocalTierError, match="already committed"):  # the words in a path do not matter
+        raise_problems("step 3 not saved", [full])
+    with pytest.raises(TierSettingsError, match=r"and 1 more rank"):
+        raise_problems("settings", [Problem(ProblemKind.SETTINGS, "blank node name")] * 5)
+
+
+def test_the_drain_queue_retries_oldest_first_stops_at_an_outage_and_gives_up_past_its_bound() -> None:
+    from objckpt.tier.drain import DrainQueue, Undrained
+    from objckpt.tier.errors import DrainError
+
+    tried: list[int] = []
+    down = {"on": True}
+
+    def attempt(u: Undrained) -> None:
+        tried.append(u.step)
+        if u.step == 13:
+            raise DrainError("another checkpoint is committed there", step=13, retryable=False)
+        if down["on"]:
+            raise DrainError(f"draining step {u.step}: refused", step=u.step)
+
+    q = DrainQueue(limit=3)
+    for s in (10, 11, 12):
+        q.run(Undrained(s, {}, 0.0), attempt)
+    assert tried == [10, 10, 10] and q.steps == {10, 11, 12}  # one failed attempt per round, the oldest
+    tried.clear()
+    q.run(Undrained(14, {}, 0.0), attempt)  # a fourth waiting step: the oldest (10) is given up
+    assert q.steps == {11, 12, 14}
+    err = q.take_errors()
+    assert err is not None and "step 10 was not drained" in str(err) and "[11, 12, 14]" in str(err)
+    down["on"] = False
+    assert q.run(Undrained(13, {}, 0.0), attempt) == [11, 12, 14]  # back: oldest first; 13 can never drain
+    assert not q.waiting and tried[-4:] == [11, 12, 14, 13]
+    err = q.take_errors()
+    assert err is not None and not err.retryable and "another checkpoint" in str(err)
+    assert q.take_errors() is None

@@ -358,9 +358,12 @@ def test_the_local_tier_saves_and_restores_while_object_storage_is_unreachable(t
     st = {"x": torch.zeros(5)}
     res = m.load(st)
     assert (res.step, res.source) == (2, "local") and torch.equal(st["x"], torch.full((5,), 2.0))
-    with pytest.raises(DrainError, match="step 1"):  # wait() reports the failed drains
+    with pytest.raises(DrainError, match="step 1") as err:  # wait() reports the failed drains ...
         m.wait()
-    m.close()
+    assert "[1, 2]" in str(err.value) and err.value.retryable  # ... and the steps that wait for another attempt
+    with pytest.raises(DrainError, match=r"\[1, 2\]"):  # still down at close(): tried once more, reported again
+        m.close()
+    assert sorted(os.listdir(tmp_path / "local")) == ["step-0000000001", "step-0000000002"]  # kept for a retry
 
 
 def test_tier_errors_are_public_objckpt_errors() -> None:
@@ -388,3 +391,196 @@ def test_async_tiered_saves_commit_locally_and_drain_in_the_background(tmp_path:
     res = fresh.load(st)
     assert (res.step, res.source, st["step"]) == (5, "local", 5) and torch.equal(st["x"], torch.full((1000,), 5.0))
     fresh.close()
+
+
+
+# -- a node that cannot take a step's metadata ----------------------------------------------------------
+
+def _spread_fails_on_n1(rank: int, world: int, root: str, local: str) -> Any:
+    import resource
+
+    from objckpt.tier import local as tier_local
+
+    node = Path(local.replace("{node}", f"n{rank}"))
+    with _manager(rank, root, local, {}, persist_every=None) as m:
+        m.save(1, _state(rank, world, 1))
+        m.wait()
+        real = tier_local.spread_metadata
+
+        def full_disk_then_spread(*a: Any, **k: Any) -> Any:  # n1's disk takes no more bytes from here on
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            before = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1, before[1]))
+            try:
+                return real(*a, **k)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, before)
+
+        if rank == 1:
+            tier_local.spread_metadata = full_disk_then_spread  # type: ignore[assignment]
+        try:
+            m.save(2, _state(rank, world, 2))  # committed on n0, then n1 cannot write rank 0's metadata
+            got = "saved"
+        except LocalTierError as e:
+            got = str(e)
+        finally:
+            tier_local.spread_metadata = real  # type: ignore[assignment]
+        after = sorted(os.listdir(node))
+        previous = objckpt.read(str(node / "step-0000000001"))  # whole on both nodes (own blobs + replica)
+        m.save(2, _state(rank, world, 2))  # the disk is back: the same step saves
+        m.wait()
+        st = _zeros(rank, world)
+        res = m.load(st, step=2)
+        _check(st, rank, world, 2)
+        return got, after, torch.equal(previous["w"], _state(0, 1, 1)["w"].local), res.source
+
+
+def test_a_node_that_cannot_write_a_steps_metadata_fails_the_save_on_every_rank_and_leaves_no_step(
+        tmp_path: Path) -> None:
+    root, local = str(tmp_path / "root"), str(tmp_path / "{node}" / "ckpt")
+    got = run_multiprocess(2, _spread_fails_on_n1, root, local, timeout=90)  # before: rank 0 waited for ever
+    for why, after, previous_whole, source in got:
+        assert "rank 1 on node 'n1'" in why and "File too large" in why, why
+        assert str(tmp_path / "n1" / "ckpt" / "step-0000000002") in why, why
+        assert after == ["step-0000000001"]  # the failed step is on no node; the previous one untouched
+        assert previous_whole and source == "local"
+
+
+# -- the manager's known steps are object storage's ------------------------------------------------------
+
+def _save_drop_save_again(rank: int, world: int, root: str, local: str, opts: dict[str, Any]) -> Any:
+    import torch.distributed as dist
+
+    with _manager(rank, root, local, opts, replicas=0) as m:  # persist_every=2: only step 2 drains
+        for s in (1, 2, 3):
+            m.save(s, _state(rank, world, s))
+        m.wait()
+        dist.barrier()
+        if rank == 1:  # n1 lost step 3's share (no replica): step 3 cannot be restored
+            shutil.rmtree(Path(local.replace("{node}", "n1")) / "step-0000000003")
+        dist.barrier()
+        st = _zeros(rank, world)
+        first = m.load(st).step  # 2; the remains of step 3 are dropped
+        m.save(3, _state(rank, world, 3))  # the training saves step 3 again (drained: the 4th save)
+        m.wait()
+        st = _zeros(rank, world)
+        res = m.load(st)
+        _check(st, rank, world, res.step)
+        return first, res.step, m.steps()
+
+
+def test_a_local_step_dropped_by_a_restore_is_saved_again_and_restored(
+        tmp_path: Path, moto_s3: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = moto_s3
+    root, local = f"s3://{bucket}/run", str(tmp_path / "{node}" / "ckpt")
+    assert run_multiprocess(2, _save_drop_save_again, root, local, opts) == [(2, 3, [2, 3])] * 2
+    st = _zeros(0, 1)
+    objckpt.load(st, f"{root}/step-0000000003", storage_options=opts)  # the new step 3, whole in S3
+    _check(st, 0, 1, 3)
+
+
+# -- drains that failed are retried; a failed replication does not stop the drain ----------------------
+
+def _drain_while_s3_comes_back(rank: int, world: int, root: str, local: str, opts: dict[str, Any]) -> Any:
+    import torch.distributed as dist
+
+    from testkit.campaign_io import FaultProxy
+
+    proxy = None
+    if rank == 0:  # every request through it is reset before it reaches the server: object storage is down
+        proxy = FaultProxy(opts["endpoint_url"], kind="reset", probability=1.0, max_offset=0, direction="up")
+    url = [proxy.url if proxy is not None else None]
+    dist.broadcast_object_list(url, 0)
+    node = Path(local.replace("{node}", f"n{rank}"))
+    with _manager(rank, root, local, {**opts, "endpoint_url": url[0]}, persist_every=1, local_keep=1) as m:
+        m.save(1, _state(rank, world, 1))
+        m.save(2, _state(rank, world, 2))
+        try:
+            m.wait()
+            down = "drained?"
+        except DrainError as e:
+            down = str(e)
+        kept = sorted(os.listdir(node))  # local_keep=1, but both wait to be drained
+        dist.barrier()
+        if proxy is not None:
+            proxy.probability = 0.0  # object storage is back
+        dist.barrier()
+        m.save(3, _state(rank, world, 3))  # retries steps 1 and 2, oldest first, then drains 3
+        m.wait()
+        steps, after = m.steps(), sorted(os.listdir(node))
+    if proxy is not None:
+        proxy.close()
+    return down, kept, steps, after
+
+
+def test_failed_drains_are_retried_oldest_first_once_object_storage_is_back(
+        tmp_path: Path, moto_s3: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = moto_s3
+    root, local = f"s3://{bucket}/run", str(tmp_path / "{node}" / "ckpt")
+    got = run_multiprocess(2, _drain_while_s3_comes_back, root, local, opts)
+    for down, kept, steps, after in got:
+        assert "step(s) [1, 2] are not in object storage yet" in down, down
+        assert kept == ["step-0000000001", "step-0000000002"]
+        assert steps == [1, 2, 3]
+        assert after == ["step-0000000003"]  # drained, so local retention lets them go
+    for s in (1, 2, 3):  # each one complete in S3, bit for bit
+        st = _zeros(0, 1)
+        objckpt.load(st, f"{root}/step-{s:010d}", storage_options=opts)
+        _check(st, 0, 1, s)
+
+
+def _replication_fails_on_n1(rank: int, world: int, root: str, local: str) -> Any:
+    import resource
+
+    from objckpt.tier import peers
+
+    with _manager(rank, root, local, {}, persist_every=1) as m:
+        m.save(1, _state(rank, world, 1))
+        m.wait()
+        real = peers.replicate
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), no signal
+
+        def full_disk_then_replicate(*a: Any, **k: Any) -> Any:  # n1 cannot take rank 0's copy (background thread)
+            before = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1, before[1]))
+            try:
+                return real(*a, **k)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, before)
+
+        if rank == 1:
+            peers.replicate = full_disk_then_replicate  # type: ignore[assignment]
+        m.save(2, _state(rank, world, 2))
+        try:
+            m.wait()
+            why = "replicated?"
+        except objckpt.PeerCopyError as e:
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            peers.replicate = real  # type: ignore[assignment]
+        return why, m.steps()
+
+
+def test_a_failed_replication_still_drains_the_step(tmp_path: Path) -> None:
+    root, local = str(tmp_path / "root"), str(tmp_path / "{node}" / "ckpt")
+    got = run_multiprocess(2, _replication_fails_on_n1, root, local)
+    for why, steps in got:
+        assert why.startswith("PeerCopyError"), why
+        assert steps == [1, 2]  # the drain ran although the copy to the peer failed
+    st = _zeros(0, 1)
+    objckpt.load(st, str(tmp_path / "root" / "step-0000000002"))
+    _check(st, 0, 1, 2)
+
+
+def test_the_error_class_comes_from_the_problem_kind_not_its_text(tmp_path: Path) -> None:
+    # a full disk under a folder whose name says "already committed" is still a full disk
+    local = tmp_path / "step already committed"
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(local), persist_every=None)
+    huge = {"x": torch.zeros(1).expand(1 << 50)}  # 4 PiB by its size, no memory
+    with pytest.raises(LocalTierError, match="disk is"):
+        m.save(1, huge)
+    m.save(1, {"x": torch.ones(3)})
+    with pytest.raises(objckpt.CheckpointExistsError):
+        m.save(1, {"x": torch.ones(3)})
+    m.close()

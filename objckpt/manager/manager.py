@@ -25,7 +25,9 @@ failed save raises on every rank.
 What the manager knows of the run's steps (for :meth:`should_save` and for
 refusing a save that retention would delete at once) is read from the index once,
 at the first :meth:`save` / :meth:`should_save` (rank 0, broadcast), then kept up to
-date with its own saves, so neither costs a request per step.  A step another
+date with its own saves, so neither costs a request per step.  With a local tier
+these are the steps in object storage: a save is learnt once its drain committed
+(a local-only step that a restore dropped may be saved again).  A step another
 writer saved meanwhile is not in it: if that makes retention drop a step this
 manager just saved, the worker says so (a warning naming the step and why).
 """
@@ -208,9 +210,15 @@ class CheckpointManager:
             self._known = {c[0]: c for c in entries}
         return self._known
 
-    def _learn(self, step: int, md: dict[str, Any], saved_at: float) -> None:
-        """Add a step this manager saved; drop what the policy drops, as the worker will."""
-        known = self._known_steps()
+    def _learn(self, step: int, md: dict[str, Any], saved_at: float, read: bool = True) -> None:
+        """Add a step this manager committed under the root; drop what the policy drops, as the
+        worker will.  With a local tier only drained steps are learnt (a local-only step is
+        not the root's: a restore may drop it and the training save its number again), from
+        the tier's background thread with ``read=False``: nothing is read there (the read is
+        a collective of the training's group), the step is only added to what was read."""
+        known = self._known_steps() if read else self._known
+        if known is None:
+            return
         known[step] = (step, md, saved_at)
         if self.policy.deletes:
             keep = steps_to_keep(self.policy, known.values())

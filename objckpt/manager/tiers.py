@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..api import async_save as _async_save
 from ..api import load as _load
 from ..api import save as _save
-from ..distributed.comm import Comm
-from ..errors import CheckpointExistsError, ObjckptError
+from ..distributed.comm import Comm, background_comm
+from ..distributed.join import collective_timeout
+from ..errors import CollectiveError, ObjckptError
 from ..format import manifest as _manifest
 from ..format import keys
 from ..results import LoadResult
@@ -31,8 +32,8 @@ from ..storage.local import LocalStore
 from ..tier import local as _local
 from ..tier import restore as _restore
 from ..tier.advice import Advice, advise
-from ..tier.drain import drain
-from ..tier.errors import DrainError, LocalTierError, TierRestoreError, TierSettingsError
+from ..tier.drain import DrainQueue, Undrained, drain
+from ..tier.errors import LocalTierError, Problem, ProblemKind, TierRestoreError, TierSettingsError, raise_problems
 from ..tier.overlay import OverlayStore
 from ..tier.peer_restore import Received, receive, step_reads
 from ..tier.topology import Topology, node_name, tier_comm
@@ -45,6 +46,11 @@ log = logging.getLogger("objckpt.manager")
 
 #: saves that do not read the object store's steps again after a failed read
 KNOWN_RETRY = 10
+#: due steps whose drain failed that wait for another attempt (kept in the local tier); past
+#: that the oldest is given up (an ERROR, and wait() raises it)
+DRAIN_BACKLOG = 4
+#: the purpose key of the group a synchronous save sends every node the step's metadata on
+COMMIT_GROUP = "tier-commit"
 
 
 @dataclass(frozen=True)
@@ -98,27 +104,24 @@ class TieredSaves:
         self.failure_rate = failure_rate
         comm: Comm = manager._comm
         self.comm = comm
-        problem = ""
+        problem: Optional[Problem] = None
         try:
             settings.check()
             node = node_name(node_override)
             self.root = _local.resolve_dir(settings.local_dir, node)
-            problem = _local.writable_error(self.root) or ""
+            why = _local.writable_error(self.root)
+            problem = Problem(ProblemKind.LOCAL, why) if why else None
         except (TierSettingsError, ValueError) as e:
-            problem = str(e)
-        everyone: list[tuple[TierSettings, str]] = (comm.all_gather_object((settings, problem))
-                                                     if comm.world_size > 1 else [(settings, problem)])
+            problem = Problem(ProblemKind.SETTINGS, str(e))
+        everyone: list[tuple[TierSettings, Optional[Problem]]] = (
+            comm.all_gather_object((settings, problem)) if comm.world_size > 1 else [(settings, problem)])
         diffs = _differences([s for s, _ in everyone])
         if diffs:
             hint = (" (for a folder per node, pass one local_dir with {node} in it: it is replaced by each "
                     "rank's node name)") if any(d.startswith("local_dir:") for d in diffs) else ""
             raise TierSettingsError("the ranks passed different tier settings to CheckpointManager: "
                                     + "; ".join(diffs) + ". Every rank must pass the same values" + hint)
-        bad = {r: p for r, (_, p) in enumerate(everyone) if p}
-        if bad:
-            shown = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items())[:4])
-            cls = LocalTierError if any("local_dir" in p for p in bad.values()) else TierSettingsError
-            raise cls(f"the local tier cannot be used ({shown})")
+        raise_problems("the local tier cannot be used", [p for _, p in everyone])
         if settings.replicas is not None and 0 < comm.world_size <= settings.replicas:
             raise TierSettingsError(f"replicas={settings.replicas} needs more ranks than the world size "
                                     f"{comm.world_size}: use replicas < {comm.world_size}")
@@ -128,6 +131,12 @@ class TieredSaves:
         if settings.replicas:
             self.topology.check_replicas(settings.replicas)
         self.bg: Comm = tier_comm(comm) if comm.world_size > 1 else comm
+        #: a synchronous save's metadata for every node, from the training's thread: a group of
+        #: objckpt's own (never the training's), apart from ``bg``, which the background thread uses
+        self.commit_comm: Comm = comm
+        if comm.world_size > 1 and not manager.async_save and len(self.topology.node_names) > 1:
+            self.commit_comm = background_comm(comm, getattr(comm, "group", None), purpose=COMMIT_GROUP,
+                                               timeout=collective_timeout(None))
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-tier")
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._draining: set[int] = set()
@@ -138,8 +147,8 @@ class TieredSaves:
         self.stalls: list[float] = []
         self.commits: list[float] = []
         self.drains: list[float] = []
-        #: drains that did not commit, raised by the next wait() (logged at ERROR when they fail)
-        self.drain_failures: list[DrainError] = []
+        #: due steps whose drain has not committed yet: retried oldest first (see DrainQueue)
+        self._undrained = DrainQueue(DRAIN_BACKLOG)
         self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
 
     # -- paths ---------------------------------------------------------------------------------
@@ -156,43 +165,52 @@ class TieredSaves:
         t0 = time.perf_counter()
         self._raise_failed()
         d = self.step_dir(step)
-        problem = _local.space_error(self.root, _local.share_bytes(state)) or _local.writable_error(self.root) or ""
-        if d.exists() and (d / keys.MANIFEST_NAME).exists():
-            problem = problem or f"step {step} is already committed in the local tier at {str(d)!r}"
+        problem = self._check(step, d, state)
         known = self._known()
-        if known is not None and step in known:  # drained before (rank 0's index, broadcast): never replaced
-            problem = problem or f"step {step} is already committed under {self.m.root!r}"
-        problems = self.comm.all_gather_object(problem) if self.comm.world_size > 1 else [problem]
-        bad = {r: p for r, p in enumerate(problems) if p}
-        if bad:
-            shown = "; ".join(f"rank {r}: {p}" for r, p in sorted(bad.items())[:4])
-            cls = CheckpointExistsError if all("already committed" in p for p in bad.values()) else LocalTierError
-            raise cls(f"step {step} not saved, nothing written ({shown})")
+        if problem is None and known is not None and step in known:  # drained before: never replaced
+            problem = Problem(ProblemKind.EXISTS, f"step {step} is already committed under {self.m.root!r}")
+        due = self._drain_due()  # rank 0's, carried in the same all-gather as the problems
+        gathered: list[tuple[Optional[Problem], bool]] = (
+            self.comm.all_gather_object((problem, due)) if self.comm.world_size > 1 else [(problem, due)])
+        raise_problems(f"step {step} not saved, nothing written", [p for p, _ in gathered])
+        due = gathered[0][1]
         saved_at = self.m.clock()
         store = LocalStore("/", direct=self.s.direct)
         handle: Optional[SaveHandle] = None
+        meta: Optional[_manifest.Manifest] = None
         if self.m.async_save:  # the stall is the staging copy; the local commit follows in the background
             # one local commit in flight, as the manager's async saves; the previous step's
             # replication and drain go on (their errors come at the next save or wait())
             if self._last_handle is not None:
                 concurrent.futures.wait([self._last_handle])
-            handle = self._last_handle = _async_save(state, str(d), store=store, metadata=md, overwrite=False, max_in_flight=1,
-                                 process_group=self.m.process_group, no_dist=self.m.no_dist)
+            handle = self._last_handle = _async_save(state, str(d), store=store, metadata=md, overwrite=False,
+                                                     max_in_flight=1, process_group=self.m.process_group,
+                                                     no_dist=self.m.no_dist)
         else:
             _save(state, str(d), store=store, metadata=md, overwrite=False,
                   process_group=self.m.process_group, no_dist=self.m.no_dist)
-            _local.spread_metadata(self.comm, d, list(self.topology.nodes), self.comm.rank)
+            # on objckpt's own group: a failing node is an error on every rank at once
+            meta = _local.spread_metadata(self.commit_comm, d, list(self.topology.nodes), self.comm.rank)
         commit_s = time.perf_counter() - t0
         self._saves += 1
-        if known is not None:
-            self.m._learn(step, md, saved_at)
-        due = self._drain_due()
+        if due:
+            self._last_drain = self.m.clock()
         if handle is None:
             self.commits.append(commit_s)
         # finished ones stay until _raise_failed (the next save) or wait() looks at them: an
         # error of the step before is raised, never dropped with its future
-        self._pending.append(self._pool.submit(self._after_commit, step, md, saved_at, due, handle, t0))
+        self._pending.append(self._pool.submit(self._after_commit, step, md, saved_at, due, handle, t0, meta))
         self.stalls.append(time.perf_counter() - t0)
+
+    def _check(self, step: int, d: Path, state: Any) -> Optional[Problem]:
+        """This rank's reason not to save ``step`` (None: none): the folder unwritable or too
+        small for the share, or the step committed in the local tier already."""
+        why = _local.space_error(self.root, _local.share_bytes(state)) or _local.writable_error(self.root)
+        if why:
+            return Problem(ProblemKind.LOCAL, why)
+        if (d / keys.MANIFEST_NAME).exists():
+            return Problem(ProblemKind.EXISTS, f"step {step} is already committed in the local tier at {str(d)!r}")
+        return None
 
     def _known(self) -> Optional[dict[int, Any]]:
         """The manager's known (drained) steps; None when object storage cannot be read now:
@@ -212,66 +230,80 @@ class TieredSaves:
             return None
 
     def _drain_due(self) -> bool:
-        """Whether this save drains: rank 0 decides (its clock), every rank learns it."""
-        due = False
-        if self.s.persist_every is not None and self._saves % self.s.persist_every == 0:
-            due = True
-        if self.s.persist_every_seconds is not None and self.m.clock() - self._last_drain >= \
-                self.s.persist_every_seconds:
-            due = True
-        if self.comm.world_size > 1:
-            due = bool(self.comm.broadcast_object(due, 0))
-        if due:
-            self._last_drain = self.m.clock()
-        return due
+        """Whether the save about to be made drains, by this rank's count and clock (rank 0's
+        answer is the one every rank takes: :meth:`save` gathers it with the checks)."""
+        n = self._saves + 1
+        if self.s.persist_every is not None and n % self.s.persist_every == 0:
+            return True
+        return (self.s.persist_every_seconds is not None
+                and self.m.clock() - self._last_drain >= self.s.persist_every_seconds)
 
     def _after_commit(self, step: int, md: dict[str, Any], saved_at: float, due: bool,
-                      handle: Optional[SaveHandle] = None, t0: float = 0.0) -> None:
+                      handle: Optional[SaveHandle] = None, t0: float = 0.0,
+                      meta: Optional[_manifest.Manifest] = None) -> None:
         """Background, in save order on every rank: (an async save's local commit and the
-        metadata for every node), replicate, drain, index, local retention."""
+        metadata for every node), replicate, drain (the steps whose drain failed before
+        first, then this one when due), index, local retention.  A replication error that
+        every rank shares (a peer's disk full) does not stop the drain; it is raised after."""
         d = self.step_dir(step)
+        failed: Optional[ObjckptError] = None
         try:
             if handle is not None:
                 handle.result()  # raises on every rank alike when the local save failed
-                _local.spread_metadata(self.bg, d, list(self.topology.nodes), self.comm.rank)
+                meta = _local.spread_metadata(self.bg, d, list(self.topology.nodes), self.comm.rank)
                 self.commits.append(time.perf_counter() - t0)  # from the call to the local commit
-            m = _manifest.decode((d / keys.MANIFEST_NAME).read_bytes(), str(d))
-            mine = _local.files_of(m, self.comm.rank)
+            if meta is None:
+                meta = _manifest.decode((d / keys.MANIFEST_NAME).read_bytes(), str(d))
+            mine = _local.files_of(meta, self.comm.rank)
             if self.s.replicas:
                 from ..tier import peers
 
-                peers.replicate(self.comm, self.topology, d, mine, self.s.replicas)
-                self._replicated = step
-            if due:
-                self._draining.add(step)
-                store, prefix = self.m.index.store, self.m.index.step_prefix(step)
                 try:
-                    rep = drain(self.bg, step, d, mine, store, prefix, self.m.step_uri(step),
-                                self.s.drain_bandwidth)
-                except DrainError as e:  # the same verdict on every rank (the outcomes were all-gathered)
-                    log.error("objckpt: %s; the step stays in the local tier and training goes on", e)
-                    self.drain_failures.append(e)
-                else:
-                    self.drains.append(rep.seconds)
-                    if self.m._worker is not None:
-                        job = self.m._submit(CommitJob(step, md, saved_at=saved_at))
-                        if job is not None:
-                            job.indexed.wait()
-                    log.info("objckpt: step %d drained to %s (%d bytes from rank %d, %.2fs)", step,
-                             self.m.step_uri(step), rep.bytes, self.comm.rank, rep.seconds)
+                    peers.replicate(self.comm, self.topology, d, mine, self.s.replicas)
+                    self._replicated = step
+                except CollectiveError:
+                    raise  # a rank stopped answering: the group is not used again (no drain)
+                except ObjckptError as e:  # the same verdict on every rank: the group goes on
+                    log.error("objckpt: replicating step %d failed (%s); the drain goes on", step, e)
+                    failed = e
+            new = Undrained(step, md, saved_at) if due else None
+            if new is not None or self._undrained.waiting:
+                self._undrained.run(new, lambda u: self._drain_one(u, mine if u.step == step else None))
+            if failed is not None:
+                raise failed
         finally:
-            self._draining.discard(step)
             self._retain(step)
+
+    def _drain_one(self, u: Undrained, files: Optional[list[str]]) -> None:
+        """Drain ``u`` (collective on the tier group; ``files``: this rank's, None: from the
+        local manifest), then index it (rank 0) and learn it as the root's."""
+        self._draining.add(u.step)
+        try:
+            rep = drain(self.bg, u.step, self.step_dir(u.step), files, self.m.index.store,
+                        self.m.index.step_prefix(u.step), self.m.step_uri(u.step), self.s.drain_bandwidth)
+        finally:
+            self._draining.discard(u.step)
+        self.drains.append(rep.seconds)
+        self.m._learn(u.step, u.metadata, u.saved_at, read=False)
+        if self.m._worker is not None:
+            job = self.m._submit(CommitJob(u.step, u.metadata, saved_at=u.saved_at))
+            if job is not None:
+                job.indexed.wait()
+        log.info("objckpt: step %d drained to %s (%d bytes from rank %d, %.2fs%s)", u.step,
+                 self.m.step_uri(u.step), rep.bytes, self.comm.rank, rep.seconds,
+                 f", attempt {u.attempts}" if u.attempts > 1 else "")
 
     def _retain(self, upto: int) -> None:
         """Local retention (each node's first rank), after step ``upto`` was replicated and
-        drained: the newest ``local_keep`` steps stay, and never a step still draining, the
-        newest replicated one, or one newer than ``upto`` (an async save's local commit
-        that this thread has not replicated or drained yet)."""
+        drained: the newest ``local_keep`` steps stay, and never a step still draining or
+        waiting to be drained again (its drain failed), the newest replicated one, or one
+        newer than ``upto`` (an async save's local commit that this thread has not
+        replicated or drained yet)."""
         if not self.first_on_node:
             return
         steps = sorted(_local.scan(self.root, self.m.naming.parse))
-        keep = set(steps[-self.s.local_keep:]) | self._draining | {s for s in steps if s > upto}
+        keep = (set(steps[-self.s.local_keep:]) | self._draining | self._undrained.steps
+                | {s for s in steps if s > upto})
         if self._replicated is not None:
             keep.add(self._replicated)
         for s in steps:
@@ -288,21 +320,30 @@ class TieredSaves:
                 raise f.exception()  # type: ignore[misc]
 
     def wait(self, drains: bool = True) -> None:
-        """Until every replication and drain issued so far finished; raises the first error,
-        and with ``drains`` the first drain that failed since the last such call (a failed
-        drain does not stop the saves: object storage may be down for a while)."""
+        """Until every replication and drain issued so far finished; raises the first error.
+        With ``drains`` (every rank calls it alike): the steps whose drain failed are tried
+        once more, oldest first, and a :class:`DrainError` is raised while some are still not
+        in object storage (they stay local and are retried at the next save), or for those
+        given up since the last such call (a failed drain does not stop the saves: object
+        storage may be down for a while)."""
         pending, self._pending = self._pending, []
         concurrent.futures.wait(pending)
         for f in pending:
             if f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
-        if drains and self.drain_failures:
-            first, self.drain_failures = self.drain_failures[0], []
-            raise first
+        if not drains:
+            return
+        if self._undrained.waiting:  # on the background thread: the tier group's collectives stay in order
+            self._pool.submit(self._undrained.run, None, lambda u: self._drain_one(u, None)).result()
+        error = self._undrained.take_errors()
+        if error is not None:
+            raise error
 
     def close(self) -> None:
+        """After the manager's :meth:`wait` (which reported the drains): the background work
+        finishes, its thread ends."""
         try:
-            self.wait()
+            self.wait(drains=False)
         finally:
             self._pool.shutdown(wait=True)
 

@@ -32,7 +32,8 @@ from ..format import keys
 from ..format import manifest as _manifest
 from ..runtime import loop as _runtime
 from ..storage.local import LocalStore
-from .errors import LocalTierError
+from ..errors import ObjckptError
+from .errors import LocalTierError, Problem, ProblemKind
 
 _INDEX = re.compile(r"r(\d{5,})\.index\.json$")
 
@@ -174,27 +175,98 @@ def scan(root: Path, parse: Any) -> dict[int, LocalStep]:
     return out
 
 
-def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int) -> None:
+@dataclass(frozen=True)
+class _Sent:
+    """What one rank adds to the spread's all-gather: its rank index files (name -> bytes)
+    or why it could not read them."""
+
+    files: dict[str, bytes]
+    problem: Optional[Problem] = None
+
+
+def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int) -> Optional[_manifest.Manifest]:
     """After rank 0 committed into its node's folder: every node's folder gets the manifest
-    and every rank index, the manifest last (one broadcast, one all-gather; nothing on
-    a single node)."""
+    and every rank index, the manifest last; returns the step's manifest (None on a
+    single node, where there is nothing to send).
+
+    Collective over ``comm`` (objckpt's own tier group: never the training's), always
+    the same three operations on every rank whatever fails: a broadcast of the manifest,
+    an all-gather of the rank indexes, an all-gather of each node's outcome.  A failure
+    on any rank (rank 0 cannot read its manifest, a rank its index, a node's first rank
+    cannot write its folder: unwritable, full) is a :class:`LocalTierError` on every rank
+    at once, naming the rank, its node and the path; each node's first rank then removes
+    the step from its folder (manifest first), so the failed save leaves no step on any
+    node, a failing node never shows it complete (its manifest is written last), and the
+    previous steps are untouched.  Only a rank that stops answering makes the others wait,
+    until the group's collective timeout (a :class:`~objckpt.errors.CollectiveError`)."""
     if len(set(nodes)) <= 1:
-        return
-    mdata = comm.broadcast_object((step_dir / keys.MANIFEST_NAME).read_bytes() if rank == 0 else None, 0)
-    m = _manifest.decode(mdata, str(step_dir))
-    mine = {n: (step_dir / n).read_bytes() for n in files_of(m, rank) if n.endswith(".index.json")}
-    everyone: list[dict[str, bytes]] = comm.all_gather_object(mine)
-    if nodes.index(nodes[rank]) != rank:  # not this node's first rank
-        comm.barrier()
-        return
+        return None
+    here = f"rank {rank} on node {nodes[rank]!r}"
+    first = nodes.index(nodes[rank]) == rank
+    mpath = step_dir / keys.MANIFEST_NAME
+    sent: tuple[Optional[bytes], Optional[Problem]] = (None, None)
+    if rank == 0:
+        try:
+            sent = (mpath.read_bytes(), None)
+        except OSError as e:
+            sent = (None, _problem(here, f"reading the committed manifest {str(mpath)!r}", e))
+    mdata, problem = comm.broadcast_object(sent, 0)
+    m: Optional[_manifest.Manifest] = None
+    if mdata is not None:
+        try:
+            m = _manifest.decode(mdata, str(mpath))
+        except Exception as e:  # noqa: BLE001 - the same bytes on every rank: the same verdict
+            problem = _problem(here, f"decoding the manifest of {str(step_dir)!r}", e)
+    mine = _Sent({}, problem)
+    if m is not None:
+        name = ""
+        try:
+            for name in files_of(m, rank):
+                if name.endswith(".index.json"):
+                    mine.files[name] = (step_dir / name).read_bytes()
+        except OSError as e:
+            mine = _Sent({}, _problem(here, f"reading its rank index {str(step_dir / name)!r}", e))
+    everyone: list[_Sent] = comm.all_gather_object(mine)
+    failed: Optional[Problem] = next((s.problem for s in everyone if s.problem is not None), None)
+    outcome: Optional[Problem] = None
+    if first and failed is None and mdata is not None:
+        outcome = _fill_node_folder(step_dir, everyone, mdata, here)
+    outcomes: list[Optional[Problem]] = comm.all_gather_object(outcome)
+    problems = [s.problem for s in everyone if s.problem is not None] + [o for o in outcomes if o is not None]
+    if not problems:
+        return m
+    undone = ""
+    if first:
+        try:
+            delete_step(step_dir)
+        except LocalTierError as e:
+            undone = f"; removing the step from {str(step_dir)!r} failed too: {e}"
+    shown = "; ".join(p.text for p in problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+    raise LocalTierError(f"the step at {str(step_dir)!r} could not be written to every node's folder ({shown}): "
+                         f"it was removed from every node's folder, the previous steps are untouched{undone}")
+
+
+def _problem(where: str, doing: str, e: BaseException) -> Problem:
+    why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return Problem(ProblemKind.LOCAL, f"{where}: {doing} failed: {type(e).__name__}: {why}")
+
+
+def _fill_node_folder(step_dir: Path, everyone: list[_Sent], mdata: bytes, here: str) -> Optional[Problem]:
+    """A node's first rank: write the rank indexes its folder lacks, then the manifest (last,
+    only when everything else is there); the problem, or None."""
     store = LocalStore(str(step_dir))
-    for part in everyone:
-        for name, data in part.items():
-            if not (step_dir / name).exists():
-                _runtime.run(store.put(name, data))
-    if not (step_dir / keys.MANIFEST_NAME).exists():
-        _runtime.run(store.put(keys.MANIFEST_NAME, mdata, if_absent=True))
-    comm.barrier()
+    name = ""
+    try:
+        for part in everyone:
+            for name, data in part.files.items():
+                if not (step_dir / name).is_file():
+                    _runtime.run(store.put(name, data))
+        name = keys.MANIFEST_NAME
+        if not (step_dir / name).is_file():
+            _runtime.run(store.put(name, mdata, if_absent=True))
+    except (OSError, ObjckptError) as e:
+        return _problem(here, f"writing {str(step_dir / name)!r}", e)
+    return None
 
 
 def delete_step(step_dir: Path) -> None:
