@@ -55,7 +55,7 @@ class Hello:
 
     symbolic_digest: Optional[bytes]  # of its symbolic description (None: it has none)
     tree_digest: bytes  # of its non-tensor values
-    exists: bool  # rank 0: a checkpoint is committed at the URI
+    exists: bool  # rank 0: a checkpoint is committed at the URI (asked only when overwrite is off)
     attempt: str  # rank 0: the new attempt id
     error: Optional[str]  # this rank could not describe its state
     #: the class name of that error (re-raised as that class on every rank, see refusal_class)
@@ -188,7 +188,9 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         opts = opts.checked()
         up = spread_up(uri, prefix, opts)
         local = describe_local(state, opts.allow_pickle, comm, mirror)
-        if comm.rank == 0:
+        if comm.rank == 0 and not opts.overwrite:
+            # only a save that may not replace a checkpoint asks whether one is there: an
+            # overwrite reads the old manifest once, at its commit (for the cleanup)
             exists = _runtime.run(st.head(keys.manifest_key(prefix))) is not None
             stats.add(0)
         stats.timings.add("describe", time.perf_counter() - t0)
