@@ -89,3 +89,45 @@ def test_one_ranks_refusal_fails_the_save_on_every_rank(tmp_path: Any) -> None:
         assert "rank 1" in msg and "staging_bytes=102400" in msg and "'r1'" in msg, msg
     assert _files(tmp_path) == before  # rank 0's blobs are gone again, the old checkpoint untouched
     assert torch.equal(objckpt.read(uri)["w"], old["w"])
+
+
+# --------------------------------------------------------------------------- one helper each
+
+
+def _shape(b: memory.OperationBudget) -> tuple[int, str, bool]:
+    return b.nbytes, b.name, b.strict
+
+
+@pytest.mark.parametrize("given", [None, 3 << 20])
+def test_one_factory_builds_every_given_or_default_budget(given: Any) -> None:
+    """``given_or_default`` builds what each operation's own factory builds (names, sizes,
+    strictness), so the factories can be one helper without a change in behaviour."""
+    from objckpt.tier.drain import drain_budget
+    from objckpt.tier.transfer import copy_budget
+
+    assert _shape(drain_budget(given)) == _shape(
+        memory.given_or_default("drain memory budget", given, memory.DRAIN_MEMORY_BYTES))
+    assert _shape(copy_budget(given)) == _shape(
+        memory.given_or_default("tier copy memory budget", given, memory.TIER_COPY_BYTES, strict_default=True))
+    total = memory.LOAD_MEMORY_BYTES
+    assert _shape(memory.load_budget(given)) == (given or total, "load memory budget " + (
+        f"(memory_bytes={given})" if given else f"(default {total} bytes)"), given is not None)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "64"])
+def test_one_check_of_a_positive_byte_count(bad: Any) -> None:
+    from objckpt.options import LoadOptions
+    from objckpt.tier.drain import drain_budget
+    from objckpt.tier.transfer import copy_budget
+
+    with pytest.raises(ValueError) as mine:
+        memory.positive_bytes(bad, "memory_bytes")
+    for build in (drain_budget, copy_budget):
+        with pytest.raises(ValueError) as theirs:
+            build(bad)
+        assert str(theirs.value) == str(mine.value)
+    with pytest.raises(ValueError) as opt:
+        LoadOptions(memory_bytes=bad)
+    assert str(opt.value) == str(mine.value).replace("bytes, got", "bytes or None, got")
+    assert memory.positive_bytes(None, "memory_bytes", optional=True) is None
+    assert memory.positive_bytes(7, "memory_bytes") == 7
