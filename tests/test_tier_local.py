@@ -228,3 +228,52 @@ def test_the_drain_queue_retries_oldest_first_stops_at_an_outage_and_gives_up_pa
     err = q.take_errors()
     assert err is not None and not err.retryable and "another checkpoint" in str(err)
     assert q.take_errors() is None
+
+
+def _spread_by_node(rank: int, world: int, base: str) -> Any:
+    import resource
+    import signal
+
+    from objckpt.distributed.comm import get_comm
+
+    comm = get_comm(None)
+    nodes = [f"n{r // 2}" for r in range(world)]  # two ranks a node
+    leaders = tier_local.node_leaders(comm, nodes, 60.0)
+    assert leaders is not None and (leaders.comm is not None) == (rank % 2 == 0)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    out: list[Any] = []
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(2 * world * 3, dtype=torch.float32).reshape(2 * world, 3)
+    for step in ("s1", "s2"):
+        d = Path(base) / nodes[rank] / step
+        st = {"w": distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)])}  # format v2: rank indexes
+        objckpt.save(st, str(d), store=LocalStore("/"))
+        before = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if step == "s2" and rank == 2:  # n1's first rank: its disk takes no more bytes
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1, before[1]))
+        try:
+            tier_local.spread_metadata(comm, d, nodes, rank, leaders)
+            out.append("spread")
+        except tier_local.LocalTierError as e:
+            out.append(str(e))
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, before)
+    return out
+
+
+def test_the_nodes_first_ranks_spread_the_metadata_and_one_nodes_write_error_fails_every_rank(
+        tmp_path: Path) -> None:
+    got = run_multiprocess(4, _spread_by_node, str(tmp_path), timeout=90)
+    for first, second in got:
+        assert first == "spread"
+        assert "rank 2 on node 'n1'" in second and "File too large" in second, second
+    for node in ("n0", "n1"):
+        m = objckpt.inspect(str(tmp_path / node / "s1"))  # every node's folder is the whole checkpoint's metadata
+        assert sorted({b.rank for b in m.blobs}) == [0, 1, 2, 3] and len(m.rank_indexes) == 4
+        assert all((tmp_path / node / "s1" / r.name).is_file() for r in m.rank_indexes)
+        assert not (tmp_path / node / "s2").exists()  # the failed step is on no node
+    mine = {"w": objckpt.Shard(torch.zeros(2, 3), (8, 3), (6, 0))}
+    objckpt.load(mine, str(tmp_path / "n1" / "s1"), no_dist=True)  # rank 3's rows, from n1's folder
+    assert torch.equal(mine["w"].local, torch.arange(18, 24, dtype=torch.float32).reshape(2, 3))

@@ -131,12 +131,17 @@ class TieredSaves:
         if settings.replicas:
             self.topology.check_replicas(settings.replicas)
         self.bg: Comm = tier_comm(comm) if comm.world_size > 1 else comm
-        #: a synchronous save's metadata for every node, from the training's thread: a group of
-        #: objckpt's own (never the training's), apart from ``bg``, which the background thread uses
-        self.commit_comm: Comm = comm
-        if comm.world_size > 1 and not manager.async_save and len(self.topology.node_names) > 1:
-            self.commit_comm = background_comm(comm, getattr(comm, "group", None), purpose=COMMIT_GROUP,
-                                               timeout=collective_timeout(None))
+        #: the metadata for every node goes over groups of objckpt's own, never the training's: a
+        #: synchronous save's from the training's thread (a group apart from ``bg``, which the
+        #: background thread uses meanwhile), an async save's from the background thread (``bg``);
+        #: the rank indexes only among the nodes' first ranks (``leaders``)
+        self.spread_comm: Comm = self.bg
+        self.leaders: Optional[_local.NodeLeaders] = None
+        if comm.world_size > 1 and len(self.topology.node_names) > 1:
+            if not manager.async_save:
+                self.spread_comm = background_comm(comm, getattr(comm, "group", None), purpose=COMMIT_GROUP,
+                                                   timeout=collective_timeout(None))
+            self.leaders = _local.node_leaders(comm, self.topology.nodes, collective_timeout(None))
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-tier")
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._draining: set[int] = set()
@@ -190,7 +195,8 @@ class TieredSaves:
             _save(state, str(d), store=store, metadata=md, overwrite=False,
                   process_group=self.m.process_group, no_dist=self.m.no_dist)
             # on objckpt's own group: a failing node is an error on every rank at once
-            meta = _local.spread_metadata(self.commit_comm, d, list(self.topology.nodes), self.comm.rank)
+            meta = _local.spread_metadata(self.spread_comm, d, list(self.topology.nodes), self.comm.rank,
+                                          self.leaders)
         commit_s = time.perf_counter() - t0
         self._saves += 1
         if due:
@@ -250,7 +256,8 @@ class TieredSaves:
         try:
             if handle is not None:
                 handle.result()  # raises on every rank alike when the local save failed
-                meta = _local.spread_metadata(self.bg, d, list(self.topology.nodes), self.comm.rank)
+                meta = _local.spread_metadata(self.spread_comm, d, list(self.topology.nodes), self.comm.rank,
+                                              self.leaders)
                 self.commits.append(time.perf_counter() - t0)  # from the call to the local commit
             if meta is None:
                 meta = _manifest.decode((d / keys.MANIFEST_NAME).read_bytes(), str(d))

@@ -25,9 +25,9 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from ..distributed.comm import Comm
+from ..distributed.comm import Comm, TorchComm
 from ..format import keys
 from ..format import manifest as _manifest
 from ..runtime import loop as _runtime
@@ -177,28 +177,59 @@ def scan(root: Path, parse: Any) -> dict[int, LocalStep]:
 
 @dataclass(frozen=True)
 class _Sent:
-    """What one rank adds to the spread's all-gather: its rank index files (name -> bytes)
-    or why it could not read them."""
+    """What one rank adds to the spread's all-gather: rank index files (name -> bytes) or
+    why it could not read them."""
 
     files: dict[str, bytes]
     problem: Optional[Problem] = None
 
 
-def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int) -> Optional[_manifest.Manifest]:
+@dataclass(frozen=True)
+class NodeLeaders:
+    """Each node's first rank in a gloo group of their own (``comm`` on those ranks, None on
+    the others): the rank indexes then go only to the ranks that write them.  A node's first
+    rank reads its node's indexes from its own folder (its ranks wrote them there), so only
+    the first ranks exchange them: each receives the world's indexes once, where an
+    all-gather over every rank sends every rank all of them (the world size squared)."""
+
+    comm: Optional[Comm]
+
+
+def node_leaders(comm: Comm, nodes: Sequence[str], timeout: float) -> Optional[NodeLeaders]:
+    """Collective over every rank of ``comm`` (from the thread that will not interleave
+    collectives with it): the group of each node's first rank, ``timeout`` seconds per
+    operation.  None where every rank is its node's first (the plain all-gather is the same)."""
+    firsts = sorted({nodes.index(n) for n in nodes})
+    if len(firsts) == len(nodes) or not isinstance(comm, TorchComm):
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    members = comm.global_ranks()
+    group = dist.new_group([members[r] for r in firsts], backend="gloo",
+                           timeout=datetime.timedelta(seconds=timeout))
+    return NodeLeaders(TorchComm(group) if comm.rank in firsts else None)
+
+
+def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int,
+                    leaders: Optional[NodeLeaders] = None) -> Optional[_manifest.Manifest]:
     """After rank 0 committed into its node's folder: every node's folder gets the manifest
     and every rank index, the manifest last; returns the step's manifest (None on a
     single node, where there is nothing to send).
 
     Collective over ``comm`` (objckpt's own tier group: never the training's), always
-    the same three operations on every rank whatever fails: a broadcast of the manifest,
-    an all-gather of the rank indexes, an all-gather of each node's outcome.  A failure
-    on any rank (rank 0 cannot read its manifest, a rank its index, a node's first rank
-    cannot write its folder: unwritable, full) is a :class:`LocalTierError` on every rank
-    at once, naming the rank, its node and the path; each node's first rank then removes
-    the step from its folder (manifest first), so the failed save leaves no step on any
-    node, a failing node never shows it complete (its manifest is written last), and the
-    previous steps are untouched.  Only a rank that stops answering makes the others wait,
-    until the group's collective timeout (a :class:`~objckpt.errors.CollectiveError`)."""
+    the same operations on every rank whatever fails: a broadcast of the manifest, an
+    all-gather of the rank indexes (over ``leaders`` when given, every rank passing one:
+    only the nodes' first ranks, each sending its node's indexes), an all-gather of each
+    rank's outcome.  A failure on any rank (rank 0 cannot read its manifest, a rank an
+    index, a node's first rank cannot write its folder: unwritable, full) is a
+    :class:`LocalTierError` on every rank at once, naming the rank, its node and the
+    path; each node's first rank then removes the step from its folder (manifest first),
+    so the failed save leaves no step on any node, a failing node never shows it complete
+    (its manifest is written last), and the previous steps are untouched.  Only a rank
+    that stops answering makes the others wait, until the group's collective timeout (a
+    :class:`~objckpt.errors.CollectiveError`)."""
     if len(set(nodes)) <= 1:
         return None
     here = f"rank {rank} on node {nodes[rank]!r}"
@@ -217,22 +248,28 @@ def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int) -> 
             m = _manifest.decode(mdata, str(mpath))
         except Exception as e:  # noqa: BLE001 - the same bytes on every rank: the same verdict
             problem = _problem(here, f"decoding the manifest of {str(step_dir)!r}", e)
+    # the ranks whose indexes this rank sends: its own, or as a node's first rank its node's
+    senders = [rank] if leaders is None else [r for r, n in enumerate(nodes) if n == nodes[rank]] if first else []
     mine = _Sent({}, problem)
-    if m is not None:
+    if m is not None and senders:
         name = ""
         try:
-            for name in files_of(m, rank):
-                if name.endswith(".index.json"):
-                    mine.files[name] = (step_dir / name).read_bytes()
+            for name in (n for r in senders for n in files_of(m, r) if n.endswith(".index.json")):
+                mine.files[name] = (step_dir / name).read_bytes()
         except OSError as e:
-            mine = _Sent({}, _problem(here, f"reading its rank index {str(step_dir / name)!r}", e))
-    everyone: list[_Sent] = comm.all_gather_object(mine)
-    failed: Optional[Problem] = next((s.problem for s in everyone if s.problem is not None), None)
-    outcome: Optional[Problem] = None
+            mine = _Sent({}, _problem(here, f"reading the rank index {str(step_dir / name)!r}", e))
+    if leaders is None:
+        everyone: list[_Sent] = comm.all_gather_object(mine)
+    elif leaders.comm is not None:
+        everyone = leaders.comm.all_gather_object(mine)
+    else:  # not a node's first rank: it writes nothing, it only learns the outcome
+        everyone = [mine]
+    failed = next((x.problem for x in everyone if x.problem is not None), None)
+    outcome = mine.problem
     if first and failed is None and mdata is not None:
         outcome = _fill_node_folder(step_dir, everyone, mdata, here)
-    outcomes: list[Optional[Problem]] = comm.all_gather_object(outcome)
-    problems = [s.problem for s in everyone if s.problem is not None] + [o for o in outcomes if o is not None]
+    outcomes: list[Optional[Problem]] = comm.all_gather_object(outcome or failed)
+    problems = list(dict.fromkeys(p.text for p in outcomes if p is not None))  # one rank's problem once
     if not problems:
         return m
     undone = ""
@@ -241,7 +278,7 @@ def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int) -> 
             delete_step(step_dir)
         except LocalTierError as e:
             undone = f"; removing the step from {str(step_dir)!r} failed too: {e}"
-    shown = "; ".join(p.text for p in problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+    shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
     raise LocalTierError(f"the step at {str(step_dir)!r} could not be written to every node's folder ({shown}): "
                          f"it was removed from every node's folder, the previous steps are untouched{undone}")
 
