@@ -277,3 +277,18 @@ def test_the_nodes_first_ranks_spread_the_metadata_and_one_nodes_write_error_fai
     mine = {"w": objckpt.Shard(torch.zeros(2, 3), (8, 3), (6, 0))}
     objckpt.load(mine, str(tmp_path / "n1" / "s1"), no_dist=True)  # rank 3's rows, from n1's folder
     assert torch.equal(mine["w"].local, torch.arange(18, 24, dtype=torch.float32).reshape(2, 3))
+
+
+def test_retention_counts_the_step_folders_that_hold_a_manifest_without_decoding_them(tmp_path: Path) -> None:
+    from objckpt.manager.naming import StepNaming
+
+    naming = StepNaming()
+    for step, manifest in ((3, b"{}"), (1, b"not json: still a commit to count and delete"), (2, None)):
+        d = tmp_path / naming.name(step)
+        (d / "blobs").mkdir(parents=True)
+        if manifest is not None:
+            (d / "manifest.json").write_bytes(manifest)
+    (tmp_path / "notes").mkdir()
+    assert tier_local.committed_steps(tmp_path, naming.parse) == [1, 3]  # 2: no manifest, no step
+    assert sorted(tier_local.scan(tmp_path, naming.parse)) == []  # scan decodes: neither manifest is one
+    assert tier_local.committed_steps(tmp_path / "gone", naming.parse) == []

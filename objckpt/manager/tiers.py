@@ -308,7 +308,7 @@ class TieredSaves:
         replicated or drained yet)."""
         if not self.first_on_node:
             return
-        steps = sorted(_local.scan(self.root, self.m.naming.parse))
+        steps = _local.committed_steps(self.root, self.m.naming.parse)
         keep = (set(steps[-self.s.local_keep:]) | self._draining | self._undrained.steps
                 | {s for s in steps if s > upto})
         if self._replicated is not None:

@@ -175,6 +175,18 @@ def scan(root: Path, parse: Any) -> dict[int, LocalStep]:
     return out
 
 
+def committed_steps(root: Path, parse: Any) -> list[int]:
+    """The steps in ``root`` whose folder holds a manifest, ascending (``parse`` as for
+    :func:`scan`): what local retention counts after every save, without reading and
+    decoding each step's manifest as :func:`scan` does (a large model's is megabytes)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    steps = ((parse(n), n) for n in names)
+    return sorted(s for s, n in steps if s is not None and (root / n / keys.MANIFEST_NAME).is_file())
+
+
 @dataclass(frozen=True)
 class _Sent:
     """What one rank adds to the spread's all-gather: rank index files (name -> bytes) or
