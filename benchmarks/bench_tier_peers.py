@@ -160,8 +160,13 @@ def _restore(rank: int, comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             ok = res.tiers == {0: "local", 1: "peer"} and all(torch.equal(dst[k], v) for k, v in state.items())
             for v in dst.values():
                 v.zero_()
-            moved = sum(p.stat().st_size for p in (base / "n1").rglob("*") if p.is_file()) if rank == 1 else 0
-            moved = comm.all_gather_object(moved)[1]
+            report = getattr(m._tiers, "last_restore", None)
+            if report is not None:  # what the restore says it received from peers (held in memory)
+                moved = report.bytes_moved
+                fetch_s = getattr(report, "fetch_seconds", None)
+            else:  # the code before: the files repaired into n1's folder
+                moved = sum(p.stat().st_size for p in (base / "n1").rglob("*") if p.is_file()) if rank == 1 else 0
+                moved, fetch_s = comm.all_gather_object(moved)[1], None
             if buf is None or buf.numel() != moved:  # touched before timing, on both ranks
                 buf = torch.empty(moved, dtype=torch.uint8)
                 buf.random_(0, 256) if rank == 0 else buf.zero_()
@@ -175,7 +180,7 @@ def _restore(rank: int, comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             base_s = time.perf_counter() - t0
             if rep:
                 rows.append({"what": "peer", "restore_s": peer_s, "restore_cpu_s": peer_cpu, "gloo_s": base_s,
-                             "bytes_moved": moved, "verified": ok})
+                             "bytes_moved": moved, "fetch_s": fetch_s, "verified": ok})
         for rep in range(cfg["repeat"]):
             dist.barrier()
             shutil.rmtree(base / f"n{rank}", ignore_errors=True)  # every node's folder is gone
@@ -283,7 +288,9 @@ def _restore_summary(per_rank: list[list[dict[str, Any]]], nbytes: int) -> dict[
     return {
         "peer": {"bytes_moved_mib": moved / h.MiB, "restore_s": restore, "gloo_s": gloo,
                  "restore_gbps": moved / restore / 1e9, "gloo_gbps": moved / gloo / 1e9, "ratio": gloo / restore,
-                 "restore_cpu_s_rank1": h.median(x["restore_cpu_s"] for x in peer[1])},
+                 "restore_cpu_s_rank1": h.median(x["restore_cpu_s"] for x in peer[1]),
+                 "fetch_s_rank1": (h.median(x["fetch_s"] for x in peer[1])
+                                   if all(x.get("fetch_s") is not None for x in peer[1]) else None)},
         # S3: every rank reads its own share (the whole step between them), against the same gloo rate
         "s3": {"restore_s": s3_s, "restore_gbps": 2 * nbytes / s3_s / 1e9,
                "ratio": (2 * nbytes / s3_s) / (moved / gloo)},

@@ -499,6 +499,8 @@ def test_three_nodes_restore_locally_then_a_lost_node_receives_only_its_share_in
     blob = next(n for n in want if n.endswith(".bin"))
     # from n2, which holds n1's replica (the ring n0 -> n1 -> n2 -> n0), at the size the manifest gives
     assert rep1.received[blob] == (2, next(b.size for b in m.blobs if b.name == blob))
+    # its rows are read whole into host memory: received straight into the template's tensor
+    assert rep1.in_place_bytes == ROWS // 3 * COLS * 4, rep1
     assert lost[1]["received_bytes"] == rep1.bytes_moved == sum(size for _src, size in rep1.received.values())
     assert lost[1]["folder"] == [], "the received files were held in memory, never written to the folder"
 
@@ -515,3 +517,50 @@ def test_a_local_tier_on_two_nodes_reshards_to_three_ranks_on_three_nodes(tmp_pa
                                                  for out, n in zip(got, ("n0", "n1", "n2")))
     blobs = sorted(n for n in rep.received if n.endswith(".bin"))
     assert len(blobs) == 1 and "r00001-" in blobs[0], f"rank 2's rows 4-5 are in rank 1's blob only: {blobs}"
+
+
+def _restore_expect_error(rank: int, world: int, base: str, nodes: tuple[str, ...]) -> str:
+    import objckpt
+
+    try:
+        _restore_tiered(rank, world, base, nodes)
+    except objckpt.ObjckptError as e:
+        return f"{type(e).__name__}: {e}"
+    return "restored"
+
+
+def test_bytes_received_in_place_are_still_checked_against_their_crc32c(tmp_path: pathlib.Path) -> None:
+    base = str(tmp_path)
+    run_ranks(2, _save_tiered, base)
+    copy = next((tmp_path / "n0" / "step-0000000002" / "blobs").rglob("r00001-*.bin"))  # n1's share, on n0
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    shutil.rmtree(tmp_path / "n1")
+    got = run_ranks(2, _restore_expect_error, base, ("n0", "n1"))
+    assert "crc32c mismatch" in got[1] and "r00001-" in got[1], got
+    assert got[0].startswith("TierRestoreError") and "rank(s) [1]" in got[0] and "crc32c mismatch" in got[0], got[0]
+
+
+def test_the_overlay_serves_received_pieces_in_place_copies_the_rest_and_reads_gaps_as_zeros(
+        tmp_path: pathlib.Path) -> None:
+    import torch
+
+    from objckpt.runtime import loop
+    from objckpt.storage.local import LocalStore
+    from objckpt.tier.overlay import OverlayStore, ReadOnlyStoreError
+
+    (tmp_path / "on-disk.bin").write_bytes(b"folder")
+    dest = torch.zeros(8, dtype=torch.uint8)
+    dest[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # received in place: bytes 10..14 of "f"
+    tail = torch.tensor([7, 8], dtype=torch.uint8)  # bytes 16..18, in memory of its own
+    prefix = str(tmp_path).strip("/")
+    st = OverlayStore(LocalStore("/"), {f"{prefix}/f": [(16, tail), (10, dest[:4])]})
+    out = memoryview(dest.numpy())[:4]
+    loop.run(st.get_range_into(f"{prefix}/f", 10, out))  # where the bytes already are: no copy
+    assert dest[:4].tolist() == [1, 2, 3, 4]
+    assert loop.run(st.get_range(f"{prefix}/f", 10, 8)) == bytes([1, 2, 3, 4, 0, 0, 7, 8])  # a gap reads as zeros
+    assert loop.run(st.get(f"{prefix}/on-disk.bin")) == b"folder"  # not received: from the folder
+    assert loop.run(st.head(f"{prefix}/f")).size == 18
+    with pytest.raises(ReadOnlyStoreError):
+        loop.run(st.put(f"{prefix}/f", b"x"))

@@ -14,11 +14,19 @@ change to how a load chooses its chunks changes this answer with it.
 The answer covers every read strategy: a rank reading through a collective
 (``broadcast``, ``allgather``) reads a part of the bytes its own direct read
 would, never other bytes.
+
+With ``in_place``, it also says where the load will put each whole chunk it reads
+straight into host memory (the read plan's direct reads,
+:func:`~objckpt.load.fill.plan_fill`), for the blobs all of whose reads are such:
+a restore from peers receives those bytes right there, so that the load then finds
+them in place and only checks them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ..errors import NotFoundError
 from ..format import keys as objkeys
@@ -26,8 +34,20 @@ from ..format.tree import iter_leaves
 from ..planning.symbolic import overlapping_pieces
 from ..runtime import loop as _runtime
 from ..state import create_optimizer_state, find_stateful
+from .fill import FillTarget, plan_fill, through_ring
 from .pipeline import match_template
 from .session import ReadSession
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A whole chunk a load reads straight into host memory: ``length`` bytes of ``file`` at
+    ``offset`` land in ``dest`` (a uint8 view of the destination tensor's memory)."""
+
+    file: str
+    offset: int
+    length: int
+    dest: torch.Tensor = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -41,6 +61,8 @@ class LoadReads:
 
     files: tuple[str, ...]
     lacking: tuple[str, ...] = ()
+    #: (``in_place``) the chunks of the blobs every read of which lands whole in host memory
+    in_place: tuple[InPlace, ...] = ()
 
     @property
     def known(self) -> bool:
@@ -48,7 +70,7 @@ class LoadReads:
 
 
 def load_reads(state: Any, session: ReadSession, rank: int, *, strict: bool = True, cast: bool = False,
-               allow_pickle: bool = False) -> LoadReads:
+               allow_pickle: bool = False, in_place: bool = False) -> LoadReads:
     """The files ``objckpt.load(state, session.uri, ...)`` reads on ``rank``.
 
     Raises what the load would raise before reading (a template that does not match:
@@ -88,4 +110,26 @@ def load_reads(state: Any, session: ReadSession, rank: int, *, strict: bool = Tr
     for key, box in wanted:
         blobs.update(ov.chunk.blob for ov in resolver.overlapping(key, box))
     files += sorted({m.blobs[b].name for b in blobs if not m.blobs[b].spread})
-    return LoadReads(tuple(files))
+    return LoadReads(tuple(files), (), _in_place(m, resolver, match.targets, match.casts) if in_place else ())
+
+
+def _in_place(m: Any, resolver: Any, targets: list[FillTarget], casts: list[Any]) -> tuple[InPlace, ...]:
+    """The load's read plan for ``targets``: its direct reads into host memory, for the blobs
+    that no other read (a staged piece, device memory, a cast temporary) touches."""
+    plan = plan_fill(m, resolver, targets)
+    other: set[int] = set()
+    for key, box in [(c.key, b) for c in casts for b, _offs in c.pieces]:
+        other.update(ov.chunk.blob for ov in resolver.overlapping(key, box))
+    found: list[tuple[int, InPlace]] = []
+    for batch in plan.batches:
+        other.update(r.piece.chunk.blob for r in batch.staged)
+        for d in batch.direct:
+            t, c = targets[d.target], d.chunk
+            if through_ring(t.dest) or m.blobs[c.blob].spread:
+                other.add(c.blob)
+                continue
+            if c.length:
+                flat = t.dest.detach().reshape(-1).view(torch.uint8)
+                found.append((c.blob, InPlace(m.blobs[c.blob].name, c.offset, c.length,
+                                              flat[d.dest_offset: d.dest_offset + c.length])))
+    return tuple(p for b, p in found if b not in other)

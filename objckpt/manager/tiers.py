@@ -402,23 +402,36 @@ class TieredSaves:
         got = Received()
         if _restore.PEER in sources:  # into memory; the load reads through it (nothing written)
             got = receive(self.comm, self.topology, plan, d, state, load_kwargs)
-            log.info("objckpt: step %d: rank %d received %d file(s), %d bytes, from peers (%d round(s), %.3fs)",
-                     plan.step, self.comm.rank, len(got.files), got.bytes, got.rounds, got.seconds)
+            log.info("objckpt: step %d: rank %d received %d bytes of %d file(s) from peers (%d in place; %d "
+                     "round(s), %.3fs)", plan.step, self.comm.rank, got.bytes, len(got.segments),
+                     got.in_place_bytes, got.rounds, got.seconds)
         src = sources[self.comm.rank]
         uri = self.m.step_uri(plan.step) if src == _restore.OBJECT else str(d)
         kw = {"process_group": self.m.process_group, "no_dist": self.m.no_dist, **load_kwargs}
         if src == _restore.OBJECT:
             kw.setdefault("storage_options", self.m.storage_options)
-        elif got.files:
-            kw["store"] = OverlayStore(LocalStore("/"), got.files)
+        elif got.segments:
+            kw["store"] = OverlayStore(LocalStore("/"), got.segments)
         if len(set(sources)) > 1:
             kw["read_strategy"] = "direct"  # the same bytes, but from different places per rank
+        failed: Optional[BaseException] = None
         try:
             res = _load(state, uri, **kw)
+        except Exception as e:  # noqa: BLE001 - said to every rank below: none goes on training alone
+            failed = e
         finally:
-            got.files = {}  # the received bytes go with the load
+            got.segments = {}  # the received bytes go with the load
+        outcomes = (self.comm.all_gather_object(f"{type(failed).__name__}: {failed}" if failed else "")
+                    if self.comm.world_size > 1 else [""])
+        if failed is not None:
+            raise failed
+        bad = {r: o for r, o in enumerate(outcomes) if o}
+        if bad:
+            raise TierRestoreError(f"restoring step {plan.step}: the load failed on rank(s) {sorted(bad)}: "
+                                   + "; ".join(f"rank {r}: {o}" for r, o in sorted(bad.items())[:4]))
         self.last_restore = _restore.RestoreReport(plan.step, tuple(sources), dict(got.sources),
-                                                   dict(got.bytes_by_rank), got.rounds)
+                                                   dict(got.bytes_by_rank), got.rounds,
+                                                   fetch_seconds=got.seconds, in_place_bytes=got.in_place_bytes)
         if step is None:
             self._drop_newer(plan.step)
         res.step = plan.step

@@ -9,12 +9,16 @@ for the plan):
   ``local`` even though other ranks' files are elsewhere.
 * :func:`receive`, after it, on every rank when some rank is ``peer``: rounds of
   :func:`objckpt.tier.peers.fetch` until every ``peer`` rank holds, in memory, each
-  file its load reads that its folder lacks.  A rank that knew its reads at planning
-  time asks for them in the first round; a rank whose folder lacks the step's manifest
-  (a replaced node) asks for the manifest, then for the rank indexes its template
+  file its load reads that its folder lacks.  A rank whose folder holds the step's
+  manifest asks for its blobs in the first round; one whose folder lacks it (a
+  replaced node) asks for the manifest, then for the rank indexes its template
   needs, then for its blobs: at most three rounds, the same number on every rank.
-  The load then reads through an :class:`~objckpt.tier.overlay.OverlayStore` (memory
-  over the folder): nothing is written to the folder, before or after.
+  Each chunk the load will read whole into host memory (its read plan's direct
+  reads) is received straight into the destination tensor; a blob read otherwise
+  (partly, into device memory, through a cast) comes whole into new memory.  The
+  load then reads through an :class:`~objckpt.tier.overlay.OverlayStore` (memory
+  over the folder), which finds the in-place bytes where they are and only checks
+  their crc32c: nothing is written to the folder, before or after.
 """
 from __future__ import annotations
 
@@ -34,8 +38,8 @@ from ..storage.base import ObjectStore
 from ..storage.local import LocalStore
 from .errors import TierRestoreError
 from .local import LocalStep
-from .overlay import OverlayStore
-from .peers import fetch
+from .overlay import OverlayStore, Segment
+from .peers import Range, fetch
 from .restore import PEER, RestorePlan
 from .topology import Topology
 
@@ -49,9 +53,9 @@ _READ_OPTIONS = ("strict", "cast", "allow_pickle")
 
 
 def _reads_of(state: Any, step_dir: pathlib.Path, store: ObjectStore, rank: int,
-              load_kwargs: dict[str, Any]) -> LoadReads:
+              load_kwargs: dict[str, Any], in_place: bool = False) -> LoadReads:
     kw = {k: load_kwargs[k] for k in _READ_OPTIONS if k in load_kwargs}
-    return load_reads(state, ReadSession(str(step_dir), store=store), rank, **kw)
+    return load_reads(state, ReadSession(str(step_dir), store=store), rank, in_place=in_place, **kw)
 
 
 def step_reads(steps: dict[int, LocalStep], step_dir: Any, state: Any, rank: int, load_kwargs: dict[str, Any],
@@ -81,18 +85,34 @@ def step_reads(steps: dict[int, LocalStep], step_dir: Any, state: Any, rank: int
 class Received:
     """What :func:`receive` brought this rank, and what every rank received."""
 
-    #: store key -> the file's bytes (uint8), this rank's
-    files: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: store key -> the pieces received of that file, (offset, uint8 tensor), this rank's
+    segments: dict[str, list[Segment]] = field(default_factory=dict)
     #: name -> (the rank that sent it, bytes), this rank's
     sources: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: bytes each rank received (the same on every rank)
     bytes_by_rank: dict[int, int] = field(default_factory=dict)
+    #: bytes this rank received straight into its load's destination tensors
+    in_place_bytes: int = 0
     rounds: int = 0
     seconds: float = 0.0
 
     @property
     def bytes(self) -> int:
-        return sum(int(t.numel()) for t in self.files.values())
+        return sum(int(t.numel()) for segs in self.segments.values() for _o, t in segs)
+
+
+def _wants(reads: LoadReads, have: Any) -> tuple[list[str], list[Range]]:
+    """The files and ranges to ask for: every file the load reads that ``have(name)`` says is
+    not here, the blobs it reads only in place as their ranges (once each), the rest whole."""
+    lacking = [n for n in reads.files if not have(n)]
+    ranged = {p.file for p in reads.in_place} & set(lacking)
+    seen: set[tuple[str, int]] = set()
+    ranges = []
+    for p in reads.in_place:
+        if p.file in ranged and (p.file, p.offset) not in seen:
+            seen.add((p.file, p.offset))
+            ranges.append(Range(p.file, p.offset, p.length, p.dest))
+    return [n for n in lacking if n not in ranged], ranges
 
 
 def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib.Path, state: Any,
@@ -100,37 +120,32 @@ def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib
             memory_bytes: Optional[int] = None) -> Received:
     """Collective (every rank, when some rank's source is ``peer``): see the module docstring."""
     me = comm.rank
-    peer = plan.sources[me] == PEER
+    finished = plan.sources[me] != PEER
     prefix = split_uri(str(step_dir))[2].strip("/")
     base = LocalStore("/")
     out = Received()
-    got: dict[str, torch.Tensor] = {}  # by name
-    planned: Optional[tuple[str, ...]] = plan.wants[me] if peer and me < len(plan.wants) else ()
-    finished = not peer
+    got: dict[str, list[Segment]] = {}  # by name
     kw: dict[str, Any] = {} if piece_bytes is None else {"piece_bytes": piece_bytes}
     while True:
-        want: tuple[str, ...] = ()
+        wants: list[str] = []
+        ranges: list[Range] = []
         more, problem = False, ""
         if not finished:
-            if planned is not None:
-                want, finished = planned, True
-            else:
-                try:
-                    overlay = OverlayStore(base, {objkeys.join(prefix, n): t for n, t in got.items()})
-                    reads = _reads_of(state, step_dir, overlay, me, load_kwargs)
-                    if reads.lacking:
-                        want, more = tuple(n for n in reads.lacking if n not in got), True
-                    else:
-                        held = set(got) | {n for n in reads.files if (step_dir / n).is_file()}
-                        want, finished = tuple(n for n in reads.files if n not in held), True
-                except Exception as e:  # noqa: BLE001 - carried by the round's exchange: every rank raises
-                    problem, finished = f"rank {me}: cannot tell what its load reads: {type(e).__name__}: {e}", True
-            planned = None
-        if out.rounds >= MAX_ROUNDS and (want or more):
-            problem = problem or (f"rank {me}: still lacks {list(want)[:4]} after {MAX_ROUNDS} rounds of "
-                                  "fetching from peers")
-        f = fetch(comm, topology, step_dir, list(want) if not problem else [], more=more, problem=problem,
-                  memory_bytes=memory_bytes, **kw)
+            try:
+                overlay = OverlayStore(base, {objkeys.join(prefix, n): v for n, v in got.items()})
+                reads = _reads_of(state, step_dir, overlay, me, load_kwargs, in_place=True)
+                if reads.lacking:
+                    wants, more = [n for n in reads.lacking if n not in got], True
+                else:
+                    wants, ranges = _wants(reads, lambda n: n in got or (step_dir / n).is_file())
+                    finished = True
+            except Exception as e:  # noqa: BLE001 - carried by the round's exchange: every rank raises
+                problem, finished = f"rank {me}: cannot tell what its load reads: {type(e).__name__}: {e}", True
+        if out.rounds >= MAX_ROUNDS and (wants or ranges or more):
+            problem = problem or (f"rank {me}: still lacks {wants[:4]} after {MAX_ROUNDS} rounds of fetching "
+                                  "from peers")
+        f = fetch(comm, topology, step_dir, [] if problem else wants, ranges=[] if problem else ranges, more=more,
+                  problem=problem, memory_bytes=memory_bytes, **kw)
         out.rounds += 1
         out.seconds += f.report.seconds
         if not f.report.complete:
@@ -140,8 +155,10 @@ def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib
             out.bytes_by_rank[r.rank] = out.bytes_by_rank.get(r.rank, 0) + r.size
             if r.rank == me:
                 out.sources[r.file] = (r.source, r.size)
-        got.update(f.files)
+        out.in_place_bytes += sum(r.length for r in ranges)
+        for name, segs in f.segments.items():
+            got.setdefault(name, []).extend(segs)
         if not f.more:
             break
-    out.files = {objkeys.join(prefix, n): t for n, t in got.items()}
+    out.segments = {objkeys.join(prefix, n): v for n, v in got.items()}
     return out

@@ -25,6 +25,7 @@ background thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import time
@@ -39,7 +40,7 @@ from ..format.manifest import Manifest, decode
 from .topology import Topology, TopologyError, tier_comm
 from .transfer import PIECE_BYTES, PeerCopyError, RankTraffic, Transfer, copy_budget, is_temp_name, run_transfers
 
-__all__ = ["PIECE_BYTES", "Fetched", "PeerCopyError", "RankTraffic", "ReplicaReport", "RepairReport", "Restored",
+__all__ = ["PIECE_BYTES", "Fetched", "Range", "PeerCopyError", "RankTraffic", "ReplicaReport", "RepairReport", "Restored",
            "fetch", "files_of_rank", "replicate", "repair"]
 
 
@@ -233,6 +234,8 @@ class _Holding:
     problem: str = ""
     #: (fetch) this rank will ask for more in another round
     more: bool = False
+    #: (fetch) byte ranges it wants: (file, offset, length)
+    ranges: tuple[tuple[str, int, int], ...] = ()
 
 
 def _listing(step: pathlib.Path) -> dict[str, int]:
@@ -333,57 +336,114 @@ def repair(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, needed:
 # --------------------------------------------------------------------------- fetch into memory
 
 
+@dataclass(frozen=True)
+class Range:
+    """``length`` bytes of file ``rel`` from ``offset``, received into ``dest`` (a uint8 tensor
+    of that length: the memory the load will read them into, so they land in place)."""
+
+    rel: str
+    offset: int
+    length: int
+    dest: torch.Tensor = dataclasses.field(compare=False, repr=False)
+
+
 @dataclass
 class Fetched:
-    """What :func:`fetch` did: the report (the same on every rank) and this rank's files."""
+    """What :func:`fetch` did: the report (the same on every rank) and this rank's bytes."""
 
     report: RepairReport
-    #: name -> the file's bytes (a uint8 tensor), received by this rank
-    files: dict[str, torch.Tensor]
+    #: name -> the pieces of it received by this rank, (offset, uint8 tensor): a whole file is
+    #: one piece at 0 (new memory), a :class:`Range` its own destination
+    segments: dict[str, list[tuple[int, torch.Tensor]]]
     #: some rank said it will ask for more in another round
     more: bool
 
     @property
     def bytes(self) -> int:
-        return sum(int(t.numel()) for t in self.files.values())
+        return sum(int(t.numel()) for segs in self.segments.values() for _o, t in segs)
 
 
-def fetch(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, wants: list[str], *, more: bool = False,
-          problem: str = "", piece_bytes: int = PIECE_BYTES, memory_bytes: Optional[int] = None) -> Fetched:
-    """Collective: as :func:`repair`, but each rank receives the files of ``wants`` into its
-    own memory (not its folder, and to every rank that wants a file, not once per
-    folder): one all-gather of each rank's folder listing and wants, every rank computes
-    the same plan (:func:`plan_repair` with ``per_rank``), the bytes move as in
-    :func:`replicate` except that each piece lands straight in the received file's
-    tensor.  Nothing is written anywhere.  ``more``: this rank will call again (a restore
-    that learns which blobs it needs from the metadata this call brings); every rank
-    learns whether any rank will (:attr:`Fetched.more`), so they all call again alike.
-    A call in which no rank wants anything moves nothing and costs the one all-gather.
-    ``problem``: this rank cannot go on (said in the exchange, so that every rank raises
-    :class:`PeerCopyError` alike rather than wait for it)."""
+def _plan_ranges(holdings: Sequence[_Holding], load: list[int]) -> tuple[list[Transfer], dict[int, tuple[str, ...]]]:
+    """Each rank's wanted ranges, each from one holder of the file on another node (the least
+    loaded one whose size agrees with the most common size and holds the range)."""
+    plan: list[Transfer] = []
+    missing: dict[int, list[str]] = {}
+    for dst, h in enumerate(holdings):
+        for rel, offset, length in h.ranges:
+            sizes = [(r, o.listing[rel]) for r, o in enumerate(holdings) if rel in o.listing and o.dir_id != h.dir_id]
+            counts: dict[int, int] = {}
+            for _r, size in sizes:
+                counts[size] = counts.get(size, 0) + 1
+            usable = [r for r, size in sizes if counts and size == max(counts, key=lambda x: (counts[x], x))
+                      and size >= offset + length]
+            if not usable:
+                missing.setdefault(dst, []).append(rel)
+                continue
+            src = min(usable, key=lambda r: (load[r], r))
+            load[src] += length
+            plan.append(Transfer(src, dst, rel, length, offset))
+    return plan, {r: tuple(sorted(set(v))) for r, v in missing.items()}
+
+
+def fetch(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, wants: list[str], *,
+          ranges: Sequence[Range] = (), more: bool = False, problem: str = "", piece_bytes: int = PIECE_BYTES,
+          memory_bytes: Optional[int] = None) -> Fetched:
+    """Collective: as :func:`repair`, but into each rank's memory, nothing written: the
+    files of ``wants`` whole, into new memory, and each of ``ranges`` straight into its
+    ``dest`` (delivered to every rank that wants them, not once per folder).  One
+    all-gather of each rank's folder listing and wants; every rank computes the same plan
+    (:func:`plan_repair` with ``per_rank`` for the files, the least loaded holder for each
+    range); the bytes move as in :func:`replicate`, except that each piece lands straight
+    in its place.  ``more``: this rank will call again (a restore that learns which blobs
+    it needs from the metadata this call brings); every rank learns whether any rank will
+    (:attr:`Fetched.more`), so they all call again alike.  A call in which no rank wants
+    anything moves nothing and costs the one all-gather.  ``problem``: this rank cannot go
+    on (said in the exchange, so that every rank raises :class:`PeerCopyError` alike
+    rather than wait for it)."""
     t0 = time.perf_counter()
     budget = copy_budget(memory_bytes)
     step = pathlib.Path(local_step_dir)
     try:
-        for rel in wants:
+        for rel in list(wants) + [r.rel for r in ranges]:
             _under(step, rel)
+        bad = [r for r in ranges if r.offset < 0 or r.length != r.dest.numel() or r.dest.dtype != torch.uint8]
+        if bad:
+            raise PeerCopyError(f"a range's destination is not {bad[0].length} bytes (uint8): {bad[0]}", {})
         listing = _listing(step)
     except (PeerCopyError, OSError) as e:
         listing, problem = {}, problem or f"rank {comm.rank}: {e}"
-    mine = _Holding(_dir_id(topology, comm.rank, step), tuple(wants), listing, problem, more)
+    mine = _Holding(_dir_id(topology, comm.rank, step), tuple(wants), listing, problem, more,
+                    tuple((r.rel, r.offset, r.length) for r in ranges))
     tc = tier_comm(comm) if comm.world_size > 1 else comm
     everyone: list[_Holding] = tc.all_gather_object(mine) if comm.world_size > 1 else [mine]
     problems = {r: h.problem for r, h in enumerate(everyone) if h.problem}
     if problems:
         raise PeerCopyError("fetch: nothing was sent: " + "; ".join(problems.values()), problems)
     again = any(h.more for h in everyone)
-    if not any(h.needed for h in everyone):
+    if not any(h.needed or h.ranges for h in everyone):
         return Fetched(RepairReport((), {}, tuple(RankTraffic(r) for r in range(comm.world_size)),
                                     time.perf_counter() - t0), {}, again)
     plan, missing = plan_repair([(h.dir_id, h.needed, h.listing) for h in everyone], per_rank=True)
-    into: dict[tuple[int, str], torch.Tensor] = {}
+    load = [0] * len(everyone)
+    for t in plan:
+        load[t.src] += t.size
+    in_place, lost = _plan_ranges(everyone, load)
+    plan += in_place
+    for r, names in lost.items():
+        missing[r] = tuple(sorted(set(missing.get(r, ())) | set(names)))
+    into: dict[tuple[int, str, int], torch.Tensor] = {}
+    by_range = {(r.rel, r.offset): r.dest for r in ranges}
+    for t in in_place:
+        if t.dst == comm.rank:
+            into[(t.src, t.rel, t.offset)] = by_range[(t.rel, t.offset)]
     traffic = run_transfers(comm, tc, plan, lambda t: _under(step, t.rel), lambda t: _under(step, t.rel),
                             piece_bytes, "fetch", budget, into=into)
-    restored = tuple(sorted((Restored(t.dst, t.rel, t.src, t.size) for t in plan), key=lambda x: (x.rank, x.file)))
-    files = {rel: data for (_src, rel), data in into.items()}
-    return Fetched(RepairReport(restored, missing, traffic, time.perf_counter() - t0), files, again)
+    restored: dict[tuple[int, str], Restored] = {}
+    for t in plan:  # per rank and file: its source and the bytes it received of it
+        got = restored.get((t.dst, t.rel))
+        restored[(t.dst, t.rel)] = Restored(t.dst, t.rel, t.src, t.size + (got.size if got else 0))
+    segments: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for (_src, rel, offset), data in into.items():
+        segments.setdefault(rel, []).append((offset, data))
+    return Fetched(RepairReport(tuple(sorted(restored.values(), key=lambda x: (x.rank, x.file))), missing, traffic,
+                                time.perf_counter() - t0), segments, again)

@@ -77,6 +77,10 @@ class RestoreReport:
     rounds: int = 0
     #: received files are held in memory for the load, never written to the node's folder
     written: bool = False
+    #: seconds this rank spent fetching from peers (every round: exchanges and data)
+    fetch_seconds: float = 0.0
+    #: of this rank's received bytes, those received straight into its destination tensors
+    in_place_bytes: int = 0
 
     @property
     def bytes_moved(self) -> int:

@@ -84,12 +84,14 @@ def is_temp_name(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Transfer:
-    """One file from rank ``src`` to rank ``dst`` (``rel`` relative to both step dirs)."""
+    """One file from rank ``src`` to rank ``dst`` (``rel`` relative to both step dirs); or,
+    received into memory, ``size`` bytes of it from ``offset``."""
 
     src: int
     dst: int
     rel: str
     size: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def volatile(path: pathlib.Path) -> bool:
 @dataclass
 class _State:
     error: str = ""
-    reading: dict[tuple[int, str], Any] = field(default_factory=dict)
+    reading: dict[tuple[int, str, int], Any] = field(default_factory=dict)
     writing: dict[tuple[int, str], _Inbound] = field(default_factory=dict)
     done: list[_Inbound] = field(default_factory=list)
     #: folder -> whether it is in memory (no fsync there), asked once per folder
@@ -188,11 +190,13 @@ def _read_piece(state: _State, src_path: Callable[[Transfer], pathlib.Path], t: 
     """Fill ``buf`` with bytes ``off..`` of ``t``'s file (zeros and a recorded failure when it cannot)."""
     if state.error:
         return
-    key = (t.dst, t.rel)
+    key = (t.dst, t.rel, t.offset)
     try:
         f = state.reading.get(key)
         if f is None:
             f = state.reading[key] = open(src_path(t), "rb", buffering=0)
+            if t.offset:
+                f.seek(t.offset)
         view = buf.numpy().data
         got = 0
         while got < len(view):
@@ -333,10 +337,11 @@ class _Buffers:
 
 def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
               dst_path: Callable[[Transfer], pathlib.Path], piece: int, budget: OperationBudget, state: _State,
-              what: str, into: Optional[dict[tuple[int, str], torch.Tensor]] = None) -> RankTraffic:
+              what: str, into: Optional[dict[tuple[int, str, int], torch.Tensor]] = None) -> RankTraffic:
     """This rank's part of the rounds; a failed collective raises CollectiveError.  ``into``
-    given: each incoming file is received straight into a new uint8 tensor of its size,
-    stored there by (source rank, name); no receive buffers, no writer, no file."""
+    given: each incoming transfer is received straight into ``into[(source rank, name,
+    offset)]`` (a uint8 tensor of its size: the caller's, else a new one stored there); no
+    receive buffers, no writer, no file."""
     import torch.distributed as dist
 
     me = comm.rank
@@ -344,9 +349,10 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
     sends, recvs = _streams(plan, me, piece)
     outgoing = [t for t in plan if t.src == me]
     incoming = [t for t in plan if t.dst == me]
-    if into is not None:
+    if into is not None:  # a caller's destination (received in place), else new memory
         for t in incoming:
-            into[(t.src, t.rel)] = torch.empty(t.size, dtype=torch.uint8)
+            if (t.src, t.rel, t.offset) not in into:
+                into[(t.src, t.rel, t.offset)] = torch.empty(t.size, dtype=torch.uint8)
     for t in incoming:
         if into is None and t.size == 0 and not state.error:
             try:
@@ -429,7 +435,8 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
         for p, stream in recvs.items():
             if i < len(stream):
                 t, off, n = stream[i]
-                dest = into[(t.src, t.rel)][off: off + n] if into is not None else bufs.slots[rslot]["recv"][p][:n]
+                dest = (into[(t.src, t.rel, t.offset)][off: off + n] if into is not None
+                        else bufs.slots[rslot]["recv"][p][:n])
                 try:
                     works.append((p, dist.irecv(dest, src=to_global[p], group=group)))
                 except RuntimeError as e:
@@ -495,14 +502,16 @@ def copy_budget(memory_bytes: Optional[int]) -> OperationBudget:
 def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
                   dst_path: Callable[[Transfer], pathlib.Path], piece: int, what: str,
                   budget: Optional[OperationBudget] = None, keep_cached: bool = False,
-                  into: Optional[dict[tuple[int, str], torch.Tensor]] = None) -> tuple[RankTraffic, ...]:
+                  into: Optional[dict[tuple[int, str, int], torch.Tensor]] = None) -> tuple[RankTraffic, ...]:
     """Collective: carry out ``plan`` (the same on every rank) over ``tc`` (the tier's
     gloo group over ``comm``'s ranks), agree on the outcome, then rename.  ``budget``
     bounds the piece buffers (default: :func:`copy_budget`).  ``keep_cached``: received
     files stay in the page cache (a restore reads them right back); otherwise they are
-    dropped from it once synced (a replica is read only after a failure).  ``into`` (a dict,
-    filled): every file this rank receives lands in memory instead, a uint8 tensor by
-    (source rank, name), kept only when every rank succeeded (``dst_path`` is not used).
+    dropped from it once synced (a replica is read only after a failure).  ``into`` (a dict):
+    every transfer this rank receives lands in memory instead, in the uint8 tensor
+    ``into[(source rank, name, offset)]`` (given: the caller's destination, received in
+    place; else a new one, stored there), trusted only when every rank succeeded
+    (``dst_path`` is not used).
     Returns every rank's traffic, by rank."""
     if not (isinstance(piece, int) and piece > 0):
         raise ValueError(f"piece_bytes must be a positive number of bytes, got {piece!r}")
@@ -528,6 +537,8 @@ def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Call
             into.clear()
         raise PeerCopyError(f"{what} failed; nothing was renamed into place: " + "; ".join(failures.values()),
                             failures)
+    if into is not None:  # nothing to rename: every rank's bytes are in its own memory already
+        return tuple(t for _err, t in outcomes)
     dirs, problem = set(), ""
     try:
         for inbound in state.done:
