@@ -363,6 +363,8 @@ def test_the_local_tier_saves_and_restores_while_object_storage_is_unreachable(t
     assert "[1, 2]" in str(err.value) and err.value.retryable  # ... and the steps that wait for another attempt
     with pytest.raises(DrainError, match=r"\[1, 2\]"):  # still down at close(): tried once more, reported again
         m.close()
+    with pytest.raises(DrainError, match=r"\[1, 2\]"):  # after close(): reported, no attempt (no thread left)
+        m.wait()
     assert sorted(os.listdir(tmp_path / "local")) == ["step-0000000001", "step-0000000002"]  # kept for a retry
 
 

@@ -154,6 +154,7 @@ class TieredSaves:
         self.drains: list[float] = []
         #: due steps whose drain has not committed yet: retried oldest first (see DrainQueue)
         self._undrained = DrainQueue(DRAIN_BACKLOG)
+        self._closed = False  # close() ended the background thread: wait() tries no drain again
         self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
 
     # -- paths ---------------------------------------------------------------------------------
@@ -340,7 +341,7 @@ class TieredSaves:
                 raise f.exception()  # type: ignore[misc]
         if not drains:
             return
-        if self._undrained.waiting:  # on the background thread: the tier group's collectives stay in order
+        if self._undrained.waiting and not self._closed:  # on the background thread, as every collective
             self._pool.submit(self._undrained.run, None, lambda u: self._drain_one(u, None)).result()
         error = self._undrained.take_errors()
         if error is not None:
@@ -352,6 +353,7 @@ class TieredSaves:
         try:
             self.wait(drains=False)
         finally:
+            self._closed = True
             self._pool.shutdown(wait=True)
 
     # -- restoring -----------------------------------------------------------------------------
