@@ -17,6 +17,13 @@ host pool and drawn from the drain's memory budget (``memory_bytes``, else
 given budget, down to the store's smallest part; below that the rank's upload
 fails with a :class:`~objckpt.errors.MemoryBudgetError` naming the budget, and
 the drain commits nothing.
+
+A drain may be tried again (:class:`DrainQueue`, the manager's retries of due steps
+whose drain failed): the blobs go up again under the same names, and a manifest
+already at the destination that is the local one byte for byte means an earlier
+attempt committed (its answer lost): success.  A :class:`DrainError` says whether a
+later attempt may succeed (``retryable``): not when a rank's local files are gone or
+another checkpoint is committed there.
 """
 from __future__ import annotations
 
