@@ -200,7 +200,7 @@ def test_the_error_class_of_gathered_problems_comes_from_their_kinds() -> None:
 
 
 def test_the_drain_queue_retries_oldest_first_stops_at_an_outage_and_gives_up_past_its_bound() -> None:
-    from objckpt.tier.drain import DrainQueue, Undrained
+    from objckpt.tier.backlog import DrainQueue, Undrained
     from objckpt.tier.errors import DrainError
 
     tried: list[int] = []

@@ -161,6 +161,18 @@ def test_a_rank_killed_while_draining_leaves_the_object_copy_absent_never_partia
     st = _zeros(0, 1)
     objckpt.load(st, f"{root}/step-0000000002", storage_options=opts)  # the previous drain is whole
     _check(st, 0, 1, 2)
+    # the job restarts: step 4 was due, is whole in the local tier, and is drained now
+    assert run_multiprocess(2, _restart_and_wait, root, local, opts) == [[2, 4]] * 2
+    st = _zeros(0, 1)
+    objckpt.load(st, f"{root}/step-0000000004", storage_options=opts)
+    _check(st, 0, 1, 4)
+    assert not (tmp_path / "n0" / "ckpt" / ".objckpt-drains").exists()  # nothing left to drain
+
+
+def _restart_and_wait(rank: int, world: int, root: str, local: str, opts: dict[str, Any]) -> Any:
+    with _manager(rank, root, local, opts, persist_every=1) as m:
+        m.wait()
+        return m.steps()
 
 
 # -- bad input ----------------------------------------------------------------------------------------
@@ -365,7 +377,8 @@ def test_the_local_tier_saves_and_restores_while_object_storage_is_unreachable(t
         m.close()
     with pytest.raises(DrainError, match=r"\[1, 2\]"):  # after close(): reported, no attempt (no thread left)
         m.wait()
-    assert sorted(os.listdir(tmp_path / "local")) == ["step-0000000001", "step-0000000002"]  # kept for a retry
+    # kept for a retry, and recorded as due, for a job that restarts
+    assert sorted(os.listdir(tmp_path / "local")) == [".objckpt-drains", "step-0000000001", "step-0000000002"]
 
 
 def test_tier_errors_are_public_objckpt_errors() -> None:
@@ -522,9 +535,9 @@ def test_failed_drains_are_retried_oldest_first_once_object_storage_is_back(
     got = run_multiprocess(2, _drain_while_s3_comes_back, root, local, opts)
     for down, kept, steps, after in got:
         assert "step(s) [1, 2] are not in object storage yet" in down, down
-        assert kept == ["step-0000000001", "step-0000000002"]
+        assert kept == [".objckpt-drains", "step-0000000001", "step-0000000002"]  # both kept and recorded as due
         assert steps == [1, 2, 3]
-        assert after == ["step-0000000003"]  # drained, so local retention lets them go
+        assert after == ["step-0000000003"]  # drained, so local retention lets them go, and their records
     for s in (1, 2, 3):  # each one complete in S3, bit for bit
         st = _zeros(0, 1)
         objckpt.load(st, f"{root}/step-{s:010d}", storage_options=opts)
@@ -586,3 +599,24 @@ def test_the_error_class_comes_from_the_problem_kind_not_its_text(tmp_path: Path
     with pytest.raises(objckpt.CheckpointExistsError):
         m.save(1, {"x": torch.ones(3)})
     m.close()
+
+
+def test_a_restarted_manager_drains_the_due_steps_its_previous_run_could_not(tmp_path: Path) -> None:
+    root, local = tmp_path / "root", tmp_path / "local"
+    root.write_text("a file where the root's folder should be: every drain fails")
+    m = objckpt.CheckpointManager(str(root), local_dir=str(local), persist_every=1, local_keep=1)
+    for s in (1, 2):
+        m.save(s, {"x": torch.full((4,), float(s))}, metadata={"loss": 1.0 / s})
+    with pytest.raises(DrainError, match=r"\[1, 2\]"):
+        m.close()
+    other = objckpt.CheckpointManager(str(tmp_path / "elsewhere"), local_dir=str(local), persist_every=1)
+    other.close()  # the records name their root: a manager of another root drains none of them
+    assert other.steps() == [] and sorted(os.listdir(local))[0] == ".objckpt-drains"
+    root.unlink()  # object storage is back; the job restarts
+    fresh = objckpt.CheckpointManager(str(root), local_dir=str(local), persist_every=1, local_keep=1)
+    shutil.rmtree(local / "step-0000000001")  # and step 1 is lost meanwhile: nothing to drain there
+    fresh.wait()  # step 2 drained; step 1 dropped with a warning, not an error
+    assert fresh.steps() == [2] and fresh.entries().get(2).metadata == {"loss": 0.5}
+    assert torch.equal(objckpt.read(str(root / "step-0000000002"))["x"], torch.full((4,), 2.0))
+    assert sorted(os.listdir(local)) == ["step-0000000002"]  # no record left
+    fresh.close()

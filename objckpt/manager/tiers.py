@@ -32,7 +32,9 @@ from ..storage.local import LocalStore
 from ..tier import local as _local
 from ..tier import restore as _restore
 from ..tier.advice import Advice, advise
-from ..tier.drain import DrainQueue, Undrained, drain
+from ..tier import backlog as _backlog
+from ..tier.backlog import DrainQueue, Undrained
+from ..tier.drain import drain
 from ..tier.errors import LocalTierError, Problem, ProblemKind, TierRestoreError, TierSettingsError, raise_problems
 from ..tier.overlay import OverlayStore
 from ..tier.peer_restore import Received, receive, step_reads
@@ -105,23 +107,27 @@ class TieredSaves:
         comm: Comm = manager._comm
         self.comm = comm
         problem: Optional[Problem] = None
+        pending: list[Undrained] = []  # due steps a run before could not drain (recorded in the folder)
         try:
             settings.check()
             node = node_name(node_override)
             self.root = _local.resolve_dir(settings.local_dir, node)
             why = _local.writable_error(self.root)
             problem = Problem(ProblemKind.LOCAL, why) if why else None
+            if problem is None:
+                pending = _backlog.recorded(self.root, manager.naming.parse, manager.root)
         except (TierSettingsError, ValueError) as e:
             problem = Problem(ProblemKind.SETTINGS, str(e))
-        everyone: list[tuple[TierSettings, Optional[Problem]]] = (
-            comm.all_gather_object((settings, problem)) if comm.world_size > 1 else [(settings, problem)])
-        diffs = _differences([s for s, _ in everyone])
+        mine = (settings, problem, pending)
+        everyone: list[tuple[TierSettings, Optional[Problem], list[Undrained]]] = (
+            comm.all_gather_object(mine) if comm.world_size > 1 else [mine])
+        diffs = _differences([s for s, _, _ in everyone])
         if diffs:
             hint = (" (for a folder per node, pass one local_dir with {node} in it: it is replaced by each "
                     "rank's node name)") if any(d.startswith("local_dir:") for d in diffs) else ""
             raise TierSettingsError("the ranks passed different tier settings to CheckpointManager: "
                                     + "; ".join(diffs) + ". Every rank must pass the same values" + hint)
-        raise_problems("the local tier cannot be used", [p for _, p in everyone])
+        raise_problems("the local tier cannot be used", [p for _, p, _ in everyone])
         if settings.replicas is not None and 0 < comm.world_size <= settings.replicas:
             raise TierSettingsError(f"replicas={settings.replicas} needs more ranks than the world size "
                                     f"{comm.world_size}: use replicas < {comm.world_size}")
@@ -154,6 +160,14 @@ class TieredSaves:
         self.drains: list[float] = []
         #: due steps whose drain has not committed yet: retried oldest first (see DrainQueue)
         self._undrained = DrainQueue(DRAIN_BACKLOG)
+        # every node's records, the same on every rank: a step one node lost fails its drain on
+        # every rank alike (gone: dropped with a warning)
+        adopted = {u.step: u for _, _, theirs in everyone for u in theirs}
+        self._undrained.waiting = [adopted[s] for s in sorted(adopted)][-DRAIN_BACKLOG:]
+        if adopted:
+            log.warning("objckpt: step(s) %s under %s were due for %s and are not drained yet (a run before "
+                        "could not): they are drained at the next save or wait()", sorted(adopted), self.root,
+                        manager.root)
         self._closed = False  # close() ended the background thread: wait() tries no drain again
         self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
 
@@ -276,11 +290,21 @@ class TieredSaves:
                     failed = e
             new = Undrained(step, md, saved_at) if due else None
             if new is not None or self._undrained.waiting:
-                self._undrained.run(new, lambda u: self._drain_one(u, mine if u.step == step else None))
+                self._drain_round(new, mine)
             if failed is not None:
                 raise failed
         finally:
             self._retain(step)
+
+    def _drain_round(self, new: Optional[Undrained], files: Optional[list[str]] = None) -> None:
+        """Background: the waiting steps, oldest first, then ``new`` (this rank's ``files`` of
+        it); each node's first rank records ``new`` as due in its folder first, and afterwards
+        keeps the records of the steps still waiting only."""
+        if new is not None and self.first_on_node:
+            _backlog.mark(self.root, self.m.naming.name(new.step), new, self.m.root)
+        self._undrained.run(new, lambda u: self._drain_one(u, files if new is not None and u is new else None))
+        if self.first_on_node:  # not after an error out of the round (a rank died): every record stays
+            _backlog.reconcile(self.root, self.m.naming.parse, self._undrained.steps)
 
     def _drain_one(self, u: Undrained, files: Optional[list[str]]) -> None:
         """Drain ``u`` (collective on the tier group; ``files``: this rank's, None: from the
@@ -342,7 +366,7 @@ class TieredSaves:
         if not drains:
             return
         if self._undrained.waiting and not self._closed:  # on the background thread, as every collective
-            self._pool.submit(self._undrained.run, None, lambda u: self._drain_one(u, None)).result()
+            self._pool.submit(self._drain_round, None).result()
         error = self._undrained.take_errors()
         if error is not None:
             raise error

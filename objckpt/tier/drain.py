@@ -22,17 +22,16 @@ A drain may be tried again (:class:`DrainQueue`, the manager's retries of due st
 whose drain failed): the blobs go up again under the same names, and a manifest
 already at the destination that is the local one byte for byte means an earlier
 attempt committed (its answer lost): success.  A :class:`DrainError` says whether a
-later attempt may succeed (``retryable``): not when a rank's local files are gone or
-another checkpoint is committed there.
+later attempt may succeed (``retryable``): not when a rank's local files are gone (``gone``: the
+local step itself is) or another checkpoint is committed there.
 """
 from __future__ import annotations
 
 import os
 import time
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Optional
+from typing import BinaryIO, Optional
 
 from ..distributed.comm import Comm
 from ..errors import CheckpointExistsError, MemoryBudgetError, ObjckptError, PreconditionFailed
@@ -42,8 +41,6 @@ from ..runtime.memory import DRAIN_MEMORY_BYTES, Budget, OperationBudget, host_b
 from ..storage import ObjectStore
 from ..units import MiB
 from .errors import DrainError
-
-log = logging.getLogger("objckpt.tier")
 
 #: bytes read from a local file and sent per write (a part of a multipart upload)
 DRAIN_PART = 16 * MiB
@@ -172,17 +169,18 @@ def drain(comm: Comm, step: int, step_dir: Path, files: Optional[list[str]], sto
     budget = drain_budget(memory_bytes)
     t0 = time.perf_counter()
     throttle = Throttle(bandwidth)
-    error: tuple[str, bool] = ("", True)
+    error: tuple[str, bool, bool] = ("", True, False)  # why, whether a later attempt may mend it, step gone
     try:
         for name in (files if files is not None else _files_of(step_dir, comm.rank)):
             rep.bytes += upload_file(step_dir / name, store, keys.join(prefix, name), throttle, budget)
             rep.files += 1
     except (OSError, ObjckptError) as e:
         # a plain OSError is the local file (object stores raise objckpt errors, after their retries)
-        error = (f"{type(e).__name__}: {e}", isinstance(e, ObjckptError))
-    outcomes: list[tuple[str, bool]] = comm.all_gather_object(error)
-    rep.errors = {r: why for r, (why, _) in enumerate(outcomes) if why}
-    retryable = all(ok for why, ok in outcomes if why)
+        error = (f"{type(e).__name__}: {e}", isinstance(e, ObjckptError), isinstance(e, StepGoneError))
+    outcomes: list[tuple[str, bool, bool]] = comm.all_gather_object(error)
+    rep.errors = {r: why for r, (why, _, _) in enumerate(outcomes) if why}
+    retryable = all(ok for why, ok, _ in outcomes if why)
+    gone = any(g for _, _, g in outcomes)
     verdict: tuple[str, bool] = ("", True)
     if comm.rank == 0 and not rep.errors:
         manifest = b""
@@ -198,11 +196,15 @@ def drain(comm: Comm, step: int, step_dir: Path, files: Optional[list[str]], sto
     if rep.errors:
         shown = "; ".join(f"rank {r}: {why}" for r, why in sorted(rep.errors.items())[:4])
         raise DrainError(f"draining step {step} to {uri!r} failed, nothing committed there ({shown})",
-                         step=step, retryable=retryable)
+                         step=step, retryable=retryable and not gone, gone=gone)
     if verdict[0]:
         raise DrainError(f"draining step {step}: {verdict[0]}", step=step, retryable=verdict[1])
     rep.committed = True
     return rep
+
+
+class StepGoneError(FileNotFoundError):
+    """A step to drain again is no local checkpoint any more (deleted, or dropped by a restore)."""
 
 
 def _files_of(step_dir: Path, rank: int) -> list[str]:
@@ -212,91 +214,8 @@ def _files_of(step_dir: Path, rank: int) -> list[str]:
 
     got = _local.read_manifest(step_dir)
     if got is None:
-        raise FileNotFoundError(f"the local step {str(step_dir)!r} has no readable manifest")
+        raise StepGoneError(f"the local step {str(step_dir)!r} has no readable manifest")
     return _local.files_of(got[1], rank)
-
-
-@dataclass
-class Undrained:
-    """A step due for object storage whose drain has not committed yet."""
-
-    step: int
-    metadata: dict[str, Any]
-    saved_at: float
-    error: Optional[DrainError] = None
-    attempts: int = 0
-
-
-class DrainQueue:
-    """The due steps not in object storage yet, retried oldest first.
-
-    Every rank holds one and changes it only from the results of collective drains (the
-    same on every rank), in the same order, so every rank's queue is the same and every
-    rank makes the same attempts.  :meth:`run` tries the waiting steps, oldest first,
-    then the new one; the first failure that a later attempt may mend (object storage
-    down) ends the round, the rest wait for the next one (an outage costs one failed
-    attempt per round, not one per waiting step).  A failure no attempt can mend (the
-    local files gone, another checkpoint at the destination) drops the step, its error
-    kept for :meth:`take_errors`.  At most ``limit`` steps wait: past that the oldest is
-    given up (an ERROR in the log, its error kept), the newest due steps stay."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.waiting: list[Undrained] = []
-        self.given_up: list[DrainError] = []
-
-    @property
-    def steps(self) -> set[int]:
-        """The steps waiting (local retention keeps them)."""
-        return {u.step for u in self.waiting}
-
-    def run(self, new: Optional[Undrained], attempt: Callable[[Undrained], None]) -> list[int]:
-        """One round: ``attempt(u)`` (a collective drain, raising :class:`DrainError`) for each
-        waiting step, oldest first, then ``new``; returns the steps drained."""
-        todo = self.waiting + ([new] if new is not None else [])
-        left: list[Undrained] = []
-        done: list[int] = []
-        for u in todo:
-            if left:  # an earlier step of this round failed and may succeed later: so may this one
-                left.append(u)
-                continue
-            u.attempts += 1
-            try:
-                attempt(u)
-            except DrainError as e:
-                u.error = e
-                if e.retryable:
-                    log.error("objckpt: %s; the step stays in the local tier and is retried at the next save "
-                              "(attempt %d)", e, u.attempts)
-                    left.append(u)
-                else:
-                    log.error("objckpt: %s; no later attempt can mend this: the step is not drained", e)
-                    self.given_up.append(e)
-            else:
-                done.append(u.step)
-        while len(left) > self.limit:
-            old = left.pop(0)
-            log.error("objckpt: step %d is given up for object storage: %d newer due steps wait to be drained "
-                      "(at most %d wait); it stays under local retention", old.step, len(left), self.limit)
-            self.given_up.append(DrainError(
-                f"step {old.step} was not drained and is no longer retried ({len(left)} newer due steps wait, at "
-                f"most {self.limit} do); its last error: {old.error}", step=old.step, retryable=False))
-        self.waiting = left
-        return done
-
-    def take_errors(self) -> Optional[DrainError]:
-        """The error :meth:`TieredSaves.wait` raises (and forgets the given-up steps'), or None:
-        the steps given up since the last call, and those still waiting."""
-        given_up, self.given_up = self.given_up, []
-        parts = [str(e) for e in given_up[:3]]
-        if self.waiting:
-            last = next((u.error for u in reversed(self.waiting) if u.error is not None), None)
-            parts.insert(0, f"step(s) {[u.step for u in self.waiting]} are not in object storage yet (they stay in "
-                            f"the local tier and are retried at the next save): {last}")
-        if not parts:
-            return None
-        steps = [u.step for u in self.waiting] + [e.step for e in given_up if e.step is not None]
-        return DrainError("; ".join(parts), step=min(steps) if steps else None, retryable=bool(self.waiting))
 
 
 def _already_there(store: ObjectStore, prefix: str, manifest: bytes, step: int, uri: str) -> str:

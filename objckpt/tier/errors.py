@@ -32,12 +32,15 @@ class DrainError(ObjckptError, OSError):
     """A drain did not commit (a rank's upload failed, or the commit did): nothing is in object
     storage.  ``step``: the step (None: several); ``retryable``: whether a later attempt may
     succeed (object storage down), False when the local files are gone or another checkpoint
-    is committed at the destination."""
+    is committed at the destination; ``gone``: the local step itself is no checkpoint any
+    more (deleted, or dropped by a restore): there is nothing left to drain."""
 
-    def __init__(self, message: str, *, step: Optional[int] = None, retryable: bool = True) -> None:
+    def __init__(self, message: str, *, step: Optional[int] = None, retryable: bool = True,
+                 gone: bool = False) -> None:
         super().__init__(message)
         self.step = step
         self.retryable = retryable
+        self.gone = gone
 
 
 class ProblemKind(enum.Enum):
