@@ -219,9 +219,17 @@ def node_leaders(comm: Comm, nodes: Sequence[str], timeout: float) -> Optional[N
     import torch.distributed as dist
 
     members = comm.global_ranks()
-    group = dist.new_group([members[r] for r in firsts], backend="gloo",
-                           timeout=datetime.timedelta(seconds=timeout))
+    leads = [members[r] for r in firsts]
+    key = (id(dist.group.WORLD), members, tuple(leads))
+    group = _leader_groups.get(key)  # one per job and set of first ranks, made alike on every rank
+    if group is None:
+        group = _leader_groups[key] = dist.new_group(leads, backend="gloo",
+                                                     timeout=datetime.timedelta(seconds=timeout))
     return NodeLeaders(TorchComm(group) if comm.rank in firsts else None)
+
+
+#: the nodes' first ranks' groups made so far (a second manager of the same job reuses its group)
+_leader_groups: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Any] = {}
 
 
 def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int,
