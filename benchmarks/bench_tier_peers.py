@@ -80,7 +80,7 @@ def _rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     send = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
     recv = torch.empty(nbytes, dtype=torch.uint8)
     rows: list[dict[str, Any]] = []
-    for rep in range(cfg["repeat"] + 1):  # the first round warms up (connections, allocator), untimed
+    for rep in range(cfg["repeat"] + 1 if cfg.get("replicate", True) else 0):  # the first round warms up, untimed
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         works = [dist.isend(send, dst=other), dist.irecv(recv, src=other)]
@@ -208,13 +208,15 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="replicate's memory budget (MiB; default TIER_COPY_BYTES)")
     ap.add_argument("--no-restore", dest="restore", action="store_false",
                     help="skip the restore measurements (peer, S3)")
+    ap.add_argument("--no-replicate", dest="replicate", action="store_false",
+                    help="skip the replication measurements (restores only)")
     ap.add_argument("--dir", default=None, help="parent of the node folders (default: a temporary directory)")
     ap.add_argument("--out", default=h.result_path("tier-peers"))
     args = ap.parse_args(argv)
     parent = args.dir or tempfile.mkdtemp(prefix="bench-tier-peers-")
     work = tempfile.mkdtemp(prefix="run-", dir=parent)
     cfg = {"mib": args.mib, "file_mib": args.file_mib, "piece_mib": args.piece_mib, "repeat": args.repeat,
-           "dir": work, "restore": args.restore, "endpoint": None,
+           "dir": work, "restore": args.restore, "replicate": args.replicate, "endpoint": None,
            "memory": args.memory_mib * h.MiB if args.memory_mib else None}
     server = None
     try:
@@ -236,6 +238,27 @@ def main(argv: Optional[list[str]] = None) -> None:
             shutil.rmtree(parent, ignore_errors=True)
     per_rank = out["ranks"]
     nbytes = args.mib * h.MiB
+    fs = "tmpfs" if os.path.realpath(parent).startswith("/dev/shm") else "disk/tempdir"
+    summary: dict[str, Any] = {"share_mib": args.mib, "piece_mib": args.piece_mib, "target": fs}
+    if args.replicate:
+        summary.update(_replicate_summary(per_rank, args, nbytes, parent))
+    restore_summary = _restore_summary(out["restore"], nbytes) if args.restore else {}
+    summary["restore"] = restore_summary
+    if restore_summary:
+        p, s3 = restore_summary["peer"], restore_summary["s3"]
+        h.log(h.md_table(
+            ["restore of a lost node's share", "bytes moved", "gloo send of them", "restore", "restore / gloo",
+             "restore from S3", "S3 / gloo"],
+            [[f"{args.mib} MiB a rank", f"{p['bytes_moved_mib']:.0f} MiB", f"{h.fmt(p['gloo_gbps'])} GB/s",
+              f"{h.fmt(p['restore_gbps'])} GB/s ({h.fmt(p['restore_s'])} s)", h.fmt(p["ratio"], "{:.2f}x"),
+              f"{h.fmt(s3['restore_gbps'])} GB/s ({h.fmt(s3['restore_s'])} s)", h.fmt(s3["ratio"], "{:.2f}x")]]))
+    path = h.write_results(args.out, {"environment": h.environment(), "config": cfg | {"dir": fs},
+                                      "summary": summary, "ranks": per_rank,
+                                      "restore": out["restore"]})
+    print(path)
+
+
+def _replicate_summary(per_rank: list[list[dict[str, Any]]], args: Any, nbytes: int, parent: str) -> dict[str, Any]:
     base = h.median(max(r[i]["baseline_s"] for r in per_rank) for i in range(args.repeat))
     rep = h.median(max(r[i]["replicate_s"] for r in per_rank) for i in range(args.repeat))
     fs = "tmpfs" if os.path.realpath(parent).startswith("/dev/shm") else "disk/tempdir"
@@ -261,20 +284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"{summary['rss_delta_mib']:.0f} MiB",
           f"{summary['buffer_mib']:.0f} MiB", f"{summary['cached_delta_mib']:.0f} MiB",
           f"{summary['shmem_delta_mib']:.0f} MiB"]]))
-    restore_summary = _restore_summary(out["restore"], nbytes) if args.restore else {}
-    summary["restore"] = restore_summary
-    if restore_summary:
-        p, s3 = restore_summary["peer"], restore_summary["s3"]
-        h.log(h.md_table(
-            ["restore of a lost node's share", "bytes moved", "gloo send of them", "restore", "restore / gloo",
-             "restore from S3", "S3 / gloo"],
-            [[f"{args.mib} MiB a rank", f"{p['bytes_moved_mib']:.0f} MiB", f"{h.fmt(p['gloo_gbps'])} GB/s",
-              f"{h.fmt(p['restore_gbps'])} GB/s ({h.fmt(p['restore_s'])} s)", h.fmt(p["ratio"], "{:.2f}x"),
-              f"{h.fmt(s3['restore_gbps'])} GB/s ({h.fmt(s3['restore_s'])} s)", h.fmt(s3["ratio"], "{:.2f}x")]]))
-    path = h.write_results(args.out, {"environment": h.environment(), "config": cfg | {"dir": fs},
-                                      "summary": summary, "ranks": per_rank,
-                                      "restore": out["restore"]})
-    print(path)
+    return summary
 
 
 def _restore_summary(per_rank: list[list[dict[str, Any]]], nbytes: int) -> dict[str, Any]:
