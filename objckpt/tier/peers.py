@@ -1,9 +1,11 @@
 """Copy each rank's local share to peer ranks on other nodes, and fill what a rank lacks.
 
 :func:`replicate` sends every rank's listed files to its ``k`` peers
-(:meth:`Topology.peers_for`); :func:`repair` gives every rank the files it needs
-from whichever rank still holds them.  Both are collectives of every rank of the
-group, and both move bytes the same way (:mod:`objckpt.tier.transfer`): one
+(:meth:`Topology.peers_for`); :func:`repair` gives every rank's folder the files it
+needs from whichever rank still holds them; :func:`fetch` gives every rank, in its
+own memory, the files and byte ranges its restore reads (nothing written: see its
+docstring).  All are collectives of every rank of the group, and all move bytes the
+same way (:mod:`objckpt.tier.transfer`): one
 all-gather of what each rank has, a plan every rank computes alike from it,
 point-to-point sends in bounded pieces over objckpt's own gloo group, one
 all-gather of the outcome, and only then the renames.  So:
