@@ -381,7 +381,7 @@ def run_ranks_allow_death(nproc: int, fn: Any, *args: Any, timeout: float) -> tu
 ROWS, COLS = 6, 1001  # unaligned rows
 
 
-def _rows(rank: int, world: int, step: int, dtensor: bool = False) -> dict[str, Any]:
+def _rows(rank: int, world: int, step: int, dtensor: bool = False, shared: bool = False) -> dict[str, Any]:
     """Rank ``rank``'s rows of one tensor (nothing replicated: each rank reads only its own share):
     an ``objckpt.Shard`` (format v1: chunks in the manifest) or a DTensor (v2: rank indexes)."""
     import math
@@ -391,6 +391,8 @@ def _rows(rank: int, world: int, step: int, dtensor: bool = False) -> dict[str, 
     import objckpt
 
     full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 1000 * step
+    if shared:  # a plain tensor every rank holds whole (one rank writes it, every rank reads it)
+        return {**_rows(rank, world, step, dtensor), "b": torch.arange(37, dtype=torch.float64) + step}
     if dtensor:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -413,27 +415,30 @@ def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t.local
 
 
-def _save_tiered(rank: int, world: int, base: str, dtensor: bool = False) -> list[str]:
+def _save_tiered(rank: int, world: int, base: str, dtensor: bool = False, shared: bool = False) -> list[str]:
     with _tier_manager(rank, base, f"n{rank}") as m:
         for s in (1, 2):
-            m.save(s, _rows(rank, world, s, dtensor))
+            m.save(s, _rows(rank, world, s, dtensor, shared))
         m.wait()
     step = pathlib.Path(base) / f"n{rank}" / "step-0000000002"
     return _listing(step)
 
 
-def _restore_tiered(rank: int, world: int, base: str, nodes: tuple[str, ...], dtensor: bool = False
-                    ) -> dict[str, Any]:
+def _restore_tiered(rank: int, world: int, base: str, nodes: tuple[str, ...], dtensor: bool = False,
+                    shared: bool = False) -> dict[str, Any]:
     import torch
 
     with _tier_manager(rank, base, nodes[rank]) as m:
-        st = _rows(rank, world, 0, dtensor)
+        st = _rows(rank, world, 0, dtensor, shared)
         _local(st["w"]).zero_()
+        if shared:
+            st["b"].zero_()
         res = m.load(st)
-        want = _rows(rank, world, res.step, dtensor)
+        want = _rows(rank, world, res.step, dtensor, shared)
         report = m._tiers.last_restore
+        same = not shared or torch.equal(st["b"], want["b"])
         return {"step": res.step, "tiers": res.tiers, "report": report, "received_bytes": res.received_bytes,
-                "equal": torch.equal(_local(st["w"]), _local(want["w"])) and st["step"] == res.step,
+                "equal": torch.equal(_local(st["w"]), _local(want["w"])) and st["step"] == res.step and same,
                 "folder": _listing(pathlib.Path(base) / nodes[rank] / "step-0000000002")}
 
 
@@ -564,3 +569,23 @@ def test_the_overlay_serves_received_pieces_in_place_copies_the_rest_and_reads_g
     assert loop.run(st.head(f"{prefix}/f")).size == 18
     with pytest.raises(ReadOnlyStoreError):
         loop.run(st.put(f"{prefix}/f", b"x"))
+
+
+def test_a_healthy_restart_fetches_only_the_bytes_of_another_nodes_blob_a_rank_reads(tmp_path: pathlib.Path) -> None:
+    import objckpt
+
+    base = str(tmp_path)
+    run_ranks(3, _save_tiered, base, False, True)
+    m = objckpt.inspect(str(tmp_path / "n0" / "step-0000000002"))
+    (chunk,) = m.tensors["b"].chunks  # the shared tensor: one rank wrote it
+    writer = m.blobs[chunk.blob].rank
+    reader = (writer + 2) % 3  # its node holds neither the writer's blob nor the ring's copy of it
+    got = run_ranks(3, _restore_tiered, base, ("n0", "n1", "n2"), False, True)
+    assert all(out["equal"] and out["step"] == 2 for out in got)
+    assert got[0]["tiers"] == {r: "peer" if r == reader else "local" for r in range(3)}
+    rep = got[reader]["report"]
+    # its folder holds the manifest: one round, for the 296 bytes of "b" in the writer's blob, received in place
+    ((name, (source, size)),) = rep.received.items()
+    assert rep.rounds == 1 and name == m.blobs[chunk.blob].name and size == 37 * 8
+    assert source in (writer, (writer + 1) % 3), "from the writer's node or the one holding its copy"
+    assert rep.in_place_bytes == rep.bytes_moved == 37 * 8 and got[reader]["received_bytes"] == 37 * 8
