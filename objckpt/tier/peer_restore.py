@@ -27,8 +27,6 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
-
 from ..distributed.comm import Comm
 from ..format import keys as objkeys
 from ..load.needs import LoadReads, load_reads
