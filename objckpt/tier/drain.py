@@ -37,7 +37,8 @@ from ..distributed.comm import Comm
 from ..errors import CheckpointExistsError, MemoryBudgetError, ObjckptError, PreconditionFailed
 from ..format import keys
 from ..runtime import loop as _runtime
-from ..runtime.memory import DRAIN_MEMORY_BYTES, Budget, OperationBudget, host_bytes, host_pool
+from ..runtime.memory import (DRAIN_MEMORY_BYTES, Budget, OperationBudget, given_or_default, host_bytes, host_pool,
+                              positive_bytes)
 from ..storage import ObjectStore
 from ..units import MiB
 from .errors import DrainError
@@ -88,12 +89,8 @@ def drain_budget(memory_bytes: Optional[int] = None) -> OperationBudget:
     """A drain's upload buffer budget: ``memory_bytes`` (strict), else
     :data:`~objckpt.runtime.memory.DRAIN_MEMORY_BYTES` (lenient: a part the store requires
     larger than that, for a huge file, is still taken alone, as it always was)."""
-    if memory_bytes is None:
-        return OperationBudget(DRAIN_MEMORY_BYTES, f"drain memory budget (default {DRAIN_MEMORY_BYTES} bytes)",
-                               strict=False)
-    if not (isinstance(memory_bytes, int) and memory_bytes > 0):
-        raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
-    return OperationBudget(memory_bytes, f"drain memory budget (memory_bytes={memory_bytes})")
+    return given_or_default("drain memory budget", positive_bytes(memory_bytes, "memory_bytes", optional=True),
+                            DRAIN_MEMORY_BYTES)
 
 
 def _part_size(src: Path, size: int, store: ObjectStore, budget: OperationBudget) -> int:
