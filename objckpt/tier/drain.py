@@ -89,8 +89,8 @@ def drain_budget(memory_bytes: Optional[int] = None) -> OperationBudget:
     """A drain's upload buffer budget: ``memory_bytes`` (strict), else
     :data:`~objckpt.runtime.memory.DRAIN_MEMORY_BYTES` (lenient: a part the store requires
     larger than that, for a huge file, is still taken alone, as it always was)."""
-    return given_or_default("drain memory budget", positive_bytes(memory_bytes, "memory_bytes", optional=True),
-                            DRAIN_MEMORY_BYTES)
+    given = None if memory_bytes is None else positive_bytes(memory_bytes, "memory_bytes")
+    return given_or_default("drain memory budget", given, DRAIN_MEMORY_BYTES)
 
 
 def _part_size(src: Path, size: int, store: ObjectStore, budget: OperationBudget) -> int:
