@@ -74,7 +74,8 @@ class CheckpointManager:
                  replicas: Optional[int] = None,
                  persist_every: Optional[int] = 10, persist_every_seconds: Optional[float] = None,
                  local_keep: int = 2, drain_bandwidth: Optional[float] = None, direct: bool = False,
-                 node_override: Optional[str] = None, failure_rate: Optional[float] = None) -> None:
+                 node_override: Optional[str] = None, failure_rate: Optional[float] = None,
+                 tier_backend: str = "auto") -> None:
         """``root``: where the run's steps go (``s3://bucket/run``, a path, ...).
         Retention (see :mod:`objckpt.manager.retention`): ``keep_last``, ``keep_every``,
         ``keep_best`` ranked by ``metadata[best_key]`` (``best_mode="max"``: higher is
@@ -98,7 +99,9 @@ class CheckpointManager:
         ``drain_bandwidth`` bytes/s per rank, and is indexed there; ``local_keep`` local
         steps stay per node; ``direct``: local blobs written with O_DIRECT; ``node_override``:
         this rank's node name (else ``$OBJCKPT_NODE``, else the hostname); ``failure_rate``
-        (failures per hour) for :meth:`advice`."""
+        (failures per hour) for :meth:`advice`; ``tier_backend``: how copies move between
+        ranks, ``"auto"`` (NCCL, through device buffers, where the process group is NCCL and
+        CUDA is available; else gloo), ``"gloo"`` or ``"nccl"``; the same on every rank."""
         self.root = root.rstrip("/")
         self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_key, best_mode, keep_every_seconds)
         if save_every is not None and (not looks_like_step(save_every) or check_step(save_every) < 1):
@@ -123,7 +126,7 @@ class CheckpointManager:
         self._tiers: Optional[TieredSaves] = None
         if local_dir is not None:
             self._tiers = TieredSaves(self, TierSettings(local_dir, replicas, persist_every, persist_every_seconds,
-                                                         local_keep, drain_bandwidth, direct),
+                                                         local_keep, drain_bandwidth, direct, tier_backend),
                                       node_override, failure_rate)
 
     # -- naming -----------------------------------------------------------------------------

@@ -38,7 +38,8 @@ from ..tier.drain import drain
 from ..tier.errors import LocalTierError, Problem, ProblemKind, TierRestoreError, TierSettingsError, raise_problems
 from ..tier.overlay import OverlayStore
 from ..tier.peer_restore import Received, receive, step_reads
-from ..tier.topology import Topology, node_name, tier_comm
+from ..tier.topology import Topology, node_name, tier_comm, tier_wire
+from ..tier.wire import BACKENDS, Wire, resolve_backend
 from .worker import CommitJob
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ class TierSettings:
     local_keep: int
     drain_bandwidth: Optional[float]
     direct: bool
+    #: how tier copies move between ranks: "auto" (NCCL where the training's group is NCCL
+    #: and CUDA is available, else gloo), "gloo" or "nccl" (see objckpt.tier.wire)
+    tier_backend: str = "auto"
 
     def check(self) -> None:
         if not isinstance(self.local_dir, str) or not self.local_dir:
@@ -83,6 +87,17 @@ class TierSettings:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):
                 raise TierSettingsError(f"{name} must be a positive number or None, got {v!r}")
+        if self.tier_backend not in BACKENDS:
+            raise TierSettingsError(f"tier_backend must be one of {BACKENDS}, got {self.tier_backend!r}")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken CUDA install is no CUDA here
+        return False
 
 
 def _differences(all_settings: list[TierSettings]) -> list[str]:
@@ -108,8 +123,10 @@ class TieredSaves:
         self.comm = comm
         problem: Optional[Problem] = None
         pending: list[Undrained] = []  # due steps a run before could not drain (recorded in the folder)
+        backend = "gloo"
         try:
             settings.check()
+            backend = resolve_backend(settings.tier_backend, comm.backend(), _cuda())
             node = node_name(node_override)
             self.root = _local.resolve_dir(settings.local_dir, node)
             why = _local.writable_error(self.root)
@@ -137,6 +154,8 @@ class TieredSaves:
         if settings.replicas:
             self.topology.check_replicas(settings.replicas)
         self.bg: Comm = tier_comm(comm) if comm.world_size > 1 else comm
+        #: how this manager's tier copies move (made here, on the caller's thread; see tier_backend)
+        self.wire: Optional[Wire] = tier_wire(comm, backend) if comm.world_size > 1 else None
         #: the metadata for every node goes over groups of objckpt's own, never the training's: a
         #: synchronous save's from the training's thread (a group apart from ``bg``, which the
         #: background thread uses meanwhile), an async save's from the background thread (``bg``);

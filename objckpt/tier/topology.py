@@ -22,18 +22,24 @@ equal nodes every rank sends ``k`` shares and receives ``k``: the load is even.
 Tier traffic runs on a gloo group of objckpt's own (:func:`tier_comm`), created
 by :meth:`Topology.build` from the caller's thread, so a later replication may
 run in a background thread without interleaving with the training's collectives
-or with an async save's commit.
+or with an async save's commit.  The pieces themselves may go over NCCL instead
+(:func:`tier_wire`, the manager's ``tier_backend``): a second group of objckpt's own,
+made the same way; the agreements stay on the gloo group.
 """
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+import threading
+from typing import Any, Optional
 
-from ..distributed.comm import Comm, background_comm
+import torch
+
+from ..distributed.comm import Comm, TorchComm, background_comm
 from ..distributed.join import collective_timeout
 from .errors import TierSettingsError
+from .wire import DeviceWire, HostWire, Wire, register
 
 #: environment variable naming this rank's node (overrides the hostname)
 NODE_ENV = "OBJCKPT_NODE"
@@ -63,6 +69,64 @@ def tier_comm(comm: Comm) -> Comm:
     collective timeout (``$OBJCKPT_COLLECTIVE_TIMEOUT``, else 600 s), so a rank that
     stops answering is a :class:`~objckpt.errors.CollectiveError`, never a hang."""
     return background_comm(comm, comm.group, purpose=TIER_GROUP, timeout=collective_timeout(None))
+
+
+_lock = threading.Lock()
+#: (caller's group, backend, device) -> objckpt's data group for tier pieces
+_wire_groups: dict[tuple[Any, str, str], Any] = {}
+
+
+def tier_wire(comm: Comm, backend: str, device: "Optional[torch.device | str]" = None) -> Wire:
+    """Collective, from the caller's thread: the wire tier copies over ``comm``'s group use
+    from now on (registered: :func:`~objckpt.tier.wire.wire_for`), every rank alike.
+    ``"gloo"``: pieces over :func:`tier_comm`'s group, from host memory.  ``"nccl"``:
+    pieces staged through buffers on ``device`` (default: this rank's current CUDA
+    device) over a NCCL group of objckpt's own over the same ranks (made once, with the
+    collective timeout; never the training's group, whose collectives the training issues
+    meanwhile), warmed up here with one all-reduce so that its communicator is made from
+    this thread and with every rank present (a NCCL group's first batched send/receive
+    must include every rank).  ``backend="gloo"`` with a ``device`` (``"cpu"``: tests) is
+    that staging over a second gloo group.  Ranks that resolved different backends are a
+    :class:`TierSettingsError` on every rank."""
+    if comm.world_size <= 1 or not isinstance(comm, TorchComm):
+        return HostWire(getattr(comm, "group", None))
+    import datetime
+
+    import torch.distributed as dist
+
+    tc = tier_comm(comm)
+    device = torch.device(device) if device is not None else None
+    staged = backend == "nccl" or device is not None
+    if staged and device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dev = device if device is not None else torch.device("cpu")
+    mine = (backend, None if device is None else device.type)
+    everyone = tc.all_gather_object(mine)
+    if len(set(everyone)) > 1:
+        raise TierSettingsError("the ranks chose different transports for tier copies: "
+                                + ", ".join(f"rank {r}: {b}" + (f" on {d}" if d else "")
+                                            for r, (b, d) in enumerate(everyone))
+                                + "; every rank must pass the same tier_backend and have the same devices")
+    wire: Wire
+    if not staged:
+        wire = HostWire(tc.group)
+    else:
+        key = (comm.group, backend, dev.type)
+        timeout = collective_timeout(None)
+        with _lock:
+            group = _wire_groups.get(key)
+        if group is None:
+            ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
+            group = dist.new_group(ranks=ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout))
+            ones = torch.ones(1, device=dev)
+            dist.all_reduce(ones, group=group)  # the communicator is made now, here, by every rank
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            with _lock:
+                _wire_groups[key] = group
+        wire = DeviceWire(group, dev, backend, timeout)
+    register(comm.group, wire)
+    return wire
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Move files between ranks: bounded pieces over gloo, atomic on arrival, one agreed outcome.
+"""Move files between ranks: bounded pieces over a wire, atomic on arrival, one agreed outcome.
 
 The engine behind :func:`~objckpt.tier.peers.replicate` and
 :func:`~objckpt.tier.peers.repair`.  Every rank holds the same plan (a list of
@@ -22,6 +22,12 @@ all-gather), and a budget that cannot hold pieces of
 :class:`~objckpt.errors.MemoryBudgetError` on every rank before a byte moves.
 Gloo matches the messages of one pair in order, and every rank posts its rounds
 in order, so the rounds cannot deadlock.
+
+How a round's pieces cross is the wire's (:mod:`objckpt.tier.wire`): gloo straight
+from and into the host buffers, or NCCL through device bounce buffers (two per
+partner and direction, also for a restore's in-memory receives, so the agreed piece
+counts them); everything else here, the reads, writes, budget and outcome, is the
+same for both.  The agreements always go over ``tc`` (gloo).
 
 A piece that cannot be read (a file shrank) or written (a full disk) does not
 stop the rounds, which would leave partners waiting: the rank sends zeros or
@@ -58,6 +64,7 @@ from ..distributed.comm import Comm
 from ..errors import CollectiveError, MemoryBudgetError, ObjckptError
 from ..runtime.memory import TIER_COPY_BYTES, TIER_MIN_PIECE_BYTES, Budget, OperationBudget, host_pool
 from ..storage.local import fsync_dir
+from .wire import Piece, Posted, Wire, wire_for
 
 #: the largest piece one message carries (memory per partner and direction is twice this)
 PIECE_BYTES = 16 << 20
@@ -276,20 +283,23 @@ def _streams(plan: Sequence[Transfer], me: int, piece: int) -> tuple[dict[int, l
     return sends, recvs
 
 
-def _piece_limit(plan: Sequence[Transfer], me: int, budget: OperationBudget, in_memory: bool = False) -> int:
+def _piece_limit(plan: Sequence[Transfer], me: int, budget: OperationBudget, in_memory: bool = False,
+                 stages: bool = False) -> int:
     """The largest piece this rank's budget allows: two buffers per partner and direction
-    (none for receiving, ``in_memory``: pieces land in the received files' own memory)."""
-    receiving = set() if in_memory else {t.src for t in plan if t.dst == me}
+    (none for receiving, ``in_memory``: pieces land in the received files' own memory,
+    unless the wire ``stages`` them through device buffers, which are as many as the host
+    ones and drawn from a device budget of the same size)."""
+    receiving = set() if in_memory and not stages else {t.src for t in plan if t.dst == me}
     partners = len({t.dst for t in plan if t.src == me}) + len(receiving)
     return budget.nbytes // (2 * partners) if partners else 1 << 62
 
 
 def _agree_piece(comm: Comm, tc: Comm, plan: Sequence[Transfer], piece: int, budget: OperationBudget,
-                 in_memory: bool = False) -> int:
+                 in_memory: bool = False, stages: bool = False) -> int:
     """The piece every rank uses (senders and receivers must cut alike): the smallest of
     ``piece`` and every rank's budget limit.  A budget that cannot hold the minimal piece is
     a :class:`MemoryBudgetError` on every rank, naming the ranks and their budgets."""
-    mine = (_piece_limit(plan, comm.rank, budget, in_memory), budget.name)
+    mine = (_piece_limit(plan, comm.rank, budget, in_memory, stages), budget.name)
     limits = tc.all_gather_object(mine) if comm.world_size > 1 else [mine]
     low = {r: (lim, name) for r, (lim, name) in enumerate(limits) if lim < TIER_MIN_PIECE_BYTES}
     if low:
@@ -337,13 +347,11 @@ class _Buffers:
 
 def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
               dst_path: Callable[[Transfer], pathlib.Path], piece: int, budget: OperationBudget, state: _State,
-              what: str, into: Optional[dict[tuple[int, str, int], torch.Tensor]] = None) -> RankTraffic:
-    """This rank's part of the rounds; a failed collective raises CollectiveError.  ``into``
-    given: each incoming transfer is received straight into ``into[(source rank, name,
-    offset)]`` (a uint8 tensor of its size: the caller's, else a new one stored there); no
-    receive buffers, no writer, no file."""
-    import torch.distributed as dist
-
+              what: str, wire: Wire, into: Optional[dict[tuple[int, str, int], torch.Tensor]] = None) -> RankTraffic:
+    """This rank's part of the rounds over ``wire``; a failed collective raises
+    CollectiveError.  ``into`` given: each incoming transfer is received straight into
+    ``into[(source rank, name, offset)]`` (a uint8 tensor of its size: the caller's, else a
+    new one stored there); no host receive buffers, no writer, no file."""
     me = comm.rank
     to_global = comm.global_ranks()
     sends, recvs = _streams(plan, me, piece)
@@ -364,10 +372,15 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
     def size(stream: list[_Piece]) -> int:
         return max((n for _t, _o, n in stream), default=0)
 
-    bufs = _Buffers(budget, {"send": {p: size(v) for p, v in sends.items()},
-                             "recv": {} if into is not None else {p: size(v) for p, v in recvs.items()}})
+    send_sizes = {p: size(v) for p, v in sends.items()}
+    recv_sizes = {p: size(v) for p, v in recvs.items()}
+    bufs = _Buffers(budget, {"send": send_sizes, "recv": {} if into is not None else recv_sizes})
     held = bufs.held
-    group = tc.group
+    try:
+        link = wire.open(to_global, {"send": send_sizes, "recv": recv_sizes}, budget)
+    except BaseException:
+        bufs.close()
+        raise
     stop = threading.Event()
     free_send: queue.Queue[Optional[int]] = queue.Queue()
     ready: queue.Queue[int] = queue.Queue()
@@ -417,38 +430,33 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
                 inbound.fd = -1
                 state.done.append(inbound)
 
-    def failed(p: int, e: RuntimeError) -> CollectiveError:
+    def failed(peers: Sequence[int], e: RuntimeError) -> CollectiveError:
+        ranks = sorted(set(peers))
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         return CollectiveError(
-            f"{what}: rank {me} of {comm.world_size}: moving a piece to/from rank {p} failed (a rank died, "
-            f"the network failed, or it did not answer within the collective timeout); nothing was "
-            f"renamed into place: {e}")
+            f"{what}: rank {me} of {comm.world_size}: moving pieces to/from {who} over "
+            f"{wire.backend} failed (a rank died, the network failed, or it did not answer within the "
+            f"collective timeout); nothing was renamed into place: {e}")
 
-    def post(i: int, sslot: int, rslot: int) -> list[Any]:
-        works = []
-        for p, stream in sends.items():
-            if i < len(stream):
-                try:
-                    works.append((p, dist.isend(bufs.slots[sslot]["send"][p][: stream[i][2]], dst=to_global[p],
-                                                group=group)))
-                except RuntimeError as e:
-                    raise failed(p, e) from e
+    def post(i: int, sslot: int, rslot: int) -> Posted:
+        out: list[Piece] = [(p, bufs.slots[sslot]["send"][p][: stream[i][2]])
+                            for p, stream in sends.items() if i < len(stream)]
+        inc: list[Piece] = []
         for p, stream in recvs.items():
             if i < len(stream):
                 t, off, n = stream[i]
-                dest = (into[(t.src, t.rel, t.offset)][off: off + n] if into is not None
-                        else bufs.slots[rslot]["recv"][p][:n])
-                try:
-                    works.append((p, dist.irecv(dest, src=to_global[p], group=group)))
-                except RuntimeError as e:
-                    raise failed(p, e) from e
-        return works
+                inc.append((p, into[(t.src, t.rel, t.offset)][off: off + n] if into is not None
+                            else bufs.slots[rslot]["recv"][p][:n]))
+        try:  # at most two rounds are in flight: round i's wire buffers are free again at i + 2
+            return link.post(i % 2, out, inc)
+        except RuntimeError as e:
+            raise failed([p for p, _ in out + inc], e) from e
 
-    def complete(i: int, sslot: int, rslot: int, works: list[Any]) -> None:
-        for p, w in works:
-            try:
-                w.wait()
-            except RuntimeError as e:
-                raise failed(p, e) from e
+    def complete(i: int, sslot: int, rslot: int, posted: Posted) -> None:
+        try:
+            link.wait(posted)
+        except RuntimeError as e:
+            raise failed(posted.peers, e) from e
         free_send.put(sslot)
         to_write.put((i, rslot))
 
@@ -460,7 +468,7 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
     try:
         for th in threads:
             th.start()
-        inflight: collections.deque[tuple[int, int, int, list[Any]]] = collections.deque()
+        inflight: collections.deque[tuple[int, int, int, Posted]] = collections.deque()
         for i in range(rounds):
             sslot, rslot = ready.get(), free_recv.get()
             inflight.append((i, sslot, rslot, post(i, sslot, rslot)))
@@ -483,8 +491,9 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
             if th.ident is not None:
                 th.join()
         state.syncing = None
-        # after a failed collective gloo may still hold a posted buffer: those are not handed
+        # after a failed collective the wire may still hold a posted buffer: those are not handed
         # back to the pool (another operation would reuse them), only released from the budget
+        link.close(reuse=clean)
         bufs.close(reuse=clean)
     return RankTraffic(me, sum(t.size for t in outgoing), sum(t.size for t in incoming), len(outgoing),
                        len(incoming), time.perf_counter() - t0, held)
@@ -502,9 +511,12 @@ def copy_budget(memory_bytes: Optional[int]) -> OperationBudget:
 def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
                   dst_path: Callable[[Transfer], pathlib.Path], piece: int, what: str,
                   budget: Optional[OperationBudget] = None, keep_cached: bool = False,
-                  into: Optional[dict[tuple[int, str, int], torch.Tensor]] = None) -> tuple[RankTraffic, ...]:
-    """Collective: carry out ``plan`` (the same on every rank) over ``tc`` (the tier's
-    gloo group over ``comm``'s ranks), agree on the outcome, then rename.  ``budget``
+                  into: Optional[dict[tuple[int, str, int], torch.Tensor]] = None,
+                  wire: Optional[Wire] = None) -> tuple[RankTraffic, ...]:
+    """Collective: carry out ``plan`` (the same on every rank) with the pieces over ``wire``
+    (default: the one registered for ``comm``'s group, :func:`~objckpt.tier.wire.wire_for`,
+    else gloo on ``tc``) and the agreements over ``tc`` (the tier's gloo group over
+    ``comm``'s ranks), agree on the outcome, then rename.  ``budget``
     bounds the piece buffers (default: :func:`copy_budget`).  ``keep_cached``: received
     files stay in the page cache (a restore reads them right back); otherwise they are
     dropped from it once synced (a replica is read only after a failure).  ``into`` (a dict):
@@ -520,8 +532,9 @@ def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Call
     mine: Optional[RankTraffic] = None
     try:
         if comm.world_size > 1:
-            piece = _agree_piece(comm, tc, plan, piece, budget, into is not None)
-            mine = _exchange(comm, tc, plan, src_path, dst_path, piece, budget, state, what, into)
+            wire = wire if wire is not None else wire_for(comm.group, tc.group)
+            piece = _agree_piece(comm, tc, plan, piece, budget, into is not None, wire.stages)
+            mine = _exchange(comm, tc, plan, src_path, dst_path, piece, budget, state, what, wire, into)
             outcomes: list[tuple[str, RankTraffic]] = tc.all_gather_object((state.error, mine))
         else:
             outcomes = [("", RankTraffic(comm.rank))]
