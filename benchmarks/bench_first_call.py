@@ -18,6 +18,15 @@ processes, for scale: ``boto3`` (import, client, eight ``get_object`` reads of t
 tensors stored as objects, copied into fresh tensors) and ``s3tc`` (s3torchconnector's
 ``S3Checkpoint`` with its CRT client, ``torch.load`` of the same tensors saved with
 ``torch.save``). Their "import" column is their client library's import.
+
+``--creds container --creds-delay-ms 30`` gives objckpt's processes no keys in options or
+the environment: botocore's chain finds them at a container credentials endpoint
+(``AWS_CONTAINER_CREDENTIALS_FULL_URI``, what ECS and EKS Pod Identity serve) run here,
+answering after the delay (a stand-in for IMDS, a pod identity agent or STS).
+
+Every process imports from compiled bytecode, as an installed package does (pip compiles
+at install): the processes write and read it under a temporary ``PYTHONPYCACHEPREFIX``
+(one untimed process per variant first), whatever ``PYTHONDONTWRITEBYTECODE`` says.
 """
 from __future__ import annotations
 
@@ -39,6 +48,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     """One new process: import, one cold load, three warm ones (run with ``--one``)."""
     import torch
 
+    if args.creds == "container":  # botocore's chain must find the keys at the endpoint
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            os.environ.pop(k, None)
+        os.environ["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = args.creds_url
+        os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
     root = args.root
     if root:
         sys.path.insert(0, root)
@@ -50,6 +64,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError("the baseline objckpt was not the one imported")
     template = {f"t{i}": torch.empty(args.mib * (1 << 20) // 4 // 8) for i in range(8)}
     opts = h.s3_options(args.endpoint_url)
+    if args.creds == "container":
+        opts = {k: v for k, v in opts.items() if not k.startswith("aws_")}
     uri = f"s3://{args.bucket}/first-call"
     prof = None
     if args.profile:
@@ -143,6 +159,38 @@ def _export(ref: str) -> str:
     return root
 
 
+class _ContainerCreds:
+    """A container credentials endpoint on loopback (a thread of the driver) that answers
+    with the benchmark's keys after ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        import http.server
+        import threading
+
+        body = json.dumps({"AccessKeyId": h.ACCESS_KEY, "SecretAccessKey": h.SECRET_KEY, "Token": "bench",
+                           "Expiration": "2099-01-01T00:00:00Z"}).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                time.sleep(delay_s)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/creds"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def _fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} ({min(xs):.3f}–{max(xs):.3f})" if xs else "–"
 
@@ -153,6 +201,11 @@ def drive(args: argparse.Namespace) -> int:
         roots[ref] = _export(ref)
     peers = [p for p in (args.peers or "").split(",") if p]
     variants = list(roots) + peers
+    pyc = tempfile.mkdtemp(prefix="objckpt-pyc-")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode as installed (see the module docstring)
+    os.environ["PYTHONPYCACHEPREFIX"] = pyc
+    creds = _ContainerCreds(args.creds_delay_ms / 1000) if args.creds == "container" else None
+    extra = ["--creds", args.creds] + (["--creds-url", creds.url] if creds else [])
     with h.Server("fast", args.bucket) as server:
         import torch
 
@@ -164,21 +217,27 @@ def drive(args: argparse.Namespace) -> int:
         if peers:
             _store_for_peers(server.url, args.bucket, state)
         results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-        for rnd in range(args.rounds):
+        for rnd in range(-1, args.rounds):  # round -1: untimed, writes each variant's bytecode
             for v in (variants if rnd % 2 == 0 else variants[::-1]):
                 which = ["--peer", v] if v in peers else ["--root", roots[v]]
                 r = h.run_json(["-m", "benchmarks.bench_first_call", "--one", *which, "--endpoint-url",
-                                server.url, "--bucket", args.bucket, "--mib", str(args.mib)]
-                               + (["--profile"] if args.profile else []), 300, show_stderr=args.profile)
+                                server.url, "--bucket", args.bucket, "--mib", str(args.mib), *extra]
+                               + (["--profile"] if args.profile and rnd >= 0 else []), 300,
+                               show_stderr=args.profile and rnd >= 0)
+                if rnd < 0:
+                    continue
                 if "cold_s" not in r:
                     h.log(f"round {rnd} {v}: {r.get('error')}")
                     continue
                 results[v].append(r)
                 h.log(f"round {rnd} {v}: import {r['import_s']:.3f} s, cold {r['cold_s']:.3f} s "
                       f"(CPU {r['cold_cpu_s']:.3f}), warm {r['warm_s']:.3f} s; loaded {r['modules']}")
-    for root in roots.values():
+    for root in [*roots.values(), pyc]:
         if root:
             shutil.rmtree(root, ignore_errors=True)
+    if creds is not None:
+        creds.close()
+    print(f"\ncredentials: {args.creds}" + (f" (endpoint answering after {args.creds_delay_ms} ms)" if creds else ""))
     print(f"\n{args.mib} MiB in 8 tensors, fast in-memory server, {args.rounds} new processes per variant; "
           "median (min–max) s:\n")
     rows = []
@@ -210,6 +269,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--peer", default="", help="internal: the peer client of this process")
     ap.add_argument("--root", default="", help="internal: the objckpt source to import first")
     ap.add_argument("--endpoint-url", default=None)
+    ap.add_argument("--creds", choices=("options", "container"), default="options",
+                    help="objckpt's keys: in the storage options, or from botocore's chain at a container endpoint")
+    ap.add_argument("--creds-delay-ms", type=float, default=30.0, help="the container endpoint's answer delay")
+    ap.add_argument("--creds-url", default="", help="internal: the container endpoint")
     args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(peer_child(args) if args.peer else child(args)), flush=True)

@@ -7,7 +7,7 @@ training job reuses one connection pool across saves.
 
 An S3 store's settings are resolved from the environment and the AWS config
 files when it is built, so the cache key of an S3 store also holds what those
-settings were read from (``s3.config.environment_state``), read on every call: a
+settings were read from (``s3.env_state.environment_state``), read on every call: a
 process that changes ``AWS_ENDPOINT_URL``, its keys, ``OBJCKPT_S3_DEADLINE_FLOOR``
 or its config file between saves gets a new store, and the superseded one is closed.
 """
@@ -38,10 +38,10 @@ _runtime.on_reset(_current.clear)
 
 def env_fingerprint(scheme: str) -> Any:
     """The environment a store of ``scheme`` depends on, as the S3 configuration reads it
-    (:func:`.s3.config.environment_state`: one list, beside the code that reads it)."""
+    (:func:`.s3.env_state.environment_state`: one list, beside the code that reads it)."""
     if scheme not in ("s3", "s3a"):
         return []
-    from .s3.config import environment_state
+    from .s3.env_state import environment_state
 
     return environment_state()
 

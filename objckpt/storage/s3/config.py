@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import os
 import ssl
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
@@ -43,6 +41,7 @@ from ...errors import ObjckptError, StorageError
 from ...logs import get_logger, register_secret
 from ...options import switch_word
 from .retry import RetryPolicy
+from .env_state import environment_state, files_state
 from . import rules
 from .rules import Resolved
 from ..shape import parse_kind
@@ -131,77 +130,20 @@ _KEPT = 32
 _creds_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A thread of the parent (a chain walk started early) may have held these at the fork."""
+    global _lock, _creds_lock
+    _lock, _creds_lock = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _aws_state(profile: Optional[str]) -> tuple[Any, ...]:
     """The profile, the AWS_* environment and the config files' identity: a session (or a
     probe client) made under the same state resolves the same; any change makes a new one."""
-    return profile, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))), _files_state()
-
-
-def _files_state() -> tuple[Optional[str], ...]:
-    """The AWS config and credentials files' digests (:func:`_file_digest`)."""
-    return tuple(_file_digest(os.path.expanduser(os.environ.get(name, default)))
-                  for name, default in (("AWS_CONFIG_FILE", "~/.aws/config"),
-                                        ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")))
-
-
-#: a file whose mtime is at least this much older than the stat that saw it is "settled":
-#: any later write stamps a later mtime (coarse clocks tick in ms; FAT and old file systems
-#: in 1-2 s), so an unchanged stat means unchanged bytes.  A younger one is read again.
-_SETTLED_NS = 3_000_000_000
-#: path -> (stat identity, digest of the bytes, whether the stat was settled when taken)
-_digests: dict[str, tuple[tuple[int, ...], Optional[str], bool]] = {}
-_now_ns = time.time_ns
-
-
-def _file_digest(path: str) -> Optional[str]:
-    """The sha1 of a file's bytes (None: absent or unreadable), read again only when its
-    stat (device, inode, size, mtime, ctime) changed or was too recent to vouch for the
-    bytes (the "racily clean" rule of git's index): a stat-based key that cannot miss a
-    same-size rewrite within one timestamp tick.  The key stays the bytes' digest, so a
-    file settling or a rewrite of identical bytes never makes a new session or store."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    seen = _digests.get(path)
-    if seen is not None and seen[2] and seen[0] == ident:
-        return seen[1]
-    settled = _now_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= _SETTLED_NS
-    digest = _read_digest(path)
-    if len(_digests) >= _KEPT:  # AWS_CONFIG_FILE pointed at ever new files (tests)
-        _digests.clear()
-    _digests[path] = (ident, digest, settled)
-    return digest
-
-
-def _read_digest(path: str) -> Optional[str]:
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha1(f.read()).hexdigest()
-    except OSError:
-        return None
-
-
-#: variables outside AWS_* and OBJCKPT_S3* that a resolved configuration depends on:
-#: proxies (botocore's ``get_environ_proxies``), CA files, the CRT switch, and HOME
-#: (where ``~/.aws`` is)
-_OTHER_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy",
-              "no_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "BOTO_DISABLE_CRT",
-              "OBJCKPT_SPLICE_BODIES", "HOME")
-
-
-def environment_state() -> tuple[Any, ...]:
-    """Everything besides the storage options that :meth:`S3Config.resolve` reads: every
-    ``AWS_*`` and ``OBJCKPT_S3*`` variable, the few others in :data:`_OTHER_ENV`, and
-    the AWS config and credentials files' bytes (read again only when their stat changed
-    or is too recent to vouch for them: :func:`_file_digest`).  The store cache keys S3
-    stores on it (``storage.open_store``, on every call), so a change between two calls (a
-    new endpoint, keys refreshed, a deadline set, ``aws configure`` run meanwhile) gets a
-    store resolved anew.  It lives here, beside the code that reads these, so the list
-    cannot drift from what is read."""
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "OBJCKPT_S3"))))  # one pass
-    return env, _files_state(), tuple(os.environ.get(k) for k in _OTHER_ENV)
+    return profile, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))), files_state()
 
 
 def _session(profile: Optional[str]) -> Any:
@@ -300,7 +242,38 @@ class S3Config:
         """The credentials of the own path: the options' keys, else botocore's provider
         chain for the profile (environment, files, SSO, roles, container, IMDS: may do
         network calls, so call it off the event loop), resolved once per store.
-        ``CredentialSource(anonymous)`` when ``unsigned``; NoCredentialsError when none."""
+        ``CredentialSource(anonymous)`` when ``unsigned``; NoCredentialsError when none.
+        A walk started by :meth:`start_credentials` is waited for (and its error raised
+        here, once: a later call walks the chain again, as without it)."""
+        early = self._creds.pop("early", None)
+        if early is not None:
+            err = early.result()
+            if err is not None:
+                raise err
+        return self._credentials_now()
+
+    def start_credentials(self) -> None:
+        """Start botocore's chain walk now, on a pool thread, when this store's own path
+        will need it: its round trips (IMDS, a container endpoint, STS for web identity)
+        then overlap the rest of the store's opening and the operation's first steps
+        instead of waiting in front of the first request.  The same walk of the same
+        session, only earlier; nothing to start for the options' keys or ``unsigned``."""
+        if self.unsigned or self.static_keys is not None or self.transport is not Transport.DIRECT:
+            return
+
+        def walk() -> Optional[BaseException]:
+            try:
+                self._credentials_now()
+                return None
+            except Exception as e:  # noqa: BLE001 - raised by the first credentials() call
+                return e
+
+        from ...runtime import loop as _runtime
+
+        self._creds.setdefault("lock", threading.Lock())
+        self._creds["early"] = _runtime.cpu_pool().submit(walk)
+
+    def _credentials_now(self) -> Optional[CredentialSource]:
         if "src" in self._creds:
             return self._creds["src"]  # type: ignore[no-any-return]
         lock = self._creds.setdefault("lock", threading.Lock())
@@ -429,6 +402,7 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
     cfg = S3Config(bucket, profile, region, endpoint, client_endpoint, addressing, fips, dual, accel, verify, ca, proxy,
                    target, transport, why, unsigned, payer, kms, concurrency, policy, adaptive, checksums, kind, keys)
     log.info("%s", cfg.summary())
+    cfg.start_credentials()
     return cfg
 
 
