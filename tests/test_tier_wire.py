@@ -160,3 +160,42 @@ def test_an_unknown_tier_backend_is_a_settings_error(tmp_path: pathlib.Path) -> 
     with pytest.raises(TierSettingsError, match="tier_backend must be one of"):
         objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), tier_backend="tcp",
                                   no_dist=True)
+
+
+def _die_while_staging(rank: int, world: int, base: str) -> dict[str, Any]:
+    import test_tier_peers as tp
+    from objckpt.distributed.comm import get_comm
+    from objckpt.tier.topology import tier_wire
+
+    tier_wire(get_comm(), "gloo", "cpu")
+    return tp._die_while_replicating(rank, world, base)
+
+
+def test_a_rank_killed_mid_copy_through_the_staged_wire_is_a_collective_error_and_no_partial_file(
+        tmp_path: pathlib.Path) -> None:
+    import signal
+
+    import test_tier_peers as tp
+
+    results, exitcodes = tp.run_ranks_allow_death(2, _die_while_staging, str(tmp_path), timeout=90)
+    assert exitcodes[1] == -signal.SIGKILL
+    out = results[0]
+    assert out["error"].startswith("objckpt.errors.CollectiveError: replicate: rank 0 of 2: moving pieces "
+                                   "to/from rank 1 over gloo (staged through device buffers) failed"), out
+    assert out["files"] == ["r00000.bin"], "rank 1's file is not under its final name, nor left as a temp"
+
+
+def _mixed_wires(rank: int, world: int) -> str:
+    from objckpt.distributed.comm import get_comm
+    from objckpt.tier.topology import tier_wire
+
+    try:
+        tier_wire(get_comm(), "gloo", "cpu" if rank == 1 else None)
+    except TierSettingsError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_chose_different_wires_are_refused_on_every_rank() -> None:
+    for out in mp.run_multiprocess(2, _mixed_wires, timeout=60):
+        assert "the ranks chose different transports" in out and "rank 1: gloo on cpu" in out, out

@@ -435,7 +435,7 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         return CollectiveError(
             f"{what}: rank {me} of {comm.world_size}: moving pieces to/from {who} over "
-            f"{wire.backend} failed (a rank died, the network failed, or it did not answer within the "
+            f"{wire.backend}{' (staged through device buffers)' if wire.stages else ''} failed (a rank died, the network failed, or it did not answer within the "
             f"collective timeout); nothing was renamed into place: {e}")
 
     def post(i: int, sslot: int, rslot: int) -> Posted:
