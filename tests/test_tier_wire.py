@@ -135,7 +135,8 @@ def _manager_backends(rank: int, world: int, base: str) -> dict[str, Any]:
         out["nccl"] = str(e)
     out["after_refusal"] = sorted(p.name for p in pathlib.Path(base).glob("n*/*"))
     with objckpt.CheckpointManager(str(pathlib.Path(base) / "root"), **kw) as m:
-        out["auto"] = (m._tiers.wire.backend, type(m._tiers.wire).__name__)
+        tiers: Any = m._tiers
+        out["auto"] = (tiers.wire.backend, type(tiers.wire).__name__)
         m.save(1, {"x": torch.arange(10)})
         m.wait()
     steps = [pathlib.Path(base) / f"n{r}" / "step-0000000001" for r in (0, 1)]
@@ -199,3 +200,40 @@ def _mixed_wires(rank: int, world: int) -> str:
 def test_ranks_that_chose_different_wires_are_refused_on_every_rank() -> None:
     for out in mp.run_multiprocess(2, _mixed_wires, timeout=60):
         assert "the ranks chose different transports" in out and "rank 1: gloo on cpu" in out, out
+
+
+def _device_full_on_rank1(rank: int, world: int, base: str) -> dict[str, Any]:
+    from objckpt.distributed.comm import get_comm
+    from objckpt.tier import wire as wire_mod
+    from objckpt.tier.peers import PeerCopyError, replicate
+    from objckpt.tier.topology import Topology, tier_wire
+
+    os.environ[NODE_ENV] = f"node{rank}"
+    comm = get_comm()
+    topo = Topology.build(comm)
+    tier_wire(comm, "gloo", "cpu")
+    if rank == 1:
+        def full(*a: Any, **kw: Any) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+        wire_mod._DeviceLink.__init__ = full  # type: ignore[method-assign]
+    step = pathlib.Path(base) / f"node{rank}" / "step-1"
+    mine = _files(rank)
+    for rel, data in mine.items():
+        (step / rel).parent.mkdir(parents=True, exist_ok=True)
+        (step / rel).write_bytes(data)
+    try:
+        replicate(comm, topo, step, list(mine), 1, piece_bytes=PIECE)
+        err = "no error"
+    except PeerCopyError as e:
+        err = f"{e} {sorted(e.failures)}"
+    return {"error": err, "files": sorted(p.name for p in step.rglob("*") if p.is_file())}
+
+
+def test_device_buffers_that_cannot_be_had_on_one_rank_fail_every_rank_before_a_piece_moves(
+        tmp_path: pathlib.Path) -> None:
+    for rank, out in enumerate(mp.run_multiprocess(2, _device_full_on_rank1, str(tmp_path), timeout=60)):
+        assert out["error"].startswith("replicate failed before a piece moved: rank 1: the gloo wire's buffers: "
+                                       "OutOfMemoryError: CUDA out of memory"), out
+        assert out["error"].endswith("[1]"), out
+        assert out["files"] == sorted(pathlib.Path(r).name for r in _files(rank)), "only this rank's own files"

@@ -64,7 +64,7 @@ from ..distributed.comm import Comm
 from ..errors import CollectiveError, MemoryBudgetError, ObjckptError
 from ..runtime.memory import TIER_COPY_BYTES, TIER_MIN_PIECE_BYTES, Budget, OperationBudget, host_pool
 from ..storage.local import fsync_dir
-from .wire import Piece, Posted, Wire, wire_for
+from .wire import Link, Piece, Posted, Wire, wire_for
 
 #: the largest piece one message carries (memory per partner and direction is twice this)
 PIECE_BYTES = 16 << 20
@@ -345,6 +345,31 @@ class _Buffers:
         self.held = 0
 
 
+def _open_link(comm: Comm, tc: Comm, wire: Wire, to_global: Sequence[int], sizes: dict[str, dict[int, int]],
+               budget: OperationBudget, bufs: _Buffers, what: str) -> Link:
+    """``wire``'s link for this transfer.  A wire that stages allocates device buffers here,
+    which can fail on one rank (the device is full): every rank learns it from one small
+    all-gather and raises :class:`PeerCopyError` alike, before a piece moves, rather than
+    wait for that rank's pieces until the timeout."""
+    link: Optional[Link] = None
+    problem = ""
+    try:
+        link = wire.open(to_global, sizes, budget)
+    except (RuntimeError, MemoryError, ObjckptError) as e:  # CUDA's OutOfMemoryError is a RuntimeError
+        problem = f"rank {comm.rank}: the {wire.backend} wire's buffers: {type(e).__name__}: {e}"
+    except BaseException:
+        bufs.close()
+        raise
+    problems = tc.all_gather_object(problem) if wire.stages else [problem]
+    failures = {r: p for r, p in enumerate(problems) if p}
+    if failures or link is None:
+        if link is not None:
+            link.close(reuse=True)
+        bufs.close()
+        raise PeerCopyError(f"{what} failed before a piece moved: " + "; ".join(failures.values()), failures)
+    return link
+
+
 def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
               dst_path: Callable[[Transfer], pathlib.Path], piece: int, budget: OperationBudget, state: _State,
               what: str, wire: Wire, into: Optional[dict[tuple[int, str, int], torch.Tensor]] = None) -> RankTraffic:
@@ -376,11 +401,7 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
     recv_sizes = {p: size(v) for p, v in recvs.items()}
     bufs = _Buffers(budget, {"send": send_sizes, "recv": {} if into is not None else recv_sizes})
     held = bufs.held
-    try:
-        link = wire.open(to_global, {"send": send_sizes, "recv": recv_sizes}, budget)
-    except BaseException:
-        bufs.close()
-        raise
+    link = _open_link(comm, tc, wire, to_global, {"send": send_sizes, "recv": recv_sizes}, budget, bufs, what)
     stop = threading.Event()
     free_send: queue.Queue[Optional[int]] = queue.Queue()
     ready: queue.Queue[int] = queue.Queue()
