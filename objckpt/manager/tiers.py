@@ -154,8 +154,10 @@ class TieredSaves:
         if settings.replicas:
             self.topology.check_replicas(settings.replicas)
         self.bg: Comm = tier_comm(comm) if comm.world_size > 1 else comm
-        #: how this manager's tier copies move (made here, on the caller's thread; see tier_backend)
-        self.wire: Optional[Wire] = tier_wire(comm, backend) if comm.world_size > 1 else None
+        #: how this manager's tier copies move (made here, on the caller's thread; see tier_backend);
+        #: on one node nothing crosses between ranks, so no NCCL group (and its device memory)
+        one_node = len(self.topology.node_names) <= 1
+        self.wire: Optional[Wire] = tier_wire(comm, "gloo" if one_node else backend) if comm.world_size > 1 else None
         #: the metadata for every node goes over groups of objckpt's own, never the training's: a
         #: synchronous save's from the training's thread (a group apart from ``bg``, which the
         #: background thread uses meanwhile), an async save's from the background thread (``bg``);
