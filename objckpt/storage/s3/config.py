@@ -28,6 +28,7 @@ custom endpoint defaults to path-style addressing.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import os
@@ -242,38 +243,7 @@ class S3Config:
         """The credentials of the own path: the options' keys, else botocore's provider
         chain for the profile (environment, files, SSO, roles, container, IMDS: may do
         network calls, so call it off the event loop), resolved once per store.
-        ``CredentialSource(anonymous)`` when ``unsigned``; NoCredentialsError when none.
-        A walk started by :meth:`start_credentials` is waited for (and its error raised
-        here, once: a later call walks the chain again, as without it)."""
-        early = self._creds.pop("early", None)
-        if early is not None:
-            err = early.result()
-            if err is not None:
-                raise err
-        return self._credentials_now()
-
-    def start_credentials(self) -> None:
-        """Start botocore's chain walk now, on a pool thread, when this store's own path
-        will need it: its round trips (IMDS, a container endpoint, STS for web identity)
-        then overlap the rest of the store's opening and the operation's first steps
-        instead of waiting in front of the first request.  The same walk of the same
-        session, only earlier; nothing to start for the options' keys or ``unsigned``."""
-        if self.unsigned or self.static_keys is not None or self.transport is not Transport.DIRECT:
-            return
-
-        def walk() -> Optional[BaseException]:
-            try:
-                self._credentials_now()
-                return None
-            except Exception as e:  # noqa: BLE001 - raised by the first credentials() call
-                return e
-
-        from ...runtime import loop as _runtime
-
-        self._creds.setdefault("lock", threading.Lock())
-        self._creds["early"] = _runtime.cpu_pool().submit(walk)
-
-    def _credentials_now(self) -> Optional[CredentialSource]:
+        ``CredentialSource(anonymous)`` when ``unsigned``; NoCredentialsError when none."""
         if "src" in self._creds:
             return self._creds["src"]  # type: ignore[no-any-return]
         lock = self._creds.setdefault("lock", threading.Lock())
@@ -287,8 +257,12 @@ class S3Config:
             return CredentialSource(anonymous=True)
         if self.static_keys is not None:
             return CredentialSource(self.static_keys)
-        with _creds_lock:  # one chain walk at a time (sessions are shared by stores)
-            creds = _session(self.profile).get_credentials()
+        early = self._creds.pop("early", None)
+        if early is not None:  # the walk started as the store opened (_start_walk): its answer, or its error, once
+            creds = early.result()
+        else:
+            with _creds_lock:  # one chain walk at a time (sessions are shared by stores)
+                creds = _session(self.profile).get_credentials()
         if creds is None:
             raise NoCredentialsError(
                 f"no AWS credentials for s3://{self.bucket}: none in storage options (aws_access_key_id, "
@@ -371,6 +345,9 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
         where = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"))
         raise S3ConfigError("profile", profile_src, f"{e} (profiles are read from {where})") from None
     in_file = f"profile {session.profile or 'default'!r} of {_config_file(session)}"
+    # the own path will sign with botocore's chain: start walking it (a proxy or an odd
+    # endpoint may still choose the botocore transport, which then makes its own walk)
+    early = _start_walk(session) if direct_wanted and not unsigned and keys is None else None
 
     region = _region(options, session, scoped, in_file)
     endpoint = _endpoint(options, session, scoped, in_file)
@@ -401,9 +378,26 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
     transport, why = _transport(direct_wanted, proxy, signing, url, client_endpoint)
     cfg = S3Config(bucket, profile, region, endpoint, client_endpoint, addressing, fips, dual, accel, verify, ca, proxy,
                    target, transport, why, unsigned, payer, kms, concurrency, policy, adaptive, checksums, kind, keys)
+    if early is not None:
+        cfg._creds["early"] = early
     log.info("%s", cfg.summary())
-    cfg.start_credentials()
     return cfg
+
+
+def _start_walk(session: Any) -> "concurrent.futures.Future[Any]":
+    """Walk botocore's credential chain for ``session`` on a pool thread, now: its round trips
+    (IMDS, a container endpoint, STS for web identity) then overlap the rest of the store's
+    opening (botocore's endpoint rules, ~25 ms of CPU the first time) and the operation's
+    first steps instead of waiting in front of the first request.  The same walk of the same
+    session as :meth:`S3Config.credentials` would make, only earlier; its first call takes
+    the answer (or raises the error) once."""
+    from ...runtime import loop as _runtime
+
+    def walk() -> Any:
+        with _creds_lock:
+            return session.get_credentials()
+
+    return _runtime.cpu_pool().submit(walk)
 
 
 def _config_file(session: Any) -> str:
