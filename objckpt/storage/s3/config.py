@@ -258,7 +258,7 @@ class S3Config:
         if self.static_keys is not None:
             return CredentialSource(self.static_keys)
         early = self._creds.pop("early", None)
-        if early is not None:  # the walk started as the store opened (_start_walk): its answer, or its error, once
+        if early is not None:  # the walk started as the store opened (_session_and_walk): its answer, or its error, once
             creds = early.result()
         else:
             with _creds_lock:  # one chain walk at a time (sessions are shared by stores)
@@ -338,16 +338,14 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
     profile = _opt(options, "profile")
     profile_src = "storage option profile" if profile else _env_source(
         os.environ.get("AWS_PROFILE"), "AWS_PROFILE", "AWS_DEFAULT_PROFILE") or "the default profile"
+    walk = direct_wanted and not unsigned and keys is None  # the own path will sign with botocore's chain
     try:
-        session = _session(profile)
+        session, early = _session_and_walk(profile) if walk else (_session(profile), None)
         scoped = session.get_scoped_config()
     except Exception as e:  # ProfileNotFound
         where = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"))
         raise S3ConfigError("profile", profile_src, f"{e} (profiles are read from {where})") from None
     in_file = f"profile {session.profile or 'default'!r} of {_config_file(session)}"
-    # the own path will sign with botocore's chain: start walking it (a proxy or an odd
-    # endpoint may still choose the botocore transport, which then makes its own walk)
-    early = _start_walk(session) if direct_wanted and not unsigned and keys is None else None
 
     region = _region(options, session, scoped, in_file)
     endpoint = _endpoint(options, session, scoped, in_file)
@@ -384,20 +382,33 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
     return cfg
 
 
-def _start_walk(session: Any) -> "concurrent.futures.Future[Any]":
-    """Walk botocore's credential chain for ``session`` on a pool thread, now: its round trips
-    (IMDS, a container endpoint, STS for web identity) then overlap the rest of the store's
-    opening (botocore's endpoint rules, ~25 ms of CPU the first time) and the operation's
-    first steps instead of waiting in front of the first request.  The same walk of the same
-    session as :meth:`S3Config.credentials` would make, only earlier; its first call takes
-    the answer (or raises the error) once."""
+def _session_and_walk(profile: Optional[str]) -> tuple[Any, "concurrent.futures.Future[Any]"]:
+    """The botocore session for ``profile`` (:func:`_session`), and botocore's credential chain
+    walked for it on the same pool thread right after: its round trips (IMDS, a container
+    endpoint, STS for web identity) then overlap the rest of the store's opening (the
+    endpoint rules, ~25 ms of CPU the first time) and the operation's first steps instead of
+    waiting in front of the first request.  The thread that made the session walks on at once,
+    so the walk's own Python runs before the caller takes the GIL back for the rules.  The
+    same walk of the same session as :meth:`S3Config.credentials` would make, only earlier
+    (a proxy or an odd endpoint may still choose the botocore transport, which then walks on
+    its own); the first credentials() call takes its answer, or raises its error, once.  The
+    caller waits for the session meanwhile, so botocore's first import runs while it waits."""
     from ...runtime import loop as _runtime
 
-    def walk() -> Any:
+    made: "concurrent.futures.Future[Any]" = concurrent.futures.Future()
+
+    def job() -> Any:
+        try:
+            session = _session(profile)
+        except BaseException as e:  # noqa: BLE001 - the caller raises it
+            made.set_exception(e)
+            return None
+        made.set_result(session)
         with _creds_lock:
             return session.get_credentials()
 
-    return _runtime.cpu_pool().submit(walk)
+    early = _runtime.cpu_pool().submit(job)
+    return made.result(), early
 
 
 def _config_file(session: Any) -> str:
