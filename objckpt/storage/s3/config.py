@@ -43,7 +43,7 @@ from ...logs import get_logger, register_secret
 from ...options import switch_word
 from .retry import RetryPolicy
 from .env_state import environment_state, files_state
-from . import rules
+from . import rules, tls
 from .rules import Resolved
 from ..shape import parse_kind
 from .credentials import CredentialSource, Credentials
@@ -378,6 +378,8 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
                    target, transport, why, unsigned, payer, kms, concurrency, policy, adaptive, checksums, kind, keys)
     if early is not None:
         cfg._creds["early"] = early
+    if target.scheme == "https" and transport is Transport.DIRECT:  # the first connection's context, loaded meanwhile
+        tls.prepare(target.cafile, target.verify)
     log.info("%s", cfg.summary())
     return cfg
 
@@ -492,21 +494,11 @@ def _trust(options: dict[str, Any], verify_opt: Optional[bool], session: Any, sc
 
         return True, Setting(get_cert_path(True), "botocore's default (certifi)")
     if https:
-        try:
-            st = os.stat(s.value)
-            seen = (s.value, st.st_mtime_ns, st.st_size)
-            if seen not in _good_cas:  # loading a bundle costs ~30 ms: once per file version
-                if os.path.isdir(s.value):
-                    ssl.create_default_context(capath=s.value)
-                else:
-                    ssl.create_default_context(cafile=s.value)
-                _good_cas.add(seen)
+        try:  # loading a bundle costs 13-30 ms: once per file version, the context kept for the connections
+            tls.context(s.value, True)
         except (OSError, ssl.SSLError) as e:
             raise S3ConfigError("ca_bundle", s.source, f"{s.value!r} cannot be used as a CA bundle: {e}") from None
     return True, s
-
-
-_good_cas: set[tuple[str, int, int]] = set()
 
 
 def _proxy(client_endpoint: str) -> Setting:

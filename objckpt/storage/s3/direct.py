@@ -33,7 +33,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import hashlib
-import os
 import socket
 import ssl
 import threading
@@ -45,7 +44,7 @@ from urllib.parse import urlsplit
 from ...runtime import loop as _runtime
 from ...options import switch_word
 from .answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
-from . import config, request
+from . import config, request, tls
 from .request import DeleteError, ListPage, MalformedAnswer, S3HttpError, UploadsPage, xml_field
 from .credentials import CredentialSource
 from .sigv4 import Signer, canonical_query, quote_path
@@ -110,13 +109,8 @@ class DirectClient:
         self._idle: list[Conn] = []
         self._lock = threading.Lock()
         self._ssl: Optional[ssl.SSLContext] = None
-        if target.scheme == "https":
-            ca = target.cafile
-            self._ssl = ssl.create_default_context(capath=ca) if ca and os.path.isdir(ca) else \
-                ssl.create_default_context(cafile=ca)
-            if not target.verify:
-                self._ssl.check_hostname = False
-                self._ssl.verify_mode = ssl.CERT_NONE
+        if target.scheme == "https":  # one per CA bundle version in the process (loaded ahead by the store's opening)
+            self._ssl = tls.context(target.cafile, target.verify)
 
     # -- connections ------------------------------------------------------
     def _connect(self) -> Conn:
