@@ -21,6 +21,7 @@ _lock = threading.Lock()
 _loop: Optional[asyncio.AbstractEventLoop] = None
 _thread: Optional[threading.Thread] = None
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_aside: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _on_reset: list[Callable[[], None]] = []
 
 
@@ -58,6 +59,17 @@ def cpu_pool() -> concurrent.futures.ThreadPoolExecutor:
                 max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="objckpt-cpu"
             )
         return _pool
+
+
+def aside_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """A few threads for setup work started ahead of need (a store's credential walk, a CA
+    bundle's load), apart from :func:`cpu_pool`: whoever waits for such work may itself be
+    a CPU-pool thread, and must not wait behind the copies queued there."""
+    global _aside
+    with _lock:
+        if _aside is None:
+            _aside = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="objckpt-aside")
+        return _aside
 
 
 def run(coro: Awaitable[T], timeout: Optional[float] = None) -> T:
@@ -106,8 +118,8 @@ def on_reset(fn: Callable[[], None]) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _loop, _thread, _pool, _lock
-    _loop, _thread, _pool = None, None, None
+    global _loop, _thread, _pool, _aside, _lock
+    _loop, _thread, _pool, _aside = None, None, None, None
     _lock = threading.Lock()  # another thread of the parent may have held it at the fork
     for fn in _on_reset:
         fn()

@@ -409,7 +409,7 @@ def _session_and_walk(profile: Optional[str]) -> tuple[Any, "concurrent.futures.
         with _creds_lock:
             return session.get_credentials()
 
-    early = _runtime.cpu_pool().submit(job)
+    early = _runtime.aside_pool().submit(job)
     return made.result(), early
 
 

@@ -76,7 +76,7 @@ def prepare(cafile: Optional[str], verify: bool = True) -> None:
     """Start loading that context on a worker thread unless it is loaded or loading."""
     fut, mine = _slot(cafile, verify)
     if mine:
-        _runtime.cpu_pool().submit(_build, fut, cafile, verify)
+        _runtime.aside_pool().submit(_build, fut, cafile, verify)
 
 
 def _forget() -> None:
