@@ -7,7 +7,8 @@ own memory, the files and byte ranges its restore reads (nothing written: see it
 docstring).  All are collectives of every rank of the group, and all move bytes the
 same way (:mod:`objckpt.tier.transfer`): one
 all-gather of what each rank has, a plan every rank computes alike from it,
-point-to-point sends in bounded pieces over objckpt's own gloo group, one
+point-to-point sends in bounded pieces over objckpt's own group (gloo from host
+buffers, or NCCL through device buffers: :mod:`objckpt.tier.wire`), one
 all-gather of the outcome, and only then the renames.  So:
 
 * memory stays bounded: two buffers per partner and direction (``piece_bytes``, 16 MiB by
@@ -21,7 +22,7 @@ all-gather of the outcome, and only then the renames.  So:
   half-way: the rank keeps the protocol going, the outcome all-gather carries the
   failure, and every rank raises :class:`PeerCopyError` alike.
 
-The tier's gloo group is separate from the training's groups and from an async
+The tier's groups are separate from the training's groups and from an async
 save's (:func:`~objckpt.tier.topology.tier_comm`), so both calls may run in a
 background thread.
 """
