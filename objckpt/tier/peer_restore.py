@@ -31,7 +31,6 @@ from ..distributed.comm import Comm
 from ..format import keys as objkeys
 from ..load.needs import LoadReads, load_reads
 from ..load.session import ReadSession
-from ..storage import split_uri
 from ..storage.base import ObjectStore
 from ..storage.local import LocalStore
 from .errors import TierRestoreError
@@ -119,7 +118,7 @@ def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib
     """Collective (every rank, when some rank's source is ``peer``): see the module docstring."""
     me = comm.rank
     finished = plan.sources[me] != PEER
-    prefix = split_uri(str(step_dir))[2].strip("/")
+    prefix = pathlib.Path(step_dir).absolute().as_posix().strip("/")  # the folder's keys under LocalStore("/")
     base = LocalStore("/")
     out = Received()
     got: dict[str, list[Segment]] = {}  # by name

@@ -62,7 +62,8 @@ import torch
 
 from ..distributed.comm import Comm
 from ..errors import CollectiveError, MemoryBudgetError, ObjckptError
-from ..runtime.memory import TIER_COPY_BYTES, TIER_MIN_PIECE_BYTES, Budget, OperationBudget, host_pool
+from ..runtime.memory import (TIER_COPY_BYTES, TIER_MIN_PIECE_BYTES, Budget, OperationBudget, given_or_default,
+                              host_pool, positive_bytes)
 from ..storage.local import fsync_dir
 from .wire import Link, Piece, Posted, Wire, wire_for
 
@@ -521,12 +522,10 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
 
 
 def copy_budget(memory_bytes: Optional[int]) -> OperationBudget:
-    """A tier copy's budget: ``memory_bytes`` when given, else :data:`TIER_COPY_BYTES`."""
-    if memory_bytes is None:
-        return OperationBudget(TIER_COPY_BYTES, f"tier copy memory budget (default {TIER_COPY_BYTES} bytes)")
-    if not (isinstance(memory_bytes, int) and memory_bytes > 0):
-        raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
-    return OperationBudget(memory_bytes, f"tier copy memory budget (memory_bytes={memory_bytes})")
+    """A tier copy's budget: ``memory_bytes`` when given, else :data:`TIER_COPY_BYTES` (strict
+    either way: a piece never needs more than the budget's share)."""
+    given = None if memory_bytes is None else positive_bytes(memory_bytes, "memory_bytes")
+    return given_or_default("tier copy memory budget", given, TIER_COPY_BYTES, strict_default=True)
 
 
 def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable[[Transfer], pathlib.Path],
