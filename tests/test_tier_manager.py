@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import resource
 import signal
 import subprocess
 import sys
@@ -45,6 +46,23 @@ def _check(st: dict[str, Any], rank: int, world: int, step: int) -> None:
     assert torch.equal(st["w"].local, want["w"].local), f"rank {rank}: w differs from step {step}"
     assert torch.equal(st["b"], want["b"]) and st["step"] == step
 
+
+
+def _on_a_full_disk(fn: Any) -> Any:
+    """``fn`` run as on a full disk: this process may write no file past one byte while it
+    runs (RLIMIT_FSIZE; a write past it fails with EFBIG, SIGXFSZ ignored).  Call it on the
+    main thread (signal handlers are set there); ``fn`` may then run on any thread."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def full(*a: Any, **k: Any) -> Any:
+        before = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1, before[1]))
+        try:
+            return fn(*a, **k)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, before)
+
+    return full
 
 def _manager(rank: int, root: str, local: str, opts: dict[str, Any], **kw: Any) -> objckpt.CheckpointManager:
     args: dict[str, Any] = dict(local_dir=local, replicas=1, persist_every=2, local_keep=2,
@@ -412,7 +430,6 @@ def test_async_tiered_saves_commit_locally_and_drain_in_the_background(tmp_path:
 # -- a node that cannot take a step's metadata ----------------------------------------------------------
 
 def _spread_fails_on_n1(rank: int, world: int, root: str, local: str) -> Any:
-    import resource
 
     from objckpt.tier import local as tier_local
 
@@ -421,18 +438,8 @@ def _spread_fails_on_n1(rank: int, world: int, root: str, local: str) -> Any:
         m.save(1, _state(rank, world, 1))
         m.wait()
         real = tier_local.spread_metadata
-
-        def full_disk_then_spread(*a: Any, **k: Any) -> Any:  # n1's disk takes no more bytes from here on
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            before = resource.getrlimit(resource.RLIMIT_FSIZE)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (1, before[1]))
-            try:
-                return real(*a, **k)
-            finally:
-                resource.setrlimit(resource.RLIMIT_FSIZE, before)
-
-        if rank == 1:
-            tier_local.spread_metadata = full_disk_then_spread  # type: ignore[assignment]
+        if rank == 1:  # n1's disk takes no more bytes from here on
+            tier_local.spread_metadata = _on_a_full_disk(real)  # type: ignore[assignment]
         try:
             m.save(2, _state(rank, world, 2))  # committed on n0, then n1 cannot write rank 0's metadata
             got = "saved"
@@ -545,7 +552,6 @@ def test_failed_drains_are_retried_oldest_first_once_object_storage_is_back(
 
 
 def _replication_fails_on_n1(rank: int, world: int, root: str, local: str) -> Any:
-    import resource
 
     from objckpt.tier import peers
 
@@ -553,19 +559,8 @@ def _replication_fails_on_n1(rank: int, world: int, root: str, local: str) -> An
         m.save(1, _state(rank, world, 1))
         m.wait()
         real = peers.replicate
-
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), no signal
-
-        def full_disk_then_replicate(*a: Any, **k: Any) -> Any:  # n1 cannot take rank 0's copy (background thread)
-            before = resource.getrlimit(resource.RLIMIT_FSIZE)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (1, before[1]))
-            try:
-                return real(*a, **k)
-            finally:
-                resource.setrlimit(resource.RLIMIT_FSIZE, before)
-
-        if rank == 1:
-            peers.replicate = full_disk_then_replicate  # type: ignore[assignment]
+        if rank == 1:  # n1 cannot take rank 0's copy (background thread)
+            peers.replicate = _on_a_full_disk(real)  # type: ignore[assignment]
         m.save(2, _state(rank, world, 2))
         try:
             m.wait()
