@@ -31,6 +31,7 @@ from ..save.background import SaveHandle
 from ..storage.local import LocalStore
 from ..tier import local as _local
 from ..tier import restore as _restore
+from ..tier import space as _space
 from ..tier.advice import Advice, advise
 from ..tier import backlog as _backlog
 from ..tier.backlog import DrainQueue, Undrained
@@ -206,14 +207,20 @@ class TieredSaves:
         t0 = time.perf_counter()
         self._raise_failed()
         d = self.step_dir(step)
-        problem = self._check(step, d, state)
+        share = _space.share_of(state)
+        problem = self._check(step, d, share)
         known = self._known()
         if problem is None and known is not None and step in known:  # drained before: never replaced
             problem = Problem(ProblemKind.EXISTS, f"step {step} is already committed under {self.m.root!r}")
         due = self._drain_due()  # rank 0's, carried in the same all-gather as the problems
-        gathered: list[tuple[Optional[Problem], bool]] = (
-            self.comm.all_gather_object((problem, due)) if self.comm.world_size > 1 else [(problem, due)])
-        raise_problems(f"step {step} not saved, nothing written", [p for p, _ in gathered])
+        # and each rank's share and folder: every rank checks every filesystem's space alike
+        mine = (problem, due, _space.measure(self.root, share))
+        gathered: list[tuple[Optional[Problem], bool, _space.Room]] = (
+            self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine])
+        problems = [p for p, _, _ in gathered]
+        if not any(problems):  # then whether each filesystem holds what the save lands on it
+            problems = _space.node_problems([r for _, _, r in gathered], self.topology, self.s.replicas or 0)
+        raise_problems(f"step {step} not saved, nothing written", problems)
         due = gathered[0][1]
         saved_at = self.m.clock()
         store = LocalStore("/", direct=self.s.direct)
@@ -244,10 +251,11 @@ class TieredSaves:
         self._pending.append(self._pool.submit(self._after_commit, step, md, saved_at, due, handle, t0, meta))
         self.stalls.append(time.perf_counter() - t0)
 
-    def _check(self, step: int, d: Path, state: Any) -> Optional[Problem]:
-        """This rank's reason not to save ``step`` (None: none): the folder unwritable or too
-        small for the share, or the step committed in the local tier already."""
-        why = _local.space_error(self.root, _local.share_bytes(state)) or _local.writable_error(self.root)
+    def _check(self, step: int, d: Path, share: _space.Share) -> Optional[Problem]:
+        """This rank's reason not to save ``step`` (None: none): the folder unwritable, a
+        file-size limit below the share, or the step committed in the local tier already
+        (the free space is checked per filesystem, after the all-gather: objckpt.tier.space)."""
+        why = _space.fsize_error(self.root, share.total) or _local.writable_error(self.root)
         if why:
             return Problem(ProblemKind.LOCAL, why)
         if (d / keys.MANIFEST_NAME).exists():

@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import resource
 import secrets
 import shutil
 from dataclasses import dataclass
@@ -58,56 +57,6 @@ def writable_error(root: Path) -> Optional[str]:
     except OSError as e:
         return f"local_dir {str(root)!r} is not writable: {e.strerror or e} ({errno.errorcode.get(e.errno or 0, '')})"
     return None
-
-
-def space_error(root: Path, need: int) -> Optional[str]:
-    """Why ``need`` bytes will not fit under ``root`` (None: they fit): the filesystem's
-    free space for this user, and the process's file-size limit (RLIMIT_FSIZE)."""
-    try:
-        st = os.statvfs(root)
-    except OSError as e:
-        return f"local_dir {str(root)!r}: cannot read its free space: {e.strerror or e}"
-    free = st.f_bavail * st.f_frsize
-    if need > free:
-        return (f"local_dir {str(root)!r} has {free} bytes free, this rank's share of the checkpoint needs up to "
-                f"{need}: the disk is (nearly) full")
-    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    if soft != resource.RLIM_INFINITY and need > soft:
-        return (f"local_dir {str(root)!r}: this process may write files of at most {soft} bytes (RLIMIT_FSIZE), "
-                f"this rank's share of the checkpoint needs up to {need}")
-    return None
-
-
-def share_bytes(state: Any) -> int:
-    """An upper bound of the bytes this rank writes for ``state``: every tensor it holds
-    (its local shard of a DTensor or Shard; plain tensors whole, although the save
-    spreads them over the ranks)."""
-    import torch
-
-    seen: set[int] = set()
-    total = 0
-
-    def walk(v: Any) -> None:
-        nonlocal total
-        if id(v) in seen:
-            return
-        seen.add(id(v))
-        if isinstance(v, torch.Tensor):
-            local = v.to_local() if hasattr(v, "to_local") else v
-            total += local.numel() * local.element_size()
-        elif hasattr(v, "local") and isinstance(getattr(v, "local"), torch.Tensor):
-            walk(v.local)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
-            walk(v.state_dict())
-
-    walk(state)
-    return total
 
 
 def files_of(m: _manifest.Manifest, rank: int) -> list[str]:
