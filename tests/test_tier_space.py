@@ -165,6 +165,20 @@ def test_node_needs_count_plain_tensors_once_per_node_and_the_replicas_received(
     assert "needs up to 4800 bytes" in got[0].text and "on one filesystem" in got[0].text
 
 
+def test_senders_are_the_nodes_whose_every_rank_sends_to_the_node() -> None:
+    """Topology.senders (per node) agrees with peers_for (per rank), uneven nodes included."""
+    topo = Topology(("a", "a", "a", "b", "c", "c", "d"))
+    for k in (1, 2, 3):
+        senders = topo.senders(k)
+        for node in topo.node_names:
+            got = {topo.nodes[s] for s in range(topo.world_size)
+                   if any(topo.nodes[p] == node for p in topo.peers_for(s, k))}
+            assert set(senders[node]) == got and len(senders[node]) == k
+            for src in senders[node]:  # every rank of a sending node sends to exactly one rank of this one
+                assert all(sum(topo.nodes[p] == node for p in topo.peers_for(s, k)) == 1 for s in topo.ranks_on(src))
+    assert topo.senders(1)["a"] == ("d",) and topo.senders(2)["c"] == ("b", "a")
+
+
 def test_a_folder_whose_free_space_cannot_be_read_is_named(tmp_path: Path) -> None:
     room = space.measure(tmp_path / "missing", Share(own=1))
     assert room.place is None and room.error is not None and "missing" in room.error

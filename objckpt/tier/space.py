@@ -194,18 +194,15 @@ class NodeNeed:
 
 
 def node_needs(rooms: Sequence[Room], topology: Topology, replicas: int) -> list[NodeNeed]:
-    """Each node's :class:`NodeNeed` for one save (``rooms[r]``: rank ``r``'s), in ring order."""
-    out = []
-    for node in topology.node_names:
-        ranks = topology.ranks_on(node)
-        got: dict[str, list[Share]] = {}
-        if replicas:
-            for s in range(topology.world_size):
-                if any(p in ranks for p in topology.peers_for(s, replicas)):
-                    got.setdefault(topology.nodes[s], []).append(rooms[s].share)
-        out.append(NodeNeed(node, rooms[ranks[0]].folder, _writes([rooms[r].share for r in ranks]),
-                            {n: _writes(shares) for n, shares in got.items()}))
-    return out
+    """Each node's :class:`NodeNeed` for one save (``rooms[r]``: rank ``r``'s), in ring order
+    (linear in the ranks: a node receives the shares of :meth:`Topology.senders` whole)."""
+    ranks: dict[str, list[int]] = {}
+    for r, n in enumerate(topology.nodes):
+        ranks.setdefault(n, []).append(r)
+    writes = {n: _writes([rooms[r].share for r in rs]) for n, rs in ranks.items()}
+    senders = topology.senders(replicas) if replicas else {}
+    return [NodeNeed(n, rooms[rs[0]].folder, writes[n], {src: writes[src] for src in senders.get(n, ())})
+            for n, rs in ranks.items()]
 
 
 def node_problems(rooms: Sequence[Room], topology: Topology, replicas: int) -> list[Optional[Problem]]:
@@ -217,20 +214,27 @@ def node_problems(rooms: Sequence[Room], topology: Topology, replicas: int) -> l
     out: list[Optional[Problem]] = [Problem(ProblemKind.LOCAL, r.error) if r.error else None for r in rooms]
     if any(p is not None for p in out):
         return out
+    first: dict[str, int] = {}
+    for r, n in enumerate(topology.nodes):
+        first.setdefault(n, r)
     by_fs: dict[tuple[str, int], list[NodeNeed]] = {}
     for need in node_needs(rooms, topology, replicas):
-        place = rooms[topology.ranks_on(need.node)[0]].place
+        place = rooms[first[need.node]].place
         if place is None:  # unreachable: every room has a place when none has an error
             continue
         by_fs.setdefault((place.machine, place.device), []).append(need)
+    free_of: dict[tuple[str, int], int] = {}
+    for room in rooms:
+        if room.place is not None:
+            key = (room.place.machine, room.place.device)
+            free_of[key] = min(free_of.get(key, room.place.free), room.place.free)
     for key, needs in by_fs.items():
-        free = min(r.place.free for r in rooms if r.place is not None and (r.place.machine, r.place.device) == key)
+        free = free_of[key]
         total = sum(n.total for n in needs)
         if total <= free:
             continue
         parts = [_node_text(n, replicas) for n in needs]
-        first = topology.ranks_on(needs[0].node)[0]
-        out[first] = Problem(ProblemKind.LOCAL, (
+        out[first[needs[0].node]] = Problem(ProblemKind.LOCAL, (
             f"local_dir {needs[0].folder!r} (node {needs[0].node!r}) has {free} bytes free ({_mib(free)}), the step "
             f"needs up to {total} bytes ({_mib(total)}) there: " + "; ".join(parts)
             + (" (the folders of these nodes are on one filesystem)" if len(needs) > 1 else "")

@@ -195,6 +195,17 @@ class Topology:
             out.append(there[local % len(there)])
         return out
 
+    def senders(self, k: int) -> dict[str, tuple[str, ...]]:
+        """Each node -> the nodes whose shares it receives copies of with ``k`` replicas: the
+        ``k`` nodes before it in the ring, nearest first.  Every rank of each of them sends
+        its share to exactly one rank of the node (:meth:`peers_for`), so a node receives
+        those nodes' shares whole.  Per node, not per rank: the space check before every
+        save asks it for every node (linear in the ranks, where :meth:`sources_for` of
+        every rank is quadratic)."""
+        self.check_replicas(k)
+        ring = self.node_names
+        return {n: tuple(ring[(i - d) % len(ring)] for d in range(1, k + 1)) for i, n in enumerate(ring)}
+
     def sources_for(self, rank: int, k: int) -> list[int]:
         """The ranks whose shares ``rank`` holds copies of (the inverse of :meth:`peers_for`)."""
         self._check_rank(rank)
