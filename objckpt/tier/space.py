@@ -39,6 +39,7 @@ measured (``statvfs``, the space this user may use).
 """
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import socket
@@ -119,6 +120,7 @@ class Place:
     free: int
 
 
+@functools.lru_cache(maxsize=1)
 def _machine() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
