@@ -54,6 +54,7 @@ from .leftovers import LEFTOVER_GRACE
 from .naming import (DEFAULT_STEP_FORMAT, InvalidStepError, StepNaming, SwappedArgumentsError, check_step, describe,
                      looks_like_step)
 from ..tier.advice import Advice
+from ..tier.retry_clock import DRAIN_RETRY_S
 from .tiers import TieredSaves, TierSettings
 from .retention import Candidate, RetentionPolicy, RetentionPolicyError, StepOrderError, best_step, steps_to_keep
 from .worker import CommitJob, RetentionReport, Worker, apply_retention, candidates, sweep_into
@@ -75,7 +76,7 @@ class CheckpointManager:
                  persist_every: Optional[int] = 10, persist_every_seconds: Optional[float] = None,
                  local_keep: int = 2, drain_bandwidth: Optional[float] = None, direct: bool = False,
                  node_override: Optional[str] = None, failure_rate: Optional[float] = None,
-                 tier_backend: str = "auto") -> None:
+                 tier_backend: str = "auto", drain_retry_s: Optional[float] = DRAIN_RETRY_S) -> None:
         """``root``: where the run's steps go (``s3://bucket/run``, a path, ...).
         Retention (see :mod:`objckpt.manager.retention`): ``keep_last``, ``keep_every``,
         ``keep_best`` ranked by ``metadata[best_key]`` (``best_mode="max"``: higher is
@@ -101,7 +102,11 @@ class CheckpointManager:
         this rank's node name (else ``$OBJCKPT_NODE``, else the hostname); ``failure_rate``
         (failures per hour) for :meth:`advice`; ``tier_backend``: how copies move between
         ranks, ``"auto"`` (NCCL, through device buffers, where the process group is NCCL and
-        CUDA is available; else gloo), ``"gloo"`` or ``"nccl"``; the same on every rank."""
+        CUDA is available; else gloo), ``"gloo"`` or ``"nccl"``; the same on every rank;
+        ``drain_retry_s``: a drain that failed (object storage down) is tried again that many
+        seconds later in the background, with no save or :meth:`wait` needed, the wait
+        doubling per failed retry up to 10 minutes (None: retried at the next save and at
+        :meth:`wait` only)."""
         self.root = root.rstrip("/")
         self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_key, best_mode, keep_every_seconds)
         if save_every is not None and (not looks_like_step(save_every) or check_step(save_every) < 1):
@@ -126,7 +131,8 @@ class CheckpointManager:
         self._tiers: Optional[TieredSaves] = None
         if local_dir is not None:
             self._tiers = TieredSaves(self, TierSettings(local_dir, replicas, persist_every, persist_every_seconds,
-                                                         local_keep, drain_bandwidth, direct, tier_backend),
+                                                         local_keep, drain_bandwidth, direct, tier_backend,
+                                                         drain_retry_s),
                                       node_override, failure_rate)
 
     # -- naming -----------------------------------------------------------------------------

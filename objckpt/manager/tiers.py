@@ -36,6 +36,7 @@ from ..tier.advice import Advice, advise
 from ..tier import backlog as _backlog
 from ..tier.backlog import DrainQueue, Undrained
 from ..tier.drain import drain
+from ..tier.retry_clock import DRAIN_RETRY_S, OrderedJobs, RetryClock, retry_s_error, start_clock
 from ..tier.errors import LocalTierError, Problem, ProblemKind, TierRestoreError, TierSettingsError, raise_problems
 from ..tier.overlay import OverlayStore
 from ..tier.peer_restore import Received, receive, step_reads
@@ -72,6 +73,10 @@ class TierSettings:
     #: how tier copies move between ranks: "auto" (NCCL where the training's group is NCCL
     #: and CUDA is available, else gloo), "gloo" or "nccl" (see objckpt.tier.wire)
     tier_backend: str = "auto"
+    #: seconds before a failed drain is tried again on a clock, without a save or wait()
+    #: (doubled per round that fails in a row, at most 10 minutes; None: at saves and wait()
+    #: only); see objckpt.tier.retry_clock
+    drain_retry_s: Optional[float] = DRAIN_RETRY_S
 
     def check(self) -> None:
         if not isinstance(self.local_dir, str) or not self.local_dir:
@@ -90,6 +95,9 @@ class TierSettings:
                 raise TierSettingsError(f"{name} must be a positive number or None, got {v!r}")
         if self.tier_backend not in BACKENDS:
             raise TierSettingsError(f"tier_backend must be one of {BACKENDS}, got {self.tier_backend!r}")
+        why = retry_s_error(self.drain_retry_s)
+        if why:
+            raise TierSettingsError(why)
 
 
 def _cuda() -> bool:
@@ -171,6 +179,9 @@ class TieredSaves:
                                                    timeout=collective_timeout(None))
             self.leaders = _local.node_leaders(comm, self.topology.nodes, collective_timeout(None))
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="objckpt-tier")
+        #: every job for the background thread goes through here, numbered alike on every rank
+        #: (the drain clock places its retries by that number)
+        self._jobs = OrderedJobs(self._pool)
         self._pending: list[concurrent.futures.Future[Any]] = []
         self._draining: set[int] = set()
         self._replicated: Optional[int] = None
@@ -188,9 +199,12 @@ class TieredSaves:
         self._undrained.waiting = [adopted[s] for s in sorted(adopted)][-DRAIN_BACKLOG:]
         if adopted:
             log.warning("objckpt: step(s) %s under %s were due for %s and are not drained yet (a run before "
-                        "could not): they are drained at the next save or wait()", sorted(adopted), self.root,
-                        manager.root)
+                        "could not): they are drained at the next save, wait() or drain retry", sorted(adopted),
+                        self.root, manager.root)
         self._closed = False  # close() ended the background thread: wait() tries no drain again
+        #: retries failed drains after a backoff with no save or wait() (None: drain_retry_s=None)
+        self._clock: Optional[RetryClock] = start_clock(comm, self._jobs, self._undrained, settings.drain_retry_s,
+                                                        self._retry_round)
         self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
 
     # -- paths ---------------------------------------------------------------------------------
@@ -248,7 +262,7 @@ class TieredSaves:
             self.commits.append(commit_s)
         # finished ones stay until _raise_failed (the next save) or wait() looks at them: an
         # error of the step before is raised, never dropped with its future
-        self._pending.append(self._pool.submit(self._after_commit, step, md, saved_at, due, handle, t0, meta))
+        self._pending.append(self._jobs.submit(self._after_commit, step, md, saved_at, due, handle, t0, meta))
         self.stalls.append(time.perf_counter() - t0)
 
     def _check(self, step: int, d: Path, share: _space.Share) -> Optional[Problem]:
@@ -354,6 +368,13 @@ class TieredSaves:
                  self.m.step_uri(u.step), rep.bytes, self.comm.rank, rep.seconds,
                  f", attempt {u.attempts}" if u.attempts > 1 else "")
 
+    def _retry_round(self) -> None:
+        """Background, in the job order (wait() and the drain clock): one round of the steps
+        waiting to be drained again, oldest first; nothing when none waits (decided here,
+        where the queue is the same on every rank)."""
+        if self._undrained.waiting:
+            self._drain_round(None)
+
     def _retain(self, upto: int) -> None:
         """Local retention (each node's first rank), after step ``upto`` was replicated and
         drained: the newest ``local_keep`` steps stay, and never a step still draining or
@@ -375,6 +396,9 @@ class TieredSaves:
                     log.warning("objckpt: %s", e)
 
     def _raise_failed(self) -> None:
+        err = self._clock.take_error() if self._clock is not None else None
+        if err is not None:  # a rank stopped answering the drain clock, or died in its retry
+            raise err
         for f in [f for f in self._pending if f.done()]:
             self._pending.remove(f)
             if f.exception() is not None:
@@ -384,7 +408,8 @@ class TieredSaves:
         """Until every replication and drain issued so far finished; raises the first error.
         With ``drains`` (every rank calls it alike): the steps whose drain failed are tried
         once more, oldest first, and a :class:`DrainError` is raised while some are still not
-        in object storage (they stay local and are retried at the next save), or for those
+        in object storage (they stay local and are retried at the next save, at ``wait()`` and on
+        the drain clock: ``drain_retry_s``), or for those
         given up since the last such call (a failed drain does not stop the saves: object
         storage may be down for a while)."""
         pending, self._pending = self._pending, []
@@ -394,8 +419,9 @@ class TieredSaves:
                 raise f.exception()  # type: ignore[misc]
         if not drains:
             return
-        if self._undrained.waiting and not self._closed:  # on the background thread, as every collective
-            self._pool.submit(self._drain_round, None).result()
+        if not self._closed:  # on the background thread, in the job order, as every collective
+            self._jobs.submit(self._retry_round).result()
+        self._raise_failed()  # a retry of the drain clock that failed like a job
         error = self._undrained.take_errors()
         if error is not None:
             raise error
@@ -404,6 +430,8 @@ class TieredSaves:
         """After the manager's :meth:`wait` (which reported the drains): the background work
         finishes, its thread ends."""
         try:
+            if self._clock is not None:  # rank 0 says stop; the others wait for that word
+                self._clock.stop()
             self.wait(drains=False)
         finally:
             self._closed = True

@@ -1,8 +1,9 @@
 """The due steps whose drain has not committed yet: retried oldest first, kept across restarts.
 
 A drain that fails (object storage down) leaves its step in the local tier; the
-manager tries it again at the next save and at ``wait()``, oldest first
-(:class:`DrainQueue`).  So that a job that restarts (or a rank that died while
+manager tries it again at the next save, at ``wait()`` and on a clock (after a backoff
+that :meth:`DrainQueue.retry_in` computes from the rounds that failed in a row; see
+:mod:`objckpt.tier.retry_clock`), oldest first (:class:`DrainQueue`).  So that a job that restarts (or a rank that died while
 draining) does not forget what the policy promised, each node's first rank records
 every due step in its local folder before draining it, one small JSON file per step
 under :data:`PENDING_DIR`, and removes it once the step is drained or given up
@@ -14,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -25,6 +28,9 @@ log = logging.getLogger("objckpt.tier")
 
 #: the folder under the local root holding one record per due step not drained yet
 PENDING_DIR = ".objckpt-drains"
+#: the longest wait between two clock retries (the backoff doubles up to it), unless the
+#: first wait is longer
+DRAIN_RETRY_CAP_S = 600.0
 
 
 @dataclass
@@ -49,12 +55,25 @@ class DrainQueue:
     attempt per round, not one per waiting step).  A failure no attempt can mend (the
     local files gone, another checkpoint at the destination) drops the step, its error
     kept for :meth:`take_errors`.  At most ``limit`` steps wait: past that the oldest is
-    given up (an ERROR in the log, its error kept), the newest due steps stay."""
+    given up (an ERROR in the log, its error kept), the newest due steps stay.
+
+    Each round also sets the backoff of the retries on a clock (:meth:`retry_in`): the
+    rounds that ended on a failure in a row (``failed_rounds``, back to 0 once a round
+    ends without one) and when the last round ended.  Rounds run on the manager's
+    background thread; the clock and :meth:`take_errors` read from other threads, so the
+    bookkeeping changes under a lock."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.waiting: list[Undrained] = []
         self.given_up: list[DrainError] = []
+        #: rounds in a row that ended on a failure a later attempt may mend (0: the last did not)
+        self.failed_rounds = 0
+        #: time.monotonic() at the end of the last round (or when the queue was made)
+        self.last_round = time.monotonic()
+        self._lock = threading.Lock()
+        #: called after every round (the drain clock's wake-up: a new backoff starts)
+        self.on_round: Optional[Callable[[], None]] = None
 
     @property
     def steps(self) -> set[int]:
@@ -67,6 +86,7 @@ class DrainQueue:
         todo = self.waiting + ([new] if new is not None else [])
         left: list[Undrained] = []
         done: list[int] = []
+        given_up: list[DrainError] = []
         for u in todo:
             if left:  # an earlier step of this round failed and may succeed later: so may this one
                 left.append(u)
@@ -79,37 +99,59 @@ class DrainQueue:
                 if e.gone:  # deleted, or dropped by a restore (its shares were lost): nothing to drain
                     log.warning("objckpt: %s; the step is no local checkpoint any more: not drained", e)
                 elif e.retryable:
-                    log.error("objckpt: %s; the step stays in the local tier and is retried at the next save "
-                              "(attempt %d)", e, u.attempts)
+                    log.error("objckpt: %s; the step stays in the local tier and is retried later (attempt %d)",
+                              e, u.attempts)
                     left.append(u)
                 else:
                     log.error("objckpt: %s; no later attempt can mend this: the step is not drained", e)
-                    self.given_up.append(e)
+                    given_up.append(e)
             else:
                 done.append(u.step)
+        failed = bool(left)
         while len(left) > self.limit:
             old = left.pop(0)
             log.error("objckpt: step %d is given up for object storage: %d newer due steps wait to be drained "
                       "(at most %d wait); it stays under local retention", old.step, len(left), self.limit)
-            self.given_up.append(DrainError(
+            given_up.append(DrainError(
                 f"step {old.step} was not drained and is no longer retried ({len(left)} newer due steps wait, at "
                 f"most {self.limit} do); its last error: {old.error}", step=old.step, retryable=False))
-        self.waiting = left
+        with self._lock:
+            self.given_up.extend(given_up)
+            self.waiting = left
+            # progress starts the backoff again; a failure with no progress doubles it
+            self.failed_rounds = (self.failed_rounds + 1 if not done else 1) if failed else 0
+            self.last_round = time.monotonic()
+        if self.on_round is not None:
+            self.on_round()
         return done
+
+    def retry_in(self, first: float, cap: float = DRAIN_RETRY_CAP_S, now: Optional[float] = None) -> Optional[float]:
+        """Seconds until the waiting steps are due for a retry on the clock (<= 0: now; None:
+        none waits): ``first`` after the last round, doubled for each further round that
+        failed in a row, at most ``max(cap, first)``."""
+        with self._lock:
+            if not self.waiting:
+                return None
+            doublings = min(max(self.failed_rounds - 1, 0), 60)
+            last = self.last_round
+        delay = min(first * 2.0 ** doublings, max(cap, first))
+        return last + delay - (time.monotonic() if now is None else now)
 
     def take_errors(self) -> Optional[DrainError]:
         """The error :meth:`TieredSaves.wait` raises (and forgets the given-up steps'), or None:
         the steps given up since the last call, and those still waiting."""
-        given_up, self.given_up = self.given_up, []
+        with self._lock:
+            given_up, self.given_up = self.given_up, []
+            waiting = list(self.waiting)
         parts = [str(e) for e in given_up[:3]]
-        if self.waiting:
-            last = next((u.error for u in reversed(self.waiting) if u.error is not None), None)
-            parts.insert(0, f"step(s) {[u.step for u in self.waiting]} are not in object storage yet (they stay in "
-                            f"the local tier and are retried at the next save): {last}")
+        if waiting:
+            last = next((u.error for u in reversed(waiting) if u.error is not None), None)
+            parts.insert(0, f"step(s) {[u.step for u in waiting]} are not in object storage yet (they stay in "
+                            f"the local tier and are retried later): {last}")
         if not parts:
             return None
-        steps = [u.step for u in self.waiting] + [e.step for e in given_up if e.step is not None]
-        return DrainError("; ".join(parts), step=min(steps) if steps else None, retryable=bool(self.waiting))
+        steps = [u.step for u in waiting] + [e.step for e in given_up if e.step is not None]
+        return DrainError("; ".join(parts), step=min(steps) if steps else None, retryable=bool(waiting))
 
 
 def mark(root: Path, name: str, u: Undrained, dest: str) -> None:
