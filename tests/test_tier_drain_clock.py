@@ -144,7 +144,7 @@ def test_close_stops_the_clock_and_leaves_the_step_absent_never_half_drained(
         assert "objckpt-drain-clock" not in [t.name for t in threading.enumerate()]
         retries = clock.retries
         proxy.probability = 0.0  # object storage is back, but the manager is closed: no retry any more
-        time.sleep(1.5)  # five times the first wait
+        time.sleep(1.0)  # three times the first wait
         assert clock.retries == retries
         assert not _readable(f"{root}/step-0000000001", opts)  # absent (a manifest only once complete)
         # kept locally and recorded as due: the next run drains it
@@ -199,11 +199,22 @@ def _two_ranks_while_s3_comes_back(rank: int, world: int, root: str, local: str,
         proxy.probability = 0.0  # object storage is back; neither rank saves or waits
     _until("step 1 drained by the clock", lambda: not q.waiting)
     seen = ([u.step for u in q.waiting], q.failed_rounds, m._tiers._clock.retries)
+
+    def another(name: str) -> Any:
+        return objckpt.CheckpointManager(root, storage_options=opts, local_dir=f"{local}-{name}",
+                                         node_override=f"n{rank}", replicas=1, drain_retry_s=0.2)
+
+    other = another("other")  # while m's clock runs on its group: none for this one (a warning)
+    clocks = [other._tiers._clock is None]
+    other.close()
     m.close()
+    again = another("again")  # m closed on every rank: this one has the clock
+    clocks.append(again._tiers._clock is not None)
+    again.close()
     steps = m.steps()
     if proxy is not None:
         proxy.close()
-    return seen, steps
+    return seen, steps, clocks
 
 
 def test_two_ranks_retry_alike_on_rank_0s_clock_and_end_with_equal_queues(
@@ -211,7 +222,8 @@ def test_two_ranks_retry_alike_on_rank_0s_clock_and_end_with_equal_queues(
     bucket, opts = moto_s3
     root, local = f"s3://{bucket}/run", str(tmp_path / "{node}" / "ckpt")
     got = run_multiprocess(2, _two_ranks_while_s3_comes_back, root, local, opts, timeout=120)
-    (seen0, steps0), (seen1, steps1) = got
+    (seen0, steps0, clocks0), (seen1, steps1, clocks1) = got
+    assert clocks0 == clocks1 == [True, True]  # one clock per group at a time, decided alike
     assert seen0 == seen1 and seen0[0] == [] and seen0[1] == 0  # the same queue, the same backoff
     assert seen0[2] >= 1  # drained by the clock's retries, as many on each rank
     assert steps0 == steps1 == [1]

@@ -71,6 +71,9 @@ class DrainQueue:
         self.failed_rounds = 0
         #: time.monotonic() at the end of the last round (or when the queue was made)
         self.last_round = time.monotonic()
+        #: rounds run so far: the same on every rank at the same place in the job order (the
+        #: drain clock's retry runs only if no round ran since rank 0 decided it)
+        self.rounds = 0
         self._lock = threading.Lock()
         #: called after every round (the drain clock's wake-up: a new backoff starts)
         self.on_round: Optional[Callable[[], None]] = None
@@ -104,7 +107,8 @@ class DrainQueue:
                     left.append(u)
                 else:
                     log.error("objckpt: %s; no later attempt can mend this: the step is not drained", e)
-                    given_up.append(e)
+                    with self._lock:  # kept even when a later attempt raises out of the round
+                        self.given_up.append(e)
             else:
                 done.append(u.step)
         failed = bool(left)
@@ -121,6 +125,7 @@ class DrainQueue:
             # progress starts the backoff again; a failure with no progress doubles it
             self.failed_rounds = (self.failed_rounds + 1 if not done else 1) if failed else 0
             self.last_round = time.monotonic()
+            self.rounds += 1
         if self.on_round is not None:
             self.on_round()
         return done

@@ -26,8 +26,9 @@ uploaded its files.  So:
   ``wait()`` are called on every rank alike);
 * the retry is then a job like the others: one drain round of the waiting steps, oldest
   first, on the background thread, at that place on every rank.  It decides from the
-  queue as it is there (the same on every rank), so a retry that finds nothing waiting
-  does nothing.
+  queue as it is there (the same on every rank): a retry that finds nothing waiting, or
+  finds that a round ran since rank 0 decided it (a save's, or ``wait()``'s: the word
+  carries :attr:`DrainQueue.rounds`), does nothing, so the backoff is kept.
 
 Rank 0 also sends a heartbeat every :func:`heartbeat_s` (a tenth of the collective
 timeout, at most a minute): the other ranks, which wait for its word, never time out
@@ -186,7 +187,7 @@ class RetryClock:
         self.leader = comm is None or comm.rank == 0
         #: the error that ended the clock (a rank that stopped answering), raised once by take_error
         self.error: Optional[BaseException] = None
-        #: retries placed by this clock (tests and logs)
+        #: the retries this clock ran (the same count on every rank)
         self.retries = 0
         self._wake = threading.Event()
         self._stopping = False
@@ -228,26 +229,28 @@ class RetryClock:
             if wait > 0 and not self._stopping:
                 self._wake.wait(wait)
             self._wake.clear()
+            rounds = self.queue.rounds  # first: a round that ends meanwhile voids this retry
             due = self._due()
             word = STOP if self._stopping else RETRY if due is not None and due <= 0 else BEAT
             if self.comm is not None:
-                self.comm.broadcast_object(word, 0)
+                self.comm.broadcast_object((word, rounds), 0)
             if word == STOP:
                 return
             if word == RETRY:
-                self._agree()
+                self._agree(rounds)
 
     def _follow(self) -> None:
         assert self.comm is not None
         while True:
-            word = self.comm.broadcast_object(None, 0)
+            word, rounds = self.comm.broadcast_object(None, 0)
             if word == STOP:
                 return
             if word == RETRY:
-                self._agree()
+                self._agree(rounds)
 
-    def _agree(self) -> None:
-        """Every rank: the retry right after the largest count of jobs any rank has handed over."""
+    def _agree(self, rounds: int) -> None:
+        """Every rank: the retry right after the largest count of jobs any rank has handed over
+        (``rounds``: rank 0's count of rounds when it decided)."""
         mine = self.jobs.freeze()
         try:
             after = max(self.comm.all_gather_object(mine)) if self.comm is not None else mine
@@ -255,16 +258,17 @@ class RetryClock:
             self.jobs.place(None, None)  # the held saves go on; the error ends the clock
             raise
         self._in_flight = True
-        self.retries += 1
-        self.jobs.place(after, self._job)
+        self.jobs.place(after, lambda: self._job(rounds))
 
-    def _job(self) -> None:
-        """The background thread, at the agreed place on every rank."""
+    def _job(self, rounds: int) -> None:
+        """The background thread, at the agreed place on every rank: the retry, unless a round
+        ran since rank 0 decided it (that round set a new backoff)."""
         try:
             steps = [u.step for u in self.queue.waiting]
-            if steps:
+            if steps and self.queue.rounds == rounds:
                 log.info("objckpt: the drain retry clock tries step(s) %s again", steps)
-            self.retry()
+                self.retries += 1
+                self.retry()
         finally:
             self._in_flight = False
             self._wake.set()
@@ -292,6 +296,7 @@ class RetryClock:
         self._thread = None
         self._stopping = True
         self.jobs._after_fork_in_child()
+        self.queue._lock = threading.Lock()
 
 
 def start_clock(comm: Comm, jobs: OrderedJobs, queue: DrainQueue, first: Optional[float],
