@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -230,6 +231,63 @@ def test_two_ranks_retry_alike_on_rank_0s_clock_and_end_with_equal_queues(
     st = {"w": torch.zeros(24)}
     objckpt.load(st, f"{root}/step-0000000001", storage_options=opts)
     assert torch.equal(st["w"], torch.cat([torch.arange(12.0), torch.arange(12.0) + 1]))
+
+
+def _rank_1_dies(rank: int, world: int, base: str) -> str:
+    os.environ["OBJCKPT_COLLECTIVE_TIMEOUT"] = "4"
+    m = objckpt.CheckpointManager(os.path.join(base, "root"), local_dir=os.path.join(base, "{node}"),
+                                  node_override=f"n{rank}", replicas=1, drain_retry_s=0.2)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # while its clock listens for rank 0's word
+    clock = m._tiers._clock
+    _until("rank 0's clock noticed", lambda: clock.error is not None)
+    try:
+        m.wait()
+        return "no error"
+    except objckpt.CollectiveError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _allow_death(nproc: int, fn: Any, *args: Any, timeout: float) -> tuple[dict[int, Any], list[Any]]:
+    """mp.run_multiprocess where a rank may die on purpose: the results of the ranks that
+    reported, and every rank's exit code."""
+    import multiprocessing
+    import queue
+    import tempfile
+
+    import mp
+
+    ctx = mp._context()
+    q: Any = ctx.Queue()
+    rdzv = "file://" + os.path.join(tempfile.mkdtemp(prefix="objckpt-rdzv-"), "store")
+    procs: list[multiprocessing.process.BaseProcess] = [
+        ctx.Process(target=mp._entry, args=(r, nproc, rdzv, fn, args, q, "gloo"), daemon=True) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < end and not all(i in results or not p.is_alive() for i, p in enumerate(procs)):
+            try:
+                rank, status, value = q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            assert status == "ok", f"rank {rank}:\n{value}"
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results, [p.exitcode for p in procs]
+
+
+def test_a_rank_that_dies_stops_the_clock_with_a_clear_error_never_a_hang(tmp_path: Path) -> None:
+    results, codes = _allow_death(2, _rank_1_dies, str(tmp_path), timeout=90)
+    assert codes[1] == -signal.SIGKILL
+    assert results[0].startswith("CollectiveError: the drain retry clock stopped on rank 0"), results
+    assert "broadcast_object" in results[0]
 
 
 # -- fork ----------------------------------------------------------------------------------------------

@@ -211,8 +211,10 @@ class RetryClock:
             self._lead() if self.leader else self._follow()
         except BaseException as e:  # noqa: BLE001 - kept, raised at the next save or wait()
             if not self._stopping:
-                self.error = (e if isinstance(e, CollectiveError) else CollectiveError(
-                    f"the drain retry clock stopped: {type(e).__name__}: {e}"))
+                self.error = CollectiveError(
+                    f"the drain retry clock stopped on rank {self.comm.rank if self.comm is not None else 0} (a rank "
+                    f"died or stopped answering on objckpt's own group; failed drains are no longer retried on the "
+                    f"clock): {type(e).__name__}: {e}")
                 log.error("objckpt: the drain retry clock stopped (failed drains are retried at the next save "
                           "and at wait() only): %s", e)
         finally:
