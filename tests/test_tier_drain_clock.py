@@ -95,9 +95,20 @@ def test_a_retry_goes_after_the_agreed_job_and_saves_made_meanwhile_are_held_not
     pool.shutdown()
     assert order == ["save1", "save2", "retry", "save3"]  # the same place on every rank
     assert jobs.take_error() is None  # the retry's outcome, looked at once
-    jobs.freeze()
-    jobs.place(5, lambda: order.append("retry2"))  # after job 5, not submitted yet: placed when it is
-    assert jobs.retries == []
+
+    # a rank behind the others: two retries agreed on after jobs it has not submitted yet
+    order.clear()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    jobs = OrderedJobs(pool)
+    jobs.submit(order.append, "save1")
+    for after, name in ((3, "retry1"), (4, "retry2")):
+        jobs.freeze()
+        jobs.place(after, lambda name=name: order.append(name))
+    assert jobs.retries == []  # placed when those jobs are submitted
+    done = [jobs.submit(order.append, f"save{n}") for n in (2, 3, 4, 5)]
+    concurrent.futures.wait([*done, *jobs.retries])
+    pool.shutdown()
+    assert order == ["save1", "save2", "save3", "retry1", "save4", "retry2", "save5"]
 
 
 # -- one rank ------------------------------------------------------------------------------------------

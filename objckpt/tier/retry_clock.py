@@ -112,8 +112,9 @@ class OrderedJobs:
         self._given = 0  # jobs given to the pool
         self._held: list[tuple[int, "concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...]]] = []
         self._frozen = False
-        self._after: Optional[int] = None
-        self._retry: Optional[Callable[[], None]] = None
+        #: retries agreed on, each to go right after job number ``after`` (in agreement order; a
+        #: rank behind the others may hold several)
+        self._placed: list[tuple[int, Callable[[], None]]] = []
         #: the retries given to the pool whose outcome nobody has looked at yet
         self.retries: list["concurrent.futures.Future[Any]"] = []
 
@@ -139,7 +140,8 @@ class OrderedJobs:
         """``retry`` right after job number ``after`` (None: no retry), then the held jobs."""
         with self._lock:
             held, self._held, self._frozen = self._held, [], False
-            self._after, self._retry = (after, retry) if retry is not None else (None, None)
+            if after is not None and retry is not None:
+                self._placed.append((after, retry))
             self._place_at(self._given)
             for n, fut, fn, args in held:
                 _chain(self._pool.submit(fn, *args), fut)
@@ -147,9 +149,8 @@ class OrderedJobs:
                 self._place_at(n)
 
     def _place_at(self, n: int) -> None:
-        if self._after is not None and self._retry is not None and self._after <= n:
-            self.retries.append(self._pool.submit(self._retry))
-            self._after, self._retry = None, None
+        while self._placed and self._placed[0][0] <= n:
+            self.retries.append(self._pool.submit(self._placed.pop(0)[1]))
 
     def take_error(self) -> Optional[BaseException]:
         """The first error of a retry that finished since the last call (None: none)."""
@@ -160,7 +161,7 @@ class OrderedJobs:
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
-        self._frozen, self._held, self._after, self._retry = False, [], None, None
+        self._frozen, self._held, self._placed = False, [], []
 
 
 #: every clock of this process (a forked child stops them); the groups whose clock runs
