@@ -320,7 +320,8 @@ _FORK = textwrap.dedent(
     pid = os.fork()
     if pid == 0:
         time.sleep(0.5)  # five first waits: a clock running here would have retried
-        report = {"running": clock.running, "threads": [t.name for t in threading.enumerate()], "clocks": len(retry_clock._clocks)}
+        report = {"running": clock.running, "threads": [t.name for t in threading.enumerate()],
+                  "clocks": len(retry_clock._clocks)}
         clock.stop()  # returns at once: nothing to stop, no word sent
         with open(os.path.join(base, "child.json"), "w") as f:
             json.dump(report, f)
