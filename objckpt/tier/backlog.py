@@ -5,11 +5,11 @@ manager tries it again at the next save, at ``wait()`` and on a clock (after a b
 that :meth:`DrainQueue.retry_in` computes from the rounds that failed in a row; see
 :mod:`objckpt.tier.retry_clock`), oldest first (:class:`DrainQueue`).  So that a job
 that restarts (or a rank that died while draining) does not forget what the policy
-promised, each node's first rank records
-every due step in its local folder before draining it, one small JSON file per step
-under :data:`PENDING_DIR`, and removes it once the step is drained or given up
-(:func:`mark`, :func:`reconcile`); a new manager adopts the records whose step is
-still a local checkpoint and whose destination is its own root (:func:`recorded`).
+promised, each node's first rank records every due step in its local folder before
+draining it, one small JSON file per step under :data:`PENDING_DIR`, and removes it
+once the step is drained or given up (:func:`mark`, :func:`reconcile`); a new manager
+adopts the records whose step is still a local checkpoint and whose destination is its
+own root (:func:`recorded`).
 """
 from __future__ import annotations
 
