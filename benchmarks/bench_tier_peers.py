@@ -25,7 +25,9 @@ of testkit/ in the parent process as object storage) saves one step of ``--mib``
 folder and times ``CheckpointManager.load`` into existing, touched tensors on both ranks
 (rank 1's share and the rest of the step come from rank 0 over the tier's gloo group:
 ``repair``, then the read from the local folder), against a plain one-way ``dist.send`` of
-the bytes that restore moved, in the same processes, interleaved.  Then every local folder
+the bytes that restore moved, in the same processes, interleaved, and against the same
+send with its bytes read from a file in the sender's folder first (``gloo from a file``:
+what any restore from a file-kept replica pays at least).  Then every local folder
 is deleted and the same load comes from S3 (the same tensors; every rank reads its share).
 Every restore is checked bit-identical.
 """
@@ -126,6 +128,46 @@ def _share(rank: int, nbytes: int) -> dict[str, Any]:
     return {f"rank{rank}.layer{i}.w": torch.randn(n + 13 * i, generator=g) for i in range(8)}
 
 
+def _gloo_from_file(rank: int, path: Any, buf: Any, piece: int = 16 * h.MiB) -> float:
+    """Seconds for gloo to move ``buf.numel()`` bytes from a file in the senders' folder to
+    rank 1: rank 0 reads 16 MiB pieces (``preadv``, from the page cache) into two reused
+    buffers and sends each, two in flight; rank 1 receives into ``buf`` (touched).  What any
+    restore from a replica kept in a file pays at least: the bytes leave the page cache once
+    more than from a tensor already in memory (the plain send).  Sending from a mapping of
+    the file instead of reading it (with or without ``MAP_POPULATE``) measured the same on
+    tmpfs: the page-table work replaces the copy."""
+    import torch
+    import torch.distributed as dist
+
+    n = int(buf.numel())
+    if rank == 0 and (not path.exists() or path.stat().st_size != n):
+        with open(path, "wb") as f:
+            f.write(os.urandom(min(n, h.MiB)) * (n // h.MiB) + os.urandom(n % h.MiB))
+    stage = [torch.empty(piece, dtype=torch.uint8) for _ in range(2)] if rank == 0 else []
+    dist.barrier()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY) if rank == 0 else -1
+    try:
+        reqs: list[Any] = []
+        for i, off in enumerate(range(0, n, piece)):
+            size = min(piece, n - off)
+            if len(reqs) >= 2:
+                reqs.pop(0).wait()
+            if rank == 0:
+                s = stage[i % 2][:size]
+                os.preadv(fd, [memoryview(s.numpy())], off)
+                reqs.append(dist.isend(s, 1))
+            else:
+                reqs.append(dist.irecv(buf[off:off + size], 0))
+        for r in reqs:
+            r.wait()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
 def _restore(rank: int, comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """A node's folder deleted, the manager's restore from its peer, against gloo moving the
     same bytes; then every folder deleted, the same restore from S3."""
@@ -178,9 +220,10 @@ def _restore(rank: int, comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 dist.recv(buf, src=0)
             dist.barrier()
             base_s = time.perf_counter() - t0
+            file_s = _gloo_from_file(rank, base / "gloo-source.bin", buf)
             if rep:
                 rows.append({"what": "peer", "restore_s": peer_s, "restore_cpu_s": peer_cpu, "gloo_s": base_s,
-                             "bytes_moved": moved, "fetch_s": fetch_s, "verified": ok})
+                             "gloo_file_s": file_s, "bytes_moved": moved, "fetch_s": fetch_s, "verified": ok})
         for rep in range(cfg["repeat"]):
             dist.barrier()
             shutil.rmtree(base / f"n{rank}", ignore_errors=True)  # every node's folder is gone
@@ -247,10 +290,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if restore_summary:
         p, s3 = restore_summary["peer"], restore_summary["s3"]
         h.log(h.md_table(
-            ["restore of a lost node's share", "bytes moved", "gloo send of them", "restore", "restore / gloo",
-             "restore from S3", "S3 / gloo"],
+            ["restore of a lost node's share", "bytes moved", "gloo send of them", "gloo from a file",
+             "restore", "restore / gloo", "restore / gloo from a file", "restore from S3", "S3 / gloo"],
             [[f"{args.mib} MiB a rank", f"{p['bytes_moved_mib']:.0f} MiB", f"{h.fmt(p['gloo_gbps'])} GB/s",
+              f"{h.fmt(p['gloo_file_gbps'])} GB/s ({h.fmt(p['file_floor_ratio'], '{:.2f}x')})",
               f"{h.fmt(p['restore_gbps'])} GB/s ({h.fmt(p['restore_s'])} s)", h.fmt(p["ratio"], "{:.2f}x"),
+              h.fmt(p["ratio_to_gloo_file"], "{:.2f}x"),
               f"{h.fmt(s3['restore_gbps'])} GB/s ({h.fmt(s3['restore_s'])} s)", h.fmt(s3["ratio"], "{:.2f}x")]]))
     path = h.write_results(args.out, {"environment": h.environment(), "config": cfg | {"dir": fs},
                                       "summary": summary, "ranks": per_rank,
@@ -293,11 +338,14 @@ def _restore_summary(per_rank: list[list[dict[str, Any]]], nbytes: int) -> dict[
     s3 = [[x for x in r if x["what"] == "s3"] for r in per_rank]
     restore = h.median(max(r[i]["restore_s"] for r in peer) for i in range(len(peer[0])))
     gloo = h.median(max(r[i]["gloo_s"] for r in peer) for i in range(len(peer[0])))
+    gloo_file = h.median(max(r[i]["gloo_file_s"] for r in peer) for i in range(len(peer[0])))
     moved = peer[0][0]["bytes_moved"]
     s3_s = h.median(max(r[i]["restore_s"] for r in s3) for i in range(len(s3[0])))
     return {
         "peer": {"bytes_moved_mib": moved / h.MiB, "restore_s": restore, "gloo_s": gloo,
                  "restore_gbps": moved / restore / 1e9, "gloo_gbps": moved / gloo / 1e9, "ratio": gloo / restore,
+                 "gloo_file_s": gloo_file, "gloo_file_gbps": moved / gloo_file / 1e9,
+                 "ratio_to_gloo_file": gloo_file / restore, "file_floor_ratio": gloo / gloo_file,
                  "restore_cpu_s_rank1": h.median(x["restore_cpu_s"] for x in peer[1]),
                  "fetch_s_rank1": (h.median(x["fetch_s"] for x in peer[1])
                                    if all(x.get("fetch_s") is not None for x in peer[1]) else None)},
