@@ -108,3 +108,36 @@ def run_multiprocess(nproc: int, fn: Callable[..., Any], *args: Any, timeout: fl
             errors.update({r: "(still running when another rank failed: stopped)" for r in missing})
         raise AssertionError("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r][1] for r in range(nproc)]
+
+
+def run_allowing_death(nproc: int, fn: Any, *args: Any, timeout: float) -> tuple[dict[int, Any], list[Any]]:
+    """Like :func:`run_multiprocess`, but a rank may die on purpose (a kill mid-copy or
+    mid-drain): the results of the ranks that reported, and every rank's exit code."""
+    ctx = _context()
+    q = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="objckpt-rdzv-")
+    rdzv = "file://" + os.path.join(tmp, "store")
+    procs = [ctx.Process(target=_entry, args=(r, nproc, rdzv, fn, args, q, "gloo"), daemon=True)
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                rank, status, value = q.get(timeout=0.5)
+            except queue.Empty:
+                if all(i in results or not p.is_alive() for i, p in enumerate(procs)):
+                    break
+                continue
+            assert status == "ok", f"rank {rank}:\n{value}"
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results, [p.exitcode for p in procs]

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import objckpt
-from mp import run_multiprocess
+from mp import run_allowing_death, run_multiprocess
 from objckpt.tier.backlog import DrainQueue, Undrained
 from objckpt.tier.errors import DrainError, TierSettingsError
 from objckpt.tier.retry_clock import OrderedJobs
@@ -259,43 +259,10 @@ def _rank_1_dies(rank: int, world: int, base: str) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-def _allow_death(nproc: int, fn: Any, *args: Any, timeout: float) -> tuple[dict[int, Any], list[Any]]:
-    """mp.run_multiprocess where a rank may die on purpose: the results of the ranks that
-    reported, and every rank's exit code."""
-    import multiprocessing
-    import queue
-    import tempfile
-
-    import mp
-
-    ctx = mp._context()
-    q: Any = ctx.Queue()
-    rdzv = "file://" + os.path.join(tempfile.mkdtemp(prefix="objckpt-rdzv-"), "store")
-    procs: list[multiprocessing.process.BaseProcess] = [
-        ctx.Process(target=mp._entry, args=(r, nproc, rdzv, fn, args, q, "gloo"), daemon=True) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    end = time.monotonic() + timeout
-    try:
-        while time.monotonic() < end and not all(i in results or not p.is_alive() for i, p in enumerate(procs)):
-            try:
-                rank, status, value = q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            assert status == "ok", f"rank {rank}:\n{value}"
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return results, [p.exitcode for p in procs]
 
 
 def test_a_rank_that_dies_stops_the_clock_with_a_clear_error_never_a_hang(tmp_path: Path) -> None:
-    results, codes = _allow_death(2, _rank_1_dies, str(tmp_path), timeout=90)
+    results, codes = run_allowing_death(2, _rank_1_dies, str(tmp_path), timeout=90)
     assert codes[1] == -signal.SIGKILL
     assert results[0].startswith("CollectiveError: the drain retry clock stopped on rank 0"), results
     assert "broadcast_object" in results[0]

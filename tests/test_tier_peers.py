@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-import queue
 import shutil
 import signal
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -313,7 +311,7 @@ def _die_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 def test_a_rank_killed_while_replicating_leaves_no_partial_file_and_a_clear_error(tmp_path: pathlib.Path) -> None:
-    results, exitcodes = run_ranks_allow_death(2, _die_while_replicating, str(tmp_path), timeout=90)
+    results, exitcodes = mp.run_allowing_death(2, _die_while_replicating, str(tmp_path), timeout=90)
     assert exitcodes[1] == -signal.SIGKILL
     out = results[0]
     assert out["error"].startswith("objckpt.errors.CollectiveError: replicate: rank 0 of 2"), out
@@ -327,7 +325,7 @@ def _stall_while_replicating(rank: int, world: int, base: str) -> dict[str, Any]
 
 
 def test_a_rank_that_stops_answering_is_an_error_after_the_collective_timeout(tmp_path: pathlib.Path) -> None:
-    results, _codes = run_ranks_allow_death(2, _stall_while_replicating, str(tmp_path), timeout=90)
+    results, _codes = mp.run_allowing_death(2, _stall_while_replicating, str(tmp_path), timeout=90)
     waiting, stuck = results[0], results[1]
     assert waiting["error"].startswith("objckpt.errors.CollectiveError: replicate: rank 0 of 2"), waiting
     assert "Timed out" in waiting["error"], waiting  # gloo's timeout, set from OBJCKPT_COLLECTIVE_TIMEOUT
@@ -343,37 +341,6 @@ def run_ranks(nproc: int, fn: Any, *args: Any) -> list[Any]:
     return mp.run_multiprocess(nproc, fn, *args, timeout=120)
 
 
-def run_ranks_allow_death(nproc: int, fn: Any, *args: Any, timeout: float) -> tuple[dict[int, Any], list[Any]]:
-    """Like mp.run_multiprocess, but a rank may die on purpose: returns the results of the
-    ranks that reported and every rank's exit code."""
-    ctx = mp._context()
-    q = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="objckpt-rdzv-")
-    rdzv = "file://" + os.path.join(tmp, "store")
-    procs = [ctx.Process(target=mp._entry, args=(r, nproc, rdzv, fn, args, q, "gloo"), daemon=True)
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            try:
-                rank, status, value = q.get(timeout=0.5)
-            except queue.Empty:
-                if all(i in results or not p.is_alive() for i, p in enumerate(procs)):
-                    break
-                continue
-            assert status == "ok", f"rank {rank}:\n{value}"
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return results, [p.exitcode for p in procs]
 
 
 # --------------------------------------------------------------------------- restores that move only what is read

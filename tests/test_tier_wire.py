@@ -177,7 +177,7 @@ def test_a_rank_killed_mid_copy_through_the_staged_wire_is_a_collective_error_an
 
     import test_tier_peers as tp
 
-    results, exitcodes = tp.run_ranks_allow_death(2, _die_while_staging, str(tmp_path), timeout=90)
+    results, exitcodes = mp.run_allowing_death(2, _die_while_staging, str(tmp_path), timeout=90)
     assert exitcodes[1] == -signal.SIGKILL
     out = results[0]
     assert out["error"].startswith("objckpt.errors.CollectiveError: replicate: rank 0 of 2: moving pieces "
