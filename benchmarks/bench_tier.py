@@ -13,7 +13,10 @@ Measures, in one run (ratios within the run):
   in-memory S3 server of testkit/, in this process) until it returns, and a memcpy of the
   share into pre-touched host tensors;
 * **restore**: ``CheckpointManager.load`` from the local tier into pre-touched tensors, against
-  a copy of the share back from host memory (a pinned host-to-device copy on a GPU);
+  a copy of the share back from host memory (a pinned host-to-device copy on a GPU), and
+  on the CPU against the *verified-read floor*: the step's blob files read into touched
+  memory and crc32c'd piece by piece on two threads, no planning (what any restore that
+  checks what it reads pays at least);
 * **O_DIRECT vs buffered** on a disk directory (``--disk``, default a temporary folder under
   /var/tmp): write throughput of ``objckpt.save`` through ``LocalStore(direct=...)``, and the
   page-cache growth: the blob files' resident pages right after the save (``mincore``) and
@@ -131,6 +134,38 @@ def bench_direct(state: dict[str, torch.Tensor], disk: str, repeat: int) -> dict
     return out
 
 
+def verified_read_floor(folder: str, threads: int = 2, piece: int = 4 << 20) -> float:
+    """Seconds to read every blob file under ``folder`` into touched host memory and
+    crc32c each piece while it is in cache (``threads`` threads, ``piece``-byte ``preadv``):
+    what any restore that checks what it reads from the local tier pays at least.  No
+    planning, no manifest: only the bytes and their checksums."""
+    import concurrent.futures
+
+    import crc32c
+
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(folder, "blobs")) for f in fs]
+    sizes = [os.path.getsize(f) for f in files]
+    bufs = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+    fds = [os.open(f, os.O_RDONLY) for f in files]
+    jobs = [(i, off) for i, n in enumerate(sizes) for off in range(0, n, piece)]
+
+    def one(job: tuple[int, int]) -> None:
+        i, off = job
+        view = memoryview(bufs[i].numpy())[off:off + piece]
+        os.preadv(fds[i], [view], off)
+        crc32c.crc32c(view)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+            list(ex.map(one, jobs[:threads]))  # threads started
+            t0 = time.perf_counter()
+            list(ex.map(one, jobs))
+            return time.perf_counter() - t0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
     from testkit.s3server import S3Server
 
@@ -171,6 +206,8 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
         m = objckpt.CheckpointManager("s3://bench/tiered", storage_options=opts, local_dir=shm, replicas=0,
                                       persist_every=None, local_keep=2)
         m.save(1, state)
+        step_dir = next(os.path.join(shm, n) for n in os.listdir(shm) if n.startswith("step"))
+        floors = [verified_read_floor(step_dir) for _ in range(repeat)] if state_on_cpu(state) else [float("nan")]
         restores = []
         for _ in range(repeat):
             dst2 = touched_like(state)
@@ -189,7 +226,14 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
             "s3_async_stall_s": statistics.median(asyncs[1:]), "local_restore_s": statistics.median(restores),
             "tiered_sync_over_memcpy": sync / mc, "tiered_async_over_memcpy": asy / mc,
             "s3_async_over_memcpy": statistics.median(asyncs[1:]) / mc,
-            "load_memcpy_s": ld, "local_restore_over_memcpy": statistics.median(restores) / ld}
+            "load_memcpy_s": ld, "local_restore_over_memcpy": statistics.median(restores) / ld,
+            "verified_read_floor_s": statistics.median(floors),
+            "floor_over_memcpy": statistics.median(floors) / ld,
+            "local_restore_over_floor": statistics.median(restores) / statistics.median(floors)}
+
+
+def state_on_cpu(state: dict[str, torch.Tensor]) -> bool:
+    return not any(v.is_cuda for v in state.values())
 
 
 def main() -> None:
@@ -199,6 +243,7 @@ def main() -> None:
     ap.add_argument("--disk", default="", help="a directory on a disk for the O_DIRECT comparison")
     ap.add_argument("--device", default="cpu", help="where the state lives for the stall and restore (cuda: "
                     "the references are pinned device-to-host and host-to-device copies)")
+    ap.add_argument("--out", default="", help="also write the JSON here")
     a = ap.parse_args()
     state = make_state(a.mib)
     disk = a.disk or tempfile.mkdtemp(prefix="objckpt-bench-direct-", dir="/var/tmp")
@@ -209,7 +254,12 @@ def main() -> None:
     finally:
         if not a.disk:
             shutil.rmtree(disk, ignore_errors=True)
+    result["environment"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
+                             "git": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()}
     print(json.dumps(result, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -529,7 +529,7 @@ class TieredSaves:
         will save those step numbers again, so each node's first rank removes them."""
         if not self.first_on_node:
             return
-        for s in sorted(_local.scan(self.root, self.m.naming.parse)):
+        for s in _local.committed_steps(self.root, self.m.naming.parse):  # names only: no manifest decoded again
             if s > restored:
                 log.warning("objckpt: local step %d under %s is not complete in any tier (restored step %d): "
                             "removed", s, self.root, restored)
