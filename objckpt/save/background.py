@@ -16,7 +16,7 @@ the tensors' version counters: the save then fails and commits nothing.
 Commits happen in call order.  In a process group, the outcome exchange and
 commit run in a background thread over a gloo group created for objckpt (never
 NCCL from a background thread).  The interpreter waits for saves in flight
-before it exits (their threads are not daemons).
+before it exits (their threads are joined at exit).
 
 A save belongs to the process that started it.  A forked child (a DataLoader
 worker, forked anew every epoch by default) inherits the list of saves in
@@ -149,12 +149,34 @@ def _install_exit_hook() -> None:
         atexit.register(hook)
 
 
+#: the threads that finish saves (phase 3), kept from one save to the next (see _finisher_pool)
+_finishers: Optional[concurrent.futures.ThreadPoolExecutor] = None
+#: at most this many saves are finished at once; more wait in the pool's queue, in call order
+FINISHER_THREADS = 64
+
+
+def _finisher_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads kept between saves to finish them.  A thread started for each save made
+    ``async_save`` wait until the new thread first ran (``Thread.start`` waits for it):
+    ~3 ms a save on a loaded 2-core machine, 11% of the stall of a 512 MiB share.  A
+    finisher waits for the one before it (commits in call order); the pool runs its work
+    in the order given, so a queued finisher never holds up one it waits for.  Its threads
+    are joined at interpreter exit like the non-daemon threads they replace."""
+    global _finishers
+    with _lock:
+        if _finishers is None:
+            _finishers = concurrent.futures.ThreadPoolExecutor(FINISHER_THREADS,
+                                                               thread_name_prefix="objckpt-async-save")
+        return _finishers
+
+
 def _after_fork_in_child() -> None:
-    """Forget the parent's saves (see the module docstring); a new lock, in case another
-    thread of the parent held this one at the fork."""
-    global _lock
+    """Forget the parent's saves (see the module docstring) and its finishing threads; a
+    new lock, in case another thread of the parent held this one at the fork."""
+    global _lock, _finishers
     _lock = threading.Lock()
     _in_flight.clear()
+    _finishers = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -190,7 +212,7 @@ def _finish_mirrored(prep: pipeline.Prepared, mirrors: MirrorSet, bg_comm: Comm,
 
 def _start_finisher(handle: SaveHandle, prep: pipeline.Prepared, bg_comm: Comm,
                     upload: "concurrent.futures.Future[pipeline.UploadOutcome]") -> None:
-    """Phase 3 in a thread of its own, after the previous save's commit (call order)."""
+    """Phase 3 on a finishing thread, after the previous save's commit (call order)."""
     with _lock:
         previous = _in_flight[-1] if _in_flight else None
         _in_flight.append(handle)
@@ -206,7 +228,7 @@ def _start_finisher(handle: SaveHandle, prep: pipeline.Prepared, bg_comm: Comm,
         except BaseException as e:  # surfaces from handle.result()
             handle._future.set_exception(e)
 
-    threading.Thread(target=finisher, name="objckpt-async-save", daemon=False).start()
+    _finisher_pool().submit(finisher)
 
 
 def start_save(state_dict: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, bg_comm: Comm,
