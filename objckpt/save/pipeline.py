@@ -187,11 +187,15 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     try:
         opts = opts.checked()
         up = spread_up(uri, prefix, opts)
+        # only a save that may not replace a checkpoint asks whether one is there (an
+        # overwrite reads the old manifest once, at its commit, for the cleanup); asked on
+        # the I/O thread while the state is described and copied, not after: an async
+        # save's caller would wait for the round trip
+        asked = (_runtime.submit(st.head(keys.manifest_key(prefix)))
+                 if comm.rank == 0 and not opts.overwrite else None)
         local = describe_local(state, opts.allow_pickle, comm, mirror)
-        if comm.rank == 0 and not opts.overwrite:
-            # only a save that may not replace a checkpoint asks whether one is there: an
-            # overwrite reads the old manifest once, at its commit (for the cleanup)
-            exists = _runtime.run(st.head(keys.manifest_key(prefix))) is not None
+        if asked is not None:
+            exists = asked.result() is not None
             stats.add(0)
         stats.timings.add("describe", time.perf_counter() - t0)
     except Exception as e:
