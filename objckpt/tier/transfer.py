@@ -56,7 +56,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
@@ -480,11 +480,19 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
         except RuntimeError as e:
             raise failed(posted.peers, e) from e
         free_send.put(sslot)
-        to_write.put((i, rslot))
+        if files:
+            to_write.put((i, rslot))
+        else:  # received in place: nothing to write, the slot is free at once
+            free_recv.put(rslot)
 
-    threads = [threading.Thread(target=reader, name="objckpt-tier-read", daemon=True),
-               threading.Thread(target=writer, name="objckpt-tier-write", daemon=True),
-               threading.Thread(target=syncer, name="objckpt-tier-sync", daemon=True)]
+    # only the threads this rank's part needs: each start waits for the new thread's first
+    # run (milliseconds on a loaded machine, every round).  No sends: no reader, the slots
+    # go round by themselves; received in place (``into``): no writer and no files to sync.
+    files = into is None
+    reading = threading.Thread(target=reader, name="objckpt-tier-read", daemon=True) if sends else None
+    writing = threading.Thread(target=writer, name="objckpt-tier-write", daemon=True) if files else None
+    syncing = threading.Thread(target=syncer, name="objckpt-tier-sync", daemon=True) if files else None
+    threads = [th for th in (reading, writing, syncing) if th is not None]
     t0 = time.perf_counter()
     clean = False
     try:
@@ -492,23 +500,26 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
             th.start()
         inflight: collections.deque[tuple[int, int, int, Posted]] = collections.deque()
         for i in range(rounds):
-            sslot, rslot = ready.get(), free_recv.get()
+            # (free_send holds None only once the finally below ran)
+            sslot = ready.get() if reading is not None else cast(int, free_send.get())
+            rslot = free_recv.get()
             inflight.append((i, sslot, rslot, post(i, sslot, rslot)))
             if len(inflight) > 1:  # round i is queued behind i-1: the wire never waits for us
                 complete(*inflight.popleft())
         while inflight:
             complete(*inflight.popleft())
-        to_write.put(None)
-        threads[1].join()
-        sync_q.put(None)
-        threads[2].join()
+        if writing is not None and syncing is not None:
+            to_write.put(None)
+            writing.join()
+            sync_q.put(None)
+            syncing.join()
         clean = True
     finally:
         stop.set()
         free_send.put(None)
         to_write.put(None)
-        for i, th in enumerate(threads):
-            if i == 2:
+        for th in threads:
+            if th is syncing:
                 sync_q.put(None)  # after the writer: every file it finished gets closed
             if th.ident is not None:
                 th.join()
