@@ -18,7 +18,11 @@ measured):
    into fresh device tensors in a new process (cold, then warm), verified, against
    min(the server's raw ranged-GET rate, the pinned host-to-device rate) measured in that process;
 4. **multirank**: :func:`benchmarks.bench_multirank.rank_main` on gloo CPU ranks (``--worlds``)
-   against the same pinned server.
+   against the same pinned server;
+5. **tier**: ``bench_tier`` with the state on the device (the tiered save's stall against a
+   pinned D2H copy, the local tier's restore against a pinned H2D copy), then
+   ``bench_tier_peers`` on the host's cores (replication; a lost node's share restored from
+   its peer against gloo from memory and from a file), ``--tier-mib``.
 
 Results: ``OUT/<step>.json`` as each step ends, ``OUT/device_check.json`` (every section) and
 ``OUT/device_check.md`` (the tables), both rewritten after every step. Progress lines carry
@@ -63,7 +67,7 @@ NEEDED = ("boto3", "botocore", "aiobotocore", "s3transfer", "s3fs", "crc32c", "z
 h.TARGETS.setdefault("fast-script", [os.path.join("testkit", "s3server.py"), "--port", "0"])
 BUCKET = "devcheck"
 #: nominal seconds per step at the default budget (scaled to the budget given)
-WEIGHTS = {"tests": 150.0, "stall": 90.0, "restore": 120.0, "multirank": 90.0}
+WEIGHTS = {"tests": 150.0, "stall": 90.0, "restore": 120.0, "multirank": 90.0, "tier": 80.0}
 OUT_OF_TIME = "not run: out of time"
 
 
@@ -517,10 +521,48 @@ def step_multirank(run: Run, timeout: float) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- step 5: tiered checkpoints
+
+
+def step_tier(run: Run, timeout: float) -> dict[str, Any]:
+    """:mod:`benchmarks.bench_tier` with the state on the device (tiered stall against a
+    pinned D2H copy, local-tier restore against a pinned H2D copy) and
+    :mod:`benchmarks.bench_tier_peers` on the host's cores (replication, a lost node's share
+    restored from its peer, against gloo from memory and gloo from a file): issue 25's
+    figures that a 2-core VM cannot give.  Each writes its JSON when it ends; one stopped
+    by its share of the slice is recorded as such, the other still runs."""
+    a, end = run.args, time.monotonic() + timeout
+    out: dict[str, Any] = {}
+    run.put("tier", out, step_file=False)
+    jobs = [("local", ["-m", "benchmarks.bench_tier", "--mib", str(a.tier_mib), "--repeat", str(a.repeat),
+                       "--device", a.device], 0.45),
+            ("peers", ["-m", "benchmarks.bench_tier_peers", "--mib", str(a.tier_mib // 2 or 1), "--repeat",
+                       str(a.repeat), "--dir", "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()],
+             1.0)]
+    for name, cmd, share in jobs:
+        path = run.path(f"tier_{name}.json")
+        left = (end - time.monotonic() - 2.0) * share
+        if left < 5.0:
+            out[name] = {"status": OUT_OF_TIME}
+            continue
+        run.say(f"tier: {name}, {left:.0f} s")
+        r = run_child([*cmd, "--out", path], left, run.path(f"tier_{name}.log"))
+        rec: dict[str, Any] = {"status": r["status"], "seconds": round(r["seconds"], 1)}
+        if os.path.exists(path):
+            with open(path) as f:
+                rec["result"] = json.load(f)
+        out[name] = rec
+        run.put("tier", out, step_file=False)
+    bad = [n for n, rec in out.items() if rec.get("status") != "ok"]
+    out["status"] = "ok" if not bad else f"not measured: {', '.join(bad)}"
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
-STEPS = {"tests": step_tests, "stall": step_stall, "restore": step_restore, "multirank": step_multirank}
+STEPS = {"tests": step_tests, "stall": step_stall, "restore": step_restore, "multirank": step_multirank,
+         "tier": step_tier}
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -537,6 +579,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--worlds", default=None, help="multirank world sizes (default 4,8,12,16; dry 2)")
     ap.add_argument("--mr-gib", type=float, default=None, help="multirank state (default 1; dry 1/32)")
     ap.add_argument("--mr-methods", default="objckpt", help="objckpt and/or dcp")
+    ap.add_argument("--tier-mib", type=int, default=None,
+                    help="tier step: bench_tier's share in MiB, half of it for bench_tier_peers (default 1024; dry 32)")
     ap.add_argument("--steps", default=",".join(STEPS), help="a subset of " + ",".join(STEPS))
     ap.add_argument("--wheels", default=os.path.join(REPO_ROOT, ".whl"), help="wheels installed when imports fail")
     ap.add_argument("--site", default=os.path.join(tempfile.gettempdir(), "objckpt-device-site"))
@@ -547,6 +591,7 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     a.repeat = a.repeat or (1 if dry else 3)
     a.worlds = a.worlds or ("2" if dry else "4,8,12,16")
     a.mr_gib = a.mr_gib or (1 / 32 if dry else 1.0)
+    a.tier_mib = a.tier_mib or (32 if dry else 1024)
     a.get_threads = [int(x) for x in (a.get_threads or ("1,2" if dry else "1,4,16")).split(",")]
     return a
 

@@ -141,8 +141,32 @@ def multirank_md(m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tier_md(t: dict[str, Any]) -> str:
+    lines = ["## 5. Tiered checkpoints (bench_tier on the device, bench_tier_peers on the host's cores)", "",
+             f"Status: {t.get('status')}."]
+    local = (t.get("local") or {}).get("result") or {}
+    st = local.get("stall") or {}
+    if st:
+        lines += ["", h.md_table(
+            ["share MiB", "device", "tiered async stall s / copy to host s", "S3 async stall s / copy to host s",
+             "local restore s", "local restore s / copy back s"],
+            [[local.get("share_mib"), local.get("device"), _f(st.get("tiered_async_over_memcpy"), "{:.2f}x"),
+              _f(st.get("s3_async_over_memcpy"), "{:.2f}x"), _f(st.get("local_restore_s")),
+              _f(st.get("local_restore_over_memcpy"), "{:.2f}x")]])]
+    peers = ((t.get("peers") or {}).get("result") or {}).get("summary") or {}
+    p = (peers.get("restore") or {}).get("peer") or {}
+    if p:
+        lines += ["", h.md_table(
+            ["share MiB", "replicate / gloo", "gloo from a file / gloo", "peer restore / gloo",
+             "peer restore / gloo from a file"],
+            [[peers.get("share_mib"), _f(peers.get("ratio"), "{:.2f}x"), _f(p.get("file_floor_ratio"), "{:.2f}x"),
+              _f(p.get("ratio"), "{:.2f}x"), _f(p.get("ratio_to_gloo_file"), "{:.2f}x")]])]
+    return "\n".join(lines)
+
+
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-    ("tests", tests_md), ("stall", stall_md), ("restore", restore_md), ("multirank", multirank_md)]
+    ("tests", tests_md), ("stall", stall_md), ("restore", restore_md), ("multirank", multirank_md),
+    ("tier", tier_md)]
 
 
 def markdown(r: dict[str, Any]) -> str:

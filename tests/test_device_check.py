@@ -57,11 +57,19 @@ def test_dry_run_writes_every_section_with_numbers(tmp_path: Any) -> None:
     (mr,) = r["multirank"]["summary"]
     assert mr["world"] == 2 and mr["save"]["wall_s"] > 0 and mr["load"]["gbps"] > 0
 
+    tier = r["tier"]
+    local, peers = tier["local"]["result"], tier["peers"]["result"]
+    assert local["device"] == "cpu" and local["stall"]["tiered_async_stall_s"] > 0
+    assert local["stall"]["local_restore_s"] > 0 and local["stall"]["verified_read_floor_s"] > 0
+    peer = peers["summary"]["restore"]["peer"]
+    assert peers["summary"]["ratio"] > 0 and peer["ratio"] > 0 and peer["ratio_to_gloo_file"] > 0
+    assert all(x["verified"] for rank in peers["restore"] for x in rank)
+
     for step in dc.STEPS:
         assert json.loads((out / f"{step}.json").read_text())["status"] == "ok"
     md = (out / "device_check.md").read_text()
-    assert all(f"## {i}." in md for i in range(1, 5)) and "| objckpt_s3 |" in md
-    assert re.search(r"^\[\d\d:\d\d:\d\d \+ *\d+s\] == step 4/4 multirank", p.stdout, re.M), p.stdout[-2000:]
+    assert all(f"## {i}." in md for i in range(1, 6)) and "| objckpt_s3 |" in md and "peer restore / gloo" in md
+    assert re.search(r"^\[\d\d:\d\d:\d\d \+ *\d+s\] == step 4/5 multirank", p.stdout, re.M), p.stdout[-2000:]
 
 
 def test_scan_lists_cuda_test_files_and_gpu_skips_without_the_mark(tmp_path: Any) -> None:
