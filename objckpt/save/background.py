@@ -228,7 +228,10 @@ def _start_finisher(handle: SaveHandle, prep: pipeline.Prepared, bg_comm: Comm,
         except BaseException as e:  # surfaces from handle.result()
             handle._future.set_exception(e)
 
-    _finisher_pool().submit(finisher)
+    try:
+        _finisher_pool().submit(finisher)
+    except RuntimeError:  # the interpreter is shutting down (a save from an atexit handler): a thread as before
+        threading.Thread(target=finisher, name="objckpt-async-save", daemon=False).start()
 
 
 def start_save(state_dict: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, bg_comm: Comm,
