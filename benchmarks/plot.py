@@ -1,6 +1,8 @@
-"""Bar chart of save/load seconds per method from a results JSON.
+"""Bar charts of a results JSON: save/load seconds per method (``bench_save_load``), or
+cold and warm seconds per method (``bench_cold_warm``: told apart by its summary).
 
     python -m benchmarks.plot benchmarks/results/NAME.json docs/bench_save_load.png
+    python -m benchmarks.plot benchmarks/results/cold-warm-all-fresh.json docs/cold_warm.png
 """
 from __future__ import annotations
 
@@ -48,6 +50,53 @@ def plot(results: dict[str, Any], out_path: str, title: Optional[str] = None) ->
     return out_path
 
 
+NAMES = {"objckpt_s3": "objckpt", "tensorstore_ocdbt": "TensorStore OCDBT", "dcp_s3fs": "DCP + s3fs",
+         "torchsave_s3tc": "torch.save +\ns3torchconnector"}
+
+
+def plot_cold_warm(results: dict[str, Any], out_path: str, title: Optional[str] = None) -> str:
+    """A PNG of ``bench_cold_warm``'s medians: per method, load cold and warm, save cold and
+    warm (seconds, the range of the runs as error bars; client set-up is in none of them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m, s in results["summary"].items() if s.get("load", {}).get("cold")]
+    series = [("load", "cold", "#DD8452"), ("load", "warm", "#F2B48C"), ("save", "cold", "#4C72B0"),
+              ("save", "warm", "#9DB3D9")]
+    w = 0.2
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.9 * len(methods) + 2), 4.8))
+    for j, (op, kind, color) in enumerate(series):
+        xs, hs, lo, hi = [], [], [], []
+        for i, m in enumerate(methods):
+            r = results["summary"][m].get(op, {}).get(kind) or {}
+            if r.get("wall_s") is None:
+                continue
+            xs.append(i + (j - 1.5) * w)
+            hs.append(r["wall_s"])
+            lo.append(r["wall_s"] - r.get("wall_min", r["wall_s"]))
+            hi.append(r.get("wall_max", r["wall_s"]) - r["wall_s"])
+        bars = ax.bar(xs, hs, w, yerr=[lo, hi], capsize=2, label=f"{op} {kind}", color=color)
+        for b in bars:
+            ax.annotate(f"{b.get_height():.2g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                        va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(list(range(len(methods))))
+    ax.set_xticklabels([NAMES.get(m, m) for m in methods])
+    ax.set_ylabel("seconds (median of the rounds, lower is better)")
+    cfg = results.get("config", {})
+    gib = cfg.get("state_bytes", 0) / (1 << 30)
+    ax.set_title(title or f"Restart, {gib:.2f} GiB: cold (first call of a new process) and warm, fresh "
+                          f"destination pages; {cfg.get('rounds', '?')} rounds", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="benchmarks/results/NAME.json")
@@ -56,7 +105,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     with open(args.results) as f:
         results = json.load(f)
-    print(plot(results, args.out, args.title))
+    cold_warm = isinstance(results.get("summary"), dict) and "fresh_page_floor" in results
+    print((plot_cold_warm if cold_warm else plot)(results, args.out, args.title))
     return 0
 
 
