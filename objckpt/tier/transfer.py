@@ -1,11 +1,10 @@
 """Move files between ranks: bounded pieces over a wire, atomic on arrival, one agreed outcome.
 
-The engine behind :func:`~objckpt.tier.peers.replicate` and
-:func:`~objckpt.tier.peers.repair`.  Every rank holds the same plan (a list of
-:class:`Transfer`, computed alike everywhere from one all-gather); each ordered
-pair of ranks has one stream, the concatenation of its files cut into pieces,
-and piece ``i`` of every stream moves in round ``i`` (``isend``/``irecv``, so a
-rank serves all its partners at once).
+The engine behind :func:`~objckpt.tier.peers.replicate` and :func:`~objckpt.tier.peers.repair`.
+Every rank holds the same plan (a list of :class:`Transfer`, computed alike everywhere from one
+all-gather); each ordered pair of ranks has one stream, the concatenation of its files cut into
+pieces, and piece ``i`` of every stream moves in round ``i`` (``isend``/``irecv``: a rank serves
+all its partners at once).
 
 Three threads keep the wire busy: a reader fills the next round's send buffers
 (``readinto`` straight into them), the calling thread posts round ``i+1`` before
@@ -41,10 +40,9 @@ an fsync means nothing.  A failed collective (a dead rank: gloo's closed
 connection, or the group's timeout) removes this rank's temp files and raises
 :class:`~objckpt.errors.CollectiveError`.
 
-A restore from peers (``into=``) receives into memory instead: each incoming file
-is one uint8 tensor of its size, and every piece is received straight into its
-place there (no receive buffer, no writer, no file; the sender's side is as
-above).  The tensors are handed back only when every rank succeeded.
+A restore from peers (``into=``) receives into memory instead: each incoming file is one uint8
+tensor of its size, every piece received straight into its place there (no receive buffer, no
+writer, no file; the sender's side is as above), handed back only when every rank succeeded.
 """
 from __future__ import annotations
 
@@ -482,12 +480,11 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
         free_send.put(sslot)
         if files:
             to_write.put((i, rslot))
-        else:  # received in place: nothing to write, the slot is free at once
+        else:  # received in place: nothing to write
             free_recv.put(rslot)
 
-    # only the threads this rank's part needs: each start waits for the new thread's first
-    # run (milliseconds on a loaded machine, every round).  No sends: no reader, the slots
-    # go round by themselves; received in place (``into``): no writer and no files to sync.
+    # only the threads needed (each start waits for the thread's first run): no reader without
+    # sends, no writer or syncer when received in place (``into``)
     files = into is None
     reading = threading.Thread(target=reader, name="objckpt-tier-read", daemon=True) if sends else None
     writing = threading.Thread(target=writer, name="objckpt-tier-write", daemon=True) if files else None
@@ -500,8 +497,7 @@ def _exchange(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Callable
             th.start()
         inflight: collections.deque[tuple[int, int, int, Posted]] = collections.deque()
         for i in range(rounds):
-            # (free_send holds None only once the finally below ran)
-            sslot = ready.get() if reading is not None else cast(int, free_send.get())
+            sslot = ready.get() if reading is not None else cast(int, free_send.get())  # None: only after finally
             rslot = free_recv.get()
             inflight.append((i, sslot, rslot, post(i, sslot, rslot)))
             if len(inflight) > 1:  # round i is queued behind i-1: the wire never waits for us
