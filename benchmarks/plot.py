@@ -13,6 +13,18 @@ import sys
 from typing import Any, Optional
 
 
+def _finish(fig: Any, ax: Any, out_path: str) -> str:
+    """Grid, layout, the PNG written (its folder made), the figure closed."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path
+
+
 def plot(results: dict[str, Any], out_path: str, title: Optional[str] = None) -> str:
     """Write a PNG with save and load seconds (medians) side by side per method."""
     import matplotlib
@@ -42,12 +54,7 @@ def plot(results: dict[str, Any], out_path: str, title: Optional[str] = None) ->
     ax.set_title(title or f"{cfg.get('tensors', '?')} tensors, {gib:.2f} GiB, target {cfg.get('target', '?')}, "
                           f"median of {cfg.get('repeat', '?')}")
     ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return _finish(fig, ax, out_path)
 
 
 NAMES = {"objckpt_s3": "objckpt", "tensorstore_ocdbt": "TensorStore OCDBT", "dcp_s3fs": "DCP + s3fs",
@@ -89,12 +96,7 @@ def plot_cold_warm(results: dict[str, Any], out_path: str, title: Optional[str] 
     ax.set_title(title or f"Restart, {gib:.2f} GiB: cold (first call of a new process) and warm, fresh "
                           f"destination pages; {cfg.get('rounds', '?')} rounds", fontsize=10)
     ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    return _finish(fig, ax, out_path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

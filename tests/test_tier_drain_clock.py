@@ -56,6 +56,15 @@ def _down(opts: dict[str, Any]) -> Any:
     return FaultProxy(opts["endpoint_url"], kind="reset", probability=1.0, max_offset=0, direction="up")
 
 
+def _behind_down_endpoint(tmp_path: Path, root: str, opts: dict[str, Any], proxy: Any,
+                          retry_s: float) -> objckpt.CheckpointManager:
+    """One rank's manager whose object storage is reached through ``proxy`` (down until told
+    otherwise), draining every step, retrying on a ``retry_s`` clock."""
+    return objckpt.CheckpointManager(root, storage_options={**opts, "endpoint_url": proxy.url},
+                                     local_dir=str(tmp_path / "local"), persist_every=1, replicas=0,
+                                     drain_retry_s=retry_s)
+
+
 # -- the pieces ----------------------------------------------------------------------------------------
 
 def test_the_backoff_doubles_per_failed_round_up_to_the_cap_and_starts_again_after_progress() -> None:
@@ -119,9 +128,7 @@ def test_a_failed_drain_reaches_object_storage_with_no_further_save_or_wait(
     proxy = _down(opts)
     root = f"s3://{bucket}/run"
     try:
-        m = objckpt.CheckpointManager(root, storage_options={**opts, "endpoint_url": proxy.url},
-                                      local_dir=str(tmp_path / "local"), persist_every=1, replicas=0,
-                                      drain_retry_s=0.2)
+        m = _behind_down_endpoint(tmp_path, root, opts, proxy, 0.2)
         m.save(1, {"x": torch.arange(10.0)}, metadata={"loss": 0.5})
         q = m._tiers._undrained
         _until("the save's own drain failed", lambda: q.failed_rounds >= 1)
@@ -144,9 +151,7 @@ def test_close_stops_the_clock_and_leaves_the_step_absent_never_half_drained(
     proxy = _down(opts)
     root = f"s3://{bucket}/run"
     try:
-        m = objckpt.CheckpointManager(root, storage_options={**opts, "endpoint_url": proxy.url},
-                                      local_dir=str(tmp_path / "local"), persist_every=1, replicas=0,
-                                      drain_retry_s=0.3)
+        m = _behind_down_endpoint(tmp_path, root, opts, proxy, 0.3)
         m.save(1, {"x": torch.ones(8)})
         clock = m._tiers._clock
         _until("a retry of the clock failed too", lambda: clock.retries >= 1 and m._tiers._undrained.failed_rounds >= 2)
