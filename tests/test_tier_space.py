@@ -209,3 +209,24 @@ def test_share_of_dtensors_counts_sharded_as_own_and_replicated_as_shared() -> N
     for sharded, replicated in run_multiprocess(2, _dtensor_shares):
         assert sharded == Share(own=64)
         assert replicated == Share(shared=128, shared_whole=128)
+
+
+def test_a_tiered_save_asks_each_stateful_value_for_its_state_dict_once(tmp_path: Path) -> None:
+    """The space check counts the state the save writes: one ``state_dict()`` per save, not one
+    for the check and another for the save (an optimizer's can be costly)."""
+    class Counted:
+        calls = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            Counted.calls += 1
+            return {"w": torch.ones(16)}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            pass
+
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                  persist_every=None, drain_retry_s=None)
+    with m:
+        m.save(1, {"opt": Counted()})
+    assert Counted.calls == 1
+    assert torch.equal(objckpt.read(str(tmp_path / "local" / "step-0000000001"))["opt"]["w"], torch.ones(16))

@@ -352,7 +352,7 @@ def mesh_description(x: Any, placements: tuple[str, ...]) -> Optional[MeshDescri
     return _unstride(shape, mesh, placements, id(mesh))
 
 
-def _is_replicate(p: Any) -> bool:
+def is_replicate(p: Any) -> bool:
     return p.is_replicate() if hasattr(p, "is_replicate") else type(p).__name__ == "Replicate"
 
 
@@ -372,7 +372,7 @@ def replica_group(value: Any, group_ranks: Ranks) -> Optional[Ranks]:
             return None
         index: list[Any] = []
         for d, p in enumerate(value.placements):
-            index.append(slice(None) if _is_replicate(p) or mesh.size(d) == 1 else coord[d])
+            index.append(slice(None) if is_replicate(p) or mesh.size(d) == 1 else coord[d])
         ranks = tuple(sorted(int(r) for r in _mesh_ranks(mesh)[0][tuple(index)].reshape(-1).tolist()))
         return ranks if set(ranks) <= set(group_ranks) else None
     if isinstance(value, torch.Tensor):
@@ -391,7 +391,7 @@ def mesh_group(value: Any, ranks: Ranks) -> Any:
     import torch.distributed as dist
 
     mesh = value.device_mesh
-    vary = [d for d, p in enumerate(value.placements) if mesh.size(d) > 1 and _is_replicate(p)]
+    vary = [d for d, p in enumerate(value.placements) if mesh.size(d) > 1 and is_replicate(p)]
     if len(vary) != 1:
         return None
     pg = mesh.get_group(vary[0])

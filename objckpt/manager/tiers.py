@@ -28,6 +28,7 @@ from ..format import manifest as _manifest
 from ..format import keys
 from ..results import LoadResult
 from ..save.background import SaveHandle
+from ..state import expand_for_save
 from ..storage.local import LocalStore
 from ..tier import local as _local
 from ..tier import restore as _restore
@@ -221,6 +222,7 @@ class TieredSaves:
         t0 = time.perf_counter()
         self._raise_failed()
         d = self.step_dir(step)
+        state = expand_for_save(state)  # each state_dict() called once: the space check and the save take this
         share = _space.share_of(state)
         problem = self._check(step, d, share)
         known = self._known()

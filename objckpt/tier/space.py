@@ -45,8 +45,12 @@ import resource
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+import torch
+
+from ..distributed.placements import Shard, is_dtensor, is_replicate
+from ..state import expand_for_save
 from .errors import Problem, ProblemKind
 from .topology import Topology
 
@@ -69,9 +73,9 @@ class Share:
 
 
 def share_of(state: Any) -> Share:
-    """This rank's :class:`Share` of ``state`` (a walk over its containers; no tensor is read)."""
-    import torch
-
+    """This rank's :class:`Share` of ``state`` (no tensor is read).  Stateful values are taken
+    as the save takes them (:func:`~objckpt.state.expand_for_save`: a state already expanded
+    is walked as it is, nothing called twice), tensors told apart as the save tells them."""
     seen: set[int] = set()
     own = shared = whole = 0
 
@@ -80,31 +84,28 @@ def share_of(state: Any) -> Share:
         if id(v) in seen:
             return
         seen.add(id(v))
-        if isinstance(v, torch.Tensor):
-            if hasattr(v, "to_local") and hasattr(v, "placements"):  # a DTensor
-                local = v.to_local()
-                n = local.numel() * local.element_size()
-                if any(p.is_replicate() for p in v.placements):
-                    shared += n
-                    whole += v.numel() * v.element_size()
-                else:
-                    own += n
-            else:
-                n = v.numel() * v.element_size()
-                shared += n
-                whole += n
-        elif hasattr(v, "local") and isinstance(getattr(v, "local"), torch.Tensor):  # objckpt.Shard
+        if isinstance(v, Shard):
             own += v.local.numel() * v.local.element_size()
-        elif isinstance(v, dict):
+        elif is_dtensor(v):
+            local = v.to_local()
+            n = local.numel() * local.element_size()
+            if any(is_replicate(p) for p in v.placements):
+                shared += n
+                whole += v.numel() * v.element_size()
+            else:
+                own += n
+        elif isinstance(v, torch.Tensor):
+            n = v.numel() * v.element_size()
+            shared += n
+            whole += n
+        elif isinstance(v, Mapping):
             for x in v.values():
                 walk(x)
         elif isinstance(v, (list, tuple)):
             for x in v:
                 walk(x)
-        elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
-            walk(v.state_dict())
 
-    walk(state)
+    walk(expand_for_save(state))
     return Share(own, shared, whole)
 
 
