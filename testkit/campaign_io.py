@@ -244,8 +244,11 @@ def _v2_rank(rank: int, world: int, rdzv: str, uri: str, seed: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    import faulthandler
+
     import objckpt
 
+    faulthandler.enable(all_threads=True)  # a fatal signal (an abort at exit) prints every thread's stack
     dist.init_process_group("gloo", init_method=rdzv, rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
@@ -268,6 +271,8 @@ def v2_state(seed: int) -> dict[str, Any]:
 def make_v2_checkpoint(path: str, seed: int = 5, world: int = 2, timeout: float = 120.0) -> dict[str, Any]:
     """Save a format-v2 checkpoint (per-rank index objects) from ``world`` real gloo ranks
     holding DTensors; returns the whole state it holds."""
+    import warnings
+
     import torch.multiprocessing as tmp
 
     # a file rendezvous: a free TCP port picked here can be taken (an outgoing connection's
@@ -276,12 +281,33 @@ def make_v2_checkpoint(path: str, seed: int = 5, world: int = 2, timeout: float 
         rdzv = "file://" + os.path.join(rd, "store")
         ctx = tmp.spawn(_v2_rank, args=(world, rdzv, path, seed), nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError("v2 save ranks hung")
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError("v2 save ranks hung")
+        except tmp.ProcessExitedException as e:
+            # A rank killed by a signal *after* every rank's save returned and the group was
+            # destroyed (a C++ thread of the process group aborting at interpreter exit, seen
+            # once in many runs; its stacks are on stderr) left a committed checkpoint: verify
+            # it whole and go on, saying so.  Anything else fails the fixture.
+            if not e.signal_name or not _committed(path, seed):
+                raise
+            warnings.warn(f"make_v2_checkpoint: save rank {e.error_index} died with {e.signal_name} at exit; "
+                          "the checkpoint it had committed verifies and holds the expected state")
     return v2_state(seed)
+
+
+def _committed(path: str, seed: int) -> bool:
+    """``path`` holds a committed checkpoint that reads back (every chunk's crc32c checked) as
+    ``v2_state(seed)``."""
+    import objckpt
+
+    try:
+        return bool(same(objckpt.read(path, no_dist=True), v2_state(seed)))
+    except Exception:
+        return False
 
 
 def _files(root: str, where: str) -> list[str]:
