@@ -4,6 +4,7 @@ and restore against a memcpy, O_DIRECT against buffered.
     python -m benchmarks.bench_tier                      # 512 MiB share, 3 repeats
     python -m benchmarks.bench_tier --mib 64 --repeat 1  # quick check
     python -m benchmarks.bench_tier --device cuda        # the state on a GPU: pinned D2H / H2D references
+    python -m benchmarks.bench_tier --local-parent /mnt/huge   # the local tier on a tmpfs mounted huge=within_size
 
 Measures, in one run (ratios within the run):
 
@@ -141,7 +142,7 @@ def verified_read_floor(folder: str, threads: int = 2, piece: int = 4 << 20) -> 
     planning, no manifest: only the bytes and their checksums."""
     import concurrent.futures
 
-    import crc32c
+    from objckpt.checksum import crc32c
 
     files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(folder, "blobs")) for f in fs]
     sizes = [os.path.getsize(f) for f in files]
@@ -153,7 +154,7 @@ def verified_read_floor(folder: str, threads: int = 2, piece: int = 4 << 20) -> 
         i, off = job
         view = memoryview(bufs[i].numpy())[off:off + piece]
         os.preadv(fds[i], [view], off)
-        crc32c.crc32c(view)
+        crc32c(view)
 
     try:
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
@@ -166,7 +167,7 @@ def verified_read_floor(folder: str, threads: int = 2, piece: int = 4 << 20) -> 
             os.close(fd)
 
 
-def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
+def bench_stall(state: dict[str, torch.Tensor], repeat: int, local_parent: str = "/dev/shm") -> dict[str, Any]:
     from testkit.s3server import S3Server
 
     import boto3
@@ -182,7 +183,7 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int) -> dict[str, Any]:
     opts = {"endpoint_url": server.endpoint_url, "aws_access_key_id": "testing",
             "aws_secret_access_key": "testing", "region_name": "us-east-1"}
     boto3.client("s3", **opts).create_bucket(Bucket="bench")
-    shm = tempfile.mkdtemp(prefix="objckpt-bench-tier-", dir="/dev/shm")
+    shm = tempfile.mkdtemp(prefix="objckpt-bench-tier-", dir=local_parent)
     try:
         tiered: dict[bool, list[float]] = {}
         for mode in (False, True):
@@ -243,6 +244,8 @@ def main() -> None:
     ap.add_argument("--disk", default="", help="a directory on a disk for the O_DIRECT comparison")
     ap.add_argument("--device", default="cpu", help="where the state lives for the stall and restore (cuda: "
                     "the references are pinned device-to-host and host-to-device copies)")
+    ap.add_argument("--local-parent", default="/dev/shm", help="the folder the local tier is made in (e.g. a "
+                    "tmpfs mounted with huge=within_size)")
     ap.add_argument("--out", default="", help="also write the JSON here")
     a = ap.parse_args()
     state = make_state(a.mib)
@@ -250,11 +253,15 @@ def main() -> None:
     try:
         result = {"share_mib": a.mib, "repeat": a.repeat, "direct": bench_direct(state, disk, a.repeat),
                   "device": a.device,
-                  "stall": bench_stall(make_state(a.mib, a.device) if a.device != "cpu" else state, a.repeat)}
+                  "local_parent": a.local_parent,
+                  "stall": bench_stall(make_state(a.mib, a.device) if a.device != "cpu" else state, a.repeat,
+                                       a.local_parent)}
     finally:
         if not a.disk:
             shutil.rmtree(disk, ignore_errors=True)
-    result["environment"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
+    from objckpt.checksum import IMPLEMENTATION
+
+    result["environment"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "crc32c": IMPLEMENTATION,
                              "git": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()}
     print(json.dumps(result, indent=1))
     if a.out:

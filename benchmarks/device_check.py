@@ -62,7 +62,7 @@ from benchmarks import device_report  # noqa: E402 - stdlib only at import, like
 from benchmarks import harness as h  # noqa: E402
 
 #: top-level modules objckpt, its peers and the test fixtures import; a missing one triggers the wheel install
-NEEDED = ("boto3", "botocore", "aiobotocore", "s3transfer", "s3fs", "crc32c", "zstandard", "moto")
+NEEDED = ("boto3", "botocore", "aiobotocore", "s3transfer", "s3fs", "crc32c", "crc32c_rs", "zstandard", "moto")
 #: the in-memory server as a script: it skips importing torch (a second faster start)
 h.TARGETS.setdefault("fast-script", [os.path.join("testkit", "s3server.py"), "--port", "0"])
 BUCKET = "devcheck"
@@ -127,7 +127,7 @@ def ensure_deps(wheels: str, site: str) -> dict[str, Any]:
     importlib.invalidate_caches()
     rec["missing_after"] = missing_modules()
     rec["imports"] = {}
-    for mod in ("boto3", "aiobotocore", "s3fs", "crc32c", "zstandard", "moto.server", "jsonschema"):
+    for mod in ("boto3", "aiobotocore", "s3fs", "crc32c", "crc32c_rs", "zstandard", "moto.server", "jsonschema"):
         try:  # what the steps and the test fixtures import; a version clash with the host shows here
             importlib.import_module(mod)
             rec["imports"][mod] = "ok"

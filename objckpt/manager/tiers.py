@@ -40,6 +40,7 @@ from ..tier.drain import drain
 from ..tier.retry_clock import DRAIN_RETRY_S, OrderedJobs, RetryClock, retry_s_error, start_clock
 from ..tier.errors import LocalTierError, Problem, ProblemKind, TierRestoreError, TierSettingsError, raise_problems
 from ..tier.overlay import OverlayStore
+from ..tier.mounts import small_pages_hint
 from ..tier.peer_restore import Received, receive, step_reads
 from ..tier.topology import Topology, node_name, tier_comm, tier_wire
 from ..tier.wire import BACKENDS, Wire, resolve_backend
@@ -207,6 +208,9 @@ class TieredSaves:
         self._clock: Optional[RetryClock] = start_clock(comm, self._jobs, self._undrained, settings.drain_retry_s,
                                                         self._retry_round)
         self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
+        hint = small_pages_hint(self.root) if self.first_on_node else None
+        if hint:
+            log.info("objckpt: %s", hint)
 
     # -- paths ---------------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:

@@ -63,14 +63,13 @@ from ..errors import CollectiveError, MemoryBudgetError, ObjckptError
 from ..runtime.memory import (TIER_COPY_BYTES, TIER_MIN_PIECE_BYTES, Budget, OperationBudget, given_or_default,
                               host_pool, positive_bytes)
 from ..storage.local import fsync_dir
+from .mounts import volatile
 from .wire import Link, Piece, Posted, Wire, wire_for
 
 #: the largest piece one message carries (memory per partner and direction is twice this)
 PIECE_BYTES = 16 << 20
 #: marks a file being received: never a final name (see :func:`is_temp_name`)
 TEMP_MARK = ".objckpt-tmp-"
-#: filesystems whose files live in memory: no fsync, no page-cache advice
-_VOLATILE_FS = frozenset({"tmpfs", "ramfs"})
 
 
 class PeerCopyError(ObjckptError, OSError):
@@ -122,30 +121,6 @@ class _Inbound:
     final: pathlib.Path
     tmp: pathlib.Path
     fd: int = -1
-
-
-def _mount_types() -> list[tuple[str, str]]:
-    """(mount point, filesystem type), longest mount point first."""
-    out = []
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3:
-                    out.append((parts[1].replace("\\040", " "), parts[2]))
-    except OSError:
-        pass
-    return sorted(out, key=lambda m: len(m[0]), reverse=True)
-
-
-def volatile(path: pathlib.Path) -> bool:
-    """Whether ``path`` (a folder) is on a filesystem that lives in memory (tmpfs, ramfs):
-    its files need no fsync and do not sit in a page cache apart from themselves."""
-    real = os.path.realpath(path)
-    for mount, fstype in _mount_types():
-        if real == mount or real.startswith(mount.rstrip("/") + "/"):
-            return fstype in _VOLATILE_FS
-    return False
 
 
 @dataclass
