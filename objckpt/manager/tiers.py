@@ -226,9 +226,16 @@ class TieredSaves:
         t0 = time.perf_counter()
         self._raise_failed()
         d = self.step_dir(step)
-        state = expand_for_save(state)  # each state_dict() called once: the space check and the save take this
-        share = _space.share_of(state)
-        problem = self._check(step, d, share)
+        failed: Optional[BaseException] = None
+        try:  # each state_dict() called once: the space check and the save take this
+            state = expand_for_save(state)
+            share = _space.share_of(state)
+        except Exception as e:  # noqa: BLE001 - told to every rank in the all-gather below, so
+            if self.comm.world_size == 1:  # none waits in a collective for the collective timeout
+                raise
+            failed, share = e, _space.Share()
+        problem = (Problem(ProblemKind.STATE, f"its state could not be read ({type(failed).__name__}: {failed})",
+                           type(failed).__name__) if failed is not None else self._check(step, d, share))
         known = self._known()
         if problem is None and known is not None and step in known:  # drained before: never replaced
             problem = Problem(ProblemKind.EXISTS, f"step {step} is already committed under {self.m.root!r}")
@@ -240,7 +247,7 @@ class TieredSaves:
         problems = [p for p, _, _ in gathered]
         if not any(problems):  # then whether each filesystem holds what the save lands on it
             problems = _space.node_problems([r for _, _, r in gathered], self.topology, self.s.replicas or 0)
-        raise_problems(f"step {step} not saved, nothing written", problems)
+        raise_problems(f"step {step} not saved, nothing written", problems, cause=failed)
         due = gathered[0][1]
         saved_at = self.m.clock()
         store = LocalStore("/", direct=self.s.direct)

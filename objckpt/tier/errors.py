@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ..distributed.comm import refusal_class
 from ..errors import CheckpointExistsError, ObjckptError, StorageError
 
 
@@ -52,6 +53,8 @@ class ProblemKind(enum.Enum):
     LOCAL = "local"
     #: the settings are impossible here (a blank node name, a bad value): TierSettingsError
     SETTINGS = "settings"
+    #: the rank's state could not be read (a Stateful value's ``state_dict()`` raised): ObjckptError
+    STATE = "state"
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,21 @@ class Problem:
 
     kind: ProblemKind
     text: str
+    #: the class name of the exception behind a :attr:`ProblemKind.STATE` problem (every rank
+    #: raises that objckpt error class, when it is one; see ``refusal_class``)
+    error: str = ""
 
 
-def raise_problems(lead: str, problems: Sequence[Optional[Problem]], shown: int = 4) -> None:
+def raise_problems(lead: str, problems: Sequence[Optional[Problem]], shown: int = 4,
+                   cause: Optional[BaseException] = None) -> None:
     """Raise on this rank when any rank had a problem (``problems[r]``: rank ``r``'s, None:
     none): :class:`~objckpt.errors.CheckpointExistsError` when every problem is
     :attr:`ProblemKind.EXISTS`, else :class:`LocalTierError` when one is
-    :attr:`ProblemKind.LOCAL`, else :class:`TierSettingsError`; the message is ``lead``
-    and the first ``shown`` ranks' problems."""
+    :attr:`ProblemKind.LOCAL`, else the objckpt error class of the first
+    :attr:`ProblemKind.STATE` problem's exception (:class:`~objckpt.errors.ObjckptError`
+    when it is none), else :class:`TierSettingsError`; the message is ``lead``
+    and the first ``shown`` ranks' problems, chained from ``cause`` (this rank's own
+    exception behind its problem, if any)."""
     bad = {r: p for r, p in enumerate(problems) if p is not None}
     if not bad:
         return
@@ -75,6 +85,8 @@ def raise_problems(lead: str, problems: Sequence[Optional[Problem]], shown: int 
     if len(bad) > shown:
         text += f"; and {len(bad) - shown} more rank(s)"
     kinds = {p.kind for p in bad.values()}
+    state = next((p.error for _, p in sorted(bad.items()) if p.kind is ProblemKind.STATE), None)
     cls: type[ObjckptError] = (CheckpointExistsError if kinds == {ProblemKind.EXISTS} else
-                               LocalTierError if ProblemKind.LOCAL in kinds else TierSettingsError)
-    raise cls(f"{lead} ({text})")
+                               LocalTierError if ProblemKind.LOCAL in kinds else
+                               refusal_class(state, ObjckptError) if state is not None else TierSettingsError)
+    raise cls(f"{lead} ({text})") from cause
