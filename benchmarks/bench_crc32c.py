@@ -114,8 +114,12 @@ def main() -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(big)
+        from objckpt.tier.mounts import mount_of
+
+        m = mount_of(a.dir)
         result: dict[str, Any] = {"mib": a.mib, "repeat": a.repeat, "dir": a.dir, "memcpy_s": memcpy_s,
-                                  "implementations": {}}
+                                  "mount": f"{m.fstype} {m.option('huge') and 'huge=' + str(m.option('huge')) or ''}"
+                                  .strip() if m else "", "implementations": {}}
         for name, fn in fns.items():
             r: dict[str, Any] = {
                 "cached_1t_gbps": statistics.median(rate(fn, small[:1], 4000) for _ in range(a.repeat)),

@@ -3,6 +3,8 @@ cold and warm seconds per method (``bench_cold_warm``: told apart by its summary
 
     python -m benchmarks.plot benchmarks/results/NAME.json docs/bench_save_load.png
     python -m benchmarks.plot benchmarks/results/cold-warm-all-fresh.json docs/cold_warm.png
+    python -m benchmarks.plot benchmarks/results/crc32c-{shm,huge-always,huge-within-size-2}.json \
+        docs/verified_read.png --labels "/dev/shm|huge=always|huge=within_size"  # bench_crc32c runs
 """
 from __future__ import annotations
 
@@ -99,14 +101,56 @@ def plot_cold_warm(results: dict[str, Any], out_path: str, title: Optional[str] 
     return _finish(fig, ax, out_path)
 
 
+def plot_verified_read(runs: list[dict[str, Any]], out_path: str, title: Optional[str] = None,
+                       labels: Optional[list[str]] = None) -> str:
+    """A PNG of ``bench_crc32c`` runs (one group per run's folder): reading a tmpfs file with
+    no hash, and verified with each crc32c implementation, as a share of a memcpy's rate
+    (the better of the piece sizes), with the 0.8x target of a local-tier restore."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def best(r: dict[str, Any]) -> float:
+        return max(v for k, v in r.items() if k.startswith("verified_read_"))
+
+    series = [("read, no hash", "#BBBBBB"), ("verified, crc32c package", "#9DB3D9"),
+              ("verified, crc32c-rs", "#4C72B0")]
+    w = 0.26
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, run in enumerate(runs):
+        impl = run["implementations"]
+        values = [run["read_only_4096k_over_memcpy"], best(impl["crc32c"]),
+                  best(impl["crc32c_rs"]) if "crc32c_rs" in impl else float("nan")]
+        for j, ((label, color), v) in enumerate(zip(series, values)):
+            b = ax.bar(i + (j - 1) * w, v, w, color=color, label=label if i == 0 else None)
+            ax.annotate(f"{v:.2f}x", (b[0].get_x() + w / 2, v), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 2), textcoords="offset points")
+    ax.axhline(0.8, color="#C44E52", linestyle="--", linewidth=1, label="0.8x: the restore target")
+    ax.set_xticks(list(range(len(runs))))
+    ax.set_xticklabels(labels or [r.get("mount") or r.get("dir", "?") for r in runs], fontsize=8)
+    ax.set_ylabel("rate / memcpy's rate (higher is better)")
+    mib = runs[0].get("mib", "?")
+    ax.set_title(title or f"Reading a {mib} MiB tmpfs file on two threads, against a memcpy", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    return _finish(fig, ax, out_path)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="benchmarks/results/NAME.json")
+    ap.add_argument("results", nargs="+", help="benchmarks/results/NAME.json (several: bench_crc32c runs)")
     ap.add_argument("out", help="PNG path, e.g. docs/bench_save_load.png")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--labels", default=None, help="bench_crc32c runs: the groups' names, separated by |")
     args = ap.parse_args(argv)
-    with open(args.results) as f:
-        results = json.load(f)
+    runs = []
+    for path in args.results:
+        with open(path) as f:
+            runs.append(json.load(f))
+    results = runs[0]
+    if "implementations" in results:
+        print(plot_verified_read(runs, args.out, args.title, args.labels.split("|") if args.labels else None))
+        return 0
     cold_warm = isinstance(results.get("summary"), dict) and "fresh_page_floor" in results
     print((plot_cold_warm if cold_warm else plot)(results, args.out, args.title))
     return 0

@@ -3,9 +3,10 @@ memory (no fsync, no page cache apart from themselves), and whether that memory 
 4 KiB pages or huge ones.
 
 The second matters for restores: the kernel copies a tmpfs file out to a reader page by
-page, and with 4 KiB pages that copy ran at 0.54-0.66x of a memcpy of the same bytes on
-the 2-core VM, against 0.78-0.88x from a tmpfs mounted ``huge=always`` / ``within_size``
-(benchmarks/bench_crc32c.py, docs/tiering.md).  objckpt cannot choose how the user's
+page, and with 4 KiB pages that copy ran at 0.70-0.72x of a memcpy of the same bytes on
+the 2-core VM, against 0.90-0.99x from a tmpfs mounted ``huge=within_size`` or
+``huge=always``; a restore from the local tier took 0.040-0.041 s there against
+0.048-0.050 s on ``/dev/shm`` (benchmarks/bench_crc32c.py, docs/tiering.md).  objckpt cannot choose how the user's
 ``/dev/shm`` is mounted; it says so once, at the manager's start, where it would help.
 """
 from __future__ import annotations
@@ -79,5 +80,5 @@ def small_pages_hint(path: "str | os.PathLike[str]", mounts: Optional[list[Mount
     if m is None or m.fstype != "tmpfs" or (m.option("huge") or "never") in _HUGE:
         return None
     return (f"the local tier {str(path)!r} is on a tmpfs ({m.point}) that keeps files in 4 KiB pages; "
-            "restores read it ~25% faster from a tmpfs mounted with huge=within_size "
+            "restores read it ~20% faster from a tmpfs mounted with huge=within_size "
             "(e.g. mount -t tmpfs -o size=...,huge=within_size tmpfs /mnt/ckpt; docs/tiering.md)")
