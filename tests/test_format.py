@@ -518,6 +518,27 @@ HOSTILE_SEALED = {  # each is refused by decode even with a valid checksum
 }
 
 
+def _one_block_crc(value: Any) -> Any:
+    """An edit giving the first chunk of ``model.big`` one crc block holding ``value``."""
+    def edit(c: dict[str, Any]) -> None:
+        ch = _first(c)["chunks"][0]
+        c["crc_block"] = ch["length"]  # one block for this chunk (the others carry none)
+        ch["block_crc32c"] = value
+    return edit
+
+
+@pytest.mark.parametrize("bad", [[True], [-1], [1 << 32], [7.0], ["7"], [[7]], {"0": 7}, [1, 2]])
+def test_block_crcs_are_refused_item_by_item(saved: tuple[str, dict[str, Any], dict[str, Any]], bad: Any) -> None:
+    """Block crcs are checked in bulk (``objckpt.format.manifest.crc_list``): each kind of bad
+    item (a bool, out of range, not an integer, not a list, the wrong count) is still refused,
+    and the same edit with a good value decodes."""
+    _, _, m = saved
+    decode(_hostile_v1(m, _one_block_crc([0])))
+    decode(_hostile_v1(m, _one_block_crc([(1 << 32) - 1])))
+    with pytest.raises(CorruptCheckpointError, match="malformed"):
+        decode(_hostile_v1(m, _one_block_crc(bad)))
+
+
 @pytest.mark.parametrize("case", list(HOSTILE_SEALED))
 def test_sealed_hostile_manifest_is_refused_by_decode_and_read(
         saved: tuple[str, dict[str, Any], dict[str, Any]], tmp_path: Path, case: str) -> None:

@@ -307,6 +307,14 @@ def _int_list(v: Any) -> bool:
     return isinstance(v, list) and all(_int(x) for x in v)
 
 
+def crc_list(v: Any) -> bool:
+    """A list of crc32c values: JSON integers (not bools) in ``[0, 2**32)``.  Checked in C
+    (the set of the items' types, then min and max): a manifest or rank index holds one per
+    crc block, hundreds of thousands for a model of many small tensors, and a Python check
+    per item cost more than parsing them (67 of a decode's 230 ms for 210,800 of them)."""
+    return type(v) is list and (not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) < 1 << 32))
+
+
 def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     """Parse and check a manifest.  ``where`` names it in errors.
 
@@ -378,7 +386,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
                     and c["offset"] + c["length"] <= blobs[c["blob"]].size
                 )
                 blocks = c.get("block_crc32c", []) if isinstance(c, dict) else None
-                ok = ok and isinstance(blocks, list) and all(_int(x, 0, 2**32 - 1) for x in blocks)
+                ok = ok and crc_list(blocks)
                 ok = ok and (not blocks or (crc_block > 0 and len(blocks) == -(-c["length"] // crc_block)))
                 _need(ok, where, f"tensor {k!r}: chunk #{j} malformed")
                 _need(not isz or c["length"] == math.prod(c["shape"]) * isz, where,

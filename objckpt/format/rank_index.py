@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from .manifest import MAX_INT, Chunk, ChunkRecord
+from .manifest import MAX_INT, Chunk, ChunkRecord, crc_list
 from .sealed_json import load_json, seal, verify
 
 INDEX_FORMAT = "objckpt-rank-index"
@@ -72,8 +72,7 @@ def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[
                       and all(map(_nat, s)) and _nat(b) and b < nblobs and _nat(off) and _nat(ln)
                       and _nat(crc) and crc < 1 << 32 and type(blk) is list)
                 if ok and blk:
-                    ok = (crc_block > 0 and len(blk) == -(-ln // crc_block)
-                          and all(type(x) is int and 0 <= x < 1 << 32 for x in blk))
+                    ok = crc_block > 0 and len(blk) == -(-ln // crc_block) and crc_list(blk)
                 ok = ok and off + ln <= blob_sizes[blobs[b]]
             except (TypeError, ValueError):
                 ok = False
