@@ -6,7 +6,7 @@ background loop (see :mod:`objckpt.runtime.loop`).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from typing_extensions import Unpack
 
@@ -211,6 +211,31 @@ def load(
     default): each part its own default (256 MiB each, ``collective_bytes`` for
     the batches), a tensor larger than that read alone.
     """
+    return load_session(state_dict, lambda: ReadSession(uri, storage_options, store), uri, strict=strict,
+                        allow_pickle=allow_pickle, process_group=process_group, read_strategy=read_strategy,
+                        collective_bytes=collective_bytes, no_dist=no_dist,
+                        collective_timeout=collective_timeout, cast=cast, memory_bytes=memory_bytes)
+
+
+def load_session(
+    state_dict: Any,
+    session: Callable[[], ReadSession],
+    uri: str,
+    *,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    process_group: Any = None,
+    read_strategy: "ReadStrategyName | ReadStrategy" = "auto",
+    collective_bytes: int = COLLECTIVE_BYTES,
+    no_dist: bool = False,
+    collective_timeout: Optional[float] = None,
+    cast: bool = False,
+    memory_bytes: Optional[int] = None,
+) -> LoadResult:
+    """:func:`load` from the session ``session()`` opens on ``uri``'s checkpoint (opened
+    inside the ranks' guard, so a failure to open it reaches every rank): the seam a
+    caller that has already read the manifest uses to hand it over
+    (:class:`~objckpt.load.session.ReadSession`'s ``held``; the tiered restore)."""
     comm = _comm(no_dist, process_group)
     join(comm, f"load of {uri!r}", collective_timeout)
     # a bad option on one rank must still reach the others' first exchange: parse inside the guard
@@ -220,7 +245,7 @@ def load(
         opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes,  # type: ignore[arg-type]
                            no_dist, collective_timeout, cast, memory_bytes)
         reader.memory = load_budget(opts.memory_bytes, opts.collective_bytes)  # the load's one budget
-        return load_into(state_dict, ReadSession(uri, storage_options, store), reader, opts)
+        return load_into(state_dict, session(), reader, opts)
 
 
 def delete(uri: str, *, storage_options: Optional[dict[str, Any]] = None,

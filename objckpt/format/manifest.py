@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from typing_extensions import TypeGuard
+
 import zstandard
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
@@ -307,7 +309,7 @@ def _int_list(v: Any) -> bool:
     return isinstance(v, list) and all(_int(x) for x in v)
 
 
-def crc_list(v: Any) -> bool:
+def crc_list(v: Any) -> "TypeGuard[list[int]]":
     """A list of crc32c values: JSON integers (not bools) in ``[0, 2**32)``.  Checked in C
     (the set of the items' types, then min and max): a manifest or rank index holds one per
     crc block, hundreds of thousands for a model of many small tensors, and a Python check
@@ -397,7 +399,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
                 seen.add(tuple(c["offsets"]))
                 entry.chunks.append(
                     Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"],
-                          tuple(blocks))
+                          tuple(blocks or ()))  # a list by now (checked above)
                 )
         tensors[k] = entry
     for k, t in tensors.items():

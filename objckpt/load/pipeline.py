@@ -206,7 +206,7 @@ def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, o
         while True:
             t0 = time.perf_counter()
             stats = IOStats()
-            m = session.refresh(stats)
+            m = session.first(stats) if tries == 0 else session.refresh(stats)
             try:
                 return _load_from(state_dict, stateful, uri, st, prefix, reader, opts, m, stats, t0, faults)
             except BlobMissingError as e:

@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..api import async_save as _async_save
 from ..api import load as _load
+from ..api import load_session
 from ..api import save as _save
 from ..distributed.comm import Comm, background_comm
 from ..distributed.join import collective_timeout
 from ..errors import CollectiveError, ObjckptError
 from ..format import manifest as _manifest
 from ..format import keys
+from ..load.session import ReadSession
 from ..results import LoadResult
 from ..save.background import SaveHandle
 from ..state import expand_for_save
@@ -208,9 +210,11 @@ class TieredSaves:
         self._clock: Optional[RetryClock] = start_clock(comm, self._jobs, self._undrained, settings.drain_retry_s,
                                                         self._retry_round)
         self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
-        hint = small_pages_hint(self.root) if self.first_on_node else None
-        if hint:
-            log.info("objckpt: %s", hint)
+        #: step -> (bytes, manifest) of the local steps the last restore plan decoded (see load)
+        self._scanned: dict[int, tuple[bytes, _manifest.Manifest]] = {}
+        pages = small_pages_hint(self.root) if self.first_on_node else None
+        if pages:
+            log.info("objckpt: %s", pages)
 
     # -- paths ---------------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
@@ -460,7 +464,8 @@ class TieredSaves:
         the files its load of ``state`` reads from each step held there but not whole, and
         rank 0's index."""
         self.wait(drains=False)
-        steps = _local.scan(self.root, self.m.naming.parse)
+        self._scanned = {}  # the manifests decoded here: the load of the chosen step takes its own
+        steps = _local.scan(self.root, self.m.naming.parse, self._scanned)
         reads = ({} if state is None else
                  step_reads(steps, self.step_dir, state, self.comm.rank, load_kwargs or {}, step))
         mine = _restore.Holding(self.topology.nodes[self.comm.rank], steps, reads)
@@ -510,9 +515,17 @@ class TieredSaves:
             kw["store"] = OverlayStore(LocalStore("/"), got.segments)
         if len(set(sources)) > 1:
             kw["read_strategy"] = "direct"  # the same bytes, but from different places per rank
+        # the manifest this rank's plan decoded from its folder is the one the load reads there
+        # (a committed step's never changes): handed over, not fetched and decoded again
+        held = self._scanned.pop(plan.step, None) if src != _restore.OBJECT else None
+        self._scanned = {}
         failed: Optional[BaseException] = None
         try:
-            res = _load(state, uri, **kw)
+            if held is None:
+                res = _load(state, uri, **kw)
+            else:
+                store, options = kw.pop("store", None), kw.pop("storage_options", None)
+                res = load_session(state, lambda: ReadSession(uri, options, store, held), uri, **kw)
         except Exception as e:  # noqa: BLE001 - said to every rank below: none goes on training alone
             failed = e
         finally:

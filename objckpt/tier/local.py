@@ -105,8 +105,11 @@ class LocalStep:
         return set(self.needed) <= set(self.present)
 
 
-def scan(root: Path, parse: Any) -> dict[int, LocalStep]:
-    """The committed steps in ``root`` (``parse(name)`` -> step or None per folder name)."""
+def scan(root: Path, parse: Any, keep: Optional[dict[int, tuple[bytes, _manifest.Manifest]]] = None
+         ) -> dict[int, LocalStep]:
+    """The committed steps in ``root`` (``parse(name)`` -> step or None per folder name);
+    ``keep``, when given, receives each step's manifest as read and decoded here (its bytes
+    and the manifest), for a load of that step to take instead of decoding it again."""
     out: dict[int, LocalStep] = {}
     try:
         names = os.listdir(root)
@@ -119,6 +122,8 @@ def scan(root: Path, parse: Any) -> dict[int, LocalStep]:
         got = read_manifest(root / name)
         if got is None:
             continue
+        if keep is not None:
+            keep[step] = got
         need = needed_files(got[1])
         out[step] = LocalStep(step, need, present(root / name, need))
     return out
