@@ -20,7 +20,6 @@ reference) and ``crc32c_rs`` (AVX-512 / VPCLMULQDQ where the CPU has them):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -29,6 +28,8 @@ import time
 from typing import Any, Callable
 
 import torch
+
+from . import harness as h
 
 MiB = 1 << 20
 
@@ -135,12 +136,7 @@ def main() -> None:
         result["read_only_4096k_over_memcpy"] = memcpy_s / statistics.median(reads)
     finally:
         os.unlink(path)
-    result["environment"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
-                             "git": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()}
-    print(json.dumps(result, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+    h.emit(result, a.out)
 
 
 if __name__ == "__main__":

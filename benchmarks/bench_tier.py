@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
 import os
 import shutil
@@ -43,6 +42,8 @@ import torch
 
 import objckpt
 from objckpt.storage.local import LocalStore
+
+from . import harness as h
 
 MiB = 1 << 20
 
@@ -259,14 +260,7 @@ def main() -> None:
     finally:
         if not a.disk:
             shutil.rmtree(disk, ignore_errors=True)
-    from objckpt.checksum import IMPLEMENTATION
-
-    result["environment"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "crc32c": IMPLEMENTATION,
-                             "git": os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()}
-    print(json.dumps(result, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+    h.emit(result, a.out)
 
 
 if __name__ == "__main__":

@@ -343,6 +343,18 @@ def environment(*modules: str) -> dict[str, Any]:
     return env
 
 
+def emit(result: dict[str, Any], out: str = "") -> None:
+    """``result`` with its ``environment`` (:func:`environment`, and the crc32c implementation
+    objckpt hashes with) printed as JSON and, with ``out``, also written there as given."""
+    from objckpt.checksum import IMPLEMENTATION
+
+    result["environment"] = {**environment(), "crc32c": IMPLEMENTATION}
+    print(json.dumps(result, indent=1))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def write_results(path: str, results: dict[str, Any]) -> str:
     """Write ``results`` (plus ``created``) as JSON; ``path`` relative to the repository root.
     Returns the relative path, which is what the scripts print and record."""
