@@ -20,7 +20,8 @@ measured):
 4. **multirank**: :func:`benchmarks.bench_multirank.rank_main` on gloo CPU ranks (``--worlds``)
    against the same pinned server;
 5. **tier**: ``bench_tier`` with the state on the device (the tiered save's stall against a
-   pinned D2H copy, the local tier's restore against a pinned H2D copy), then
+   pinned D2H copy, the local tier's restore against a pinned H2D copy), ``bench_crc32c`` on
+   the host (crc32c rates, a verified read of node memory), then
    ``bench_tier_peers`` on the host's cores (replication; a lost node's share restored from
    its peer against gloo from memory and from a file), ``--tier-mib``.
 
@@ -528,14 +529,19 @@ def step_tier(run: Run, timeout: float) -> dict[str, Any]:
     """:mod:`benchmarks.bench_tier` with the state on the device (tiered stall against a
     pinned D2H copy, local-tier restore against a pinned H2D copy) and
     :mod:`benchmarks.bench_tier_peers` on the host's cores (replication, a lost node's share
-    restored from its peer, against gloo from memory and gloo from a file): issue 25's
-    figures that a 2-core VM cannot give.  Each writes its JSON when it ends; one stopped
+    restored from its peer, against gloo from memory and gloo from a file), and
+    :mod:`benchmarks.bench_crc32c` on the host (its crc32c rates, a verified read of node
+    memory against a memcpy): issue 25's figures that a 2-core VM cannot give.  Each writes its JSON when it ends; one stopped
     by its share of the slice is recorded as such, the other still runs."""
     a, end = run.args, time.monotonic() + timeout
     out: dict[str, Any] = {}
     run.put("tier", out, step_file=False)
     jobs = [("local", ["-m", "benchmarks.bench_tier", "--mib", str(a.tier_mib), "--repeat", str(a.repeat),
                        "--device", a.device], 0.45),
+            # the host's crc32c rates and verified-read ratio (what a restore into the device
+            # reads through): the GPU host's crc32c was a bottleneck of local restores
+            ("crc32c", ["-m", "benchmarks.bench_crc32c", "--mib", str(min(a.tier_mib, 256)), "--repeat", "2",
+                        "--dir", "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()], 0.2),
             ("peers", ["-m", "benchmarks.bench_tier_peers", "--mib", str(a.tier_mib // 2 or 1), "--repeat",
                        str(a.repeat), "--dir", "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()],
              1.0)]

@@ -153,6 +153,15 @@ def tier_md(t: dict[str, Any]) -> str:
             [[local.get("share_mib"), local.get("device"), _f(st.get("tiered_async_over_memcpy"), "{:.2f}x"),
               _f(st.get("s3_async_over_memcpy"), "{:.2f}x"), _f(st.get("local_restore_s")),
               _f(st.get("local_restore_over_memcpy"), "{:.2f}x")]])]
+    crc = (t.get("crc32c") or {}).get("result") or {}
+    if crc.get("implementations"):
+        lines += ["", h.md_table(
+            ["crc32c on the host", "cached GB/s, 1 / 2 threads", "streaming GB/s, 1 / 2 threads",
+             "verified read / memcpy (512 KiB pieces)"],
+            [[name, f"{_f(r.get('cached_1t_gbps'), '{:.0f}')} / {_f(r.get('cached_2t_gbps'), '{:.0f}')}",
+              f"{_f(r.get('stream_1t_gbps'), '{:.0f}')} / {_f(r.get('stream_2t_gbps'), '{:.0f}')}",
+              _f(r.get("verified_read_512k_over_memcpy"), "{:.2f}x")]
+             for name, r in crc["implementations"].items()])]
     peers = ((t.get("peers") or {}).get("result") or {}).get("summary") or {}
     p = (peers.get("restore") or {}).get("peer") or {}
     if p:

@@ -64,6 +64,8 @@ def test_dry_run_writes_every_section_with_numbers(tmp_path: Any) -> None:
     peer = peers["summary"]["restore"]["peer"]
     assert peers["summary"]["ratio"] > 0 and peer["ratio"] > 0 and peer["ratio_to_gloo_file"] > 0
     assert all(x["verified"] for rank in peers["restore"] for x in rank)
+    crc = tier["crc32c"]["result"]["implementations"]
+    assert crc["crc32c"]["cached_1t_gbps"] > 0 and all(r["verified_read_512k_over_memcpy"] > 0 for r in crc.values())
 
     for step in dc.STEPS:
         assert json.loads((out / f"{step}.json").read_text())["status"] == "ok"
