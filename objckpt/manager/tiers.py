@@ -491,11 +491,14 @@ class TieredSaves:
 
     def latest_step(self) -> Optional[int]:
         """The newest step every rank can restore from some tier (None: none)."""
-        return self._plan(None).step
+        step = self._plan(None).step
+        self._scanned = {}  # no load follows: the decoded manifests are not kept
+        return step
 
     def load(self, state: Any, step: Optional[int], load_kwargs: dict[str, Any]) -> LoadResult:
         plan = self._plan(step, state, load_kwargs)
         if plan.step is None:
+            self._scanned = {}
             raise TierRestoreError(f"nothing to restore from {str(self.root)!r} or {self.m.root!r}: {plan.why}")
         d = self.step_dir(plan.step)
         sources = list(plan.sources)
