@@ -9,6 +9,7 @@ nothing asserts how fast."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -56,13 +57,19 @@ def _down(opts: dict[str, Any]) -> Any:
     return FaultProxy(opts["endpoint_url"], kind="reset", probability=1.0, max_offset=0, direction="up")
 
 
-def _behind_down_endpoint(tmp_path: Path, root: str, opts: dict[str, Any], proxy: Any,
-                          retry_s: float) -> objckpt.CheckpointManager:
-    """One rank's manager whose object storage is reached through ``proxy`` (down until told
-    otherwise), draining every step, retrying on a ``retry_s`` clock."""
-    return objckpt.CheckpointManager(root, storage_options={**opts, "endpoint_url": proxy.url},
-                                     local_dir=str(tmp_path / "local"), persist_every=1, replicas=0,
-                                     drain_retry_s=retry_s)
+@contextlib.contextmanager
+def _behind_down_endpoint(tmp_path: Path, root: str, opts: dict[str, Any],
+                          retry_s: float) -> Iterator[tuple[objckpt.CheckpointManager, Any]]:
+    """One rank's manager whose object storage is reached through a proxy (down until the
+    test sets its ``probability`` to 0), draining every step, retrying on a ``retry_s``
+    clock; the manager and the proxy, which is closed on the way out."""
+    proxy = _down(opts)
+    try:
+        yield objckpt.CheckpointManager(root, storage_options={**opts, "endpoint_url": proxy.url},
+                                        local_dir=str(tmp_path / "local"), persist_every=1, replicas=0,
+                                        drain_retry_s=retry_s), proxy
+    finally:
+        proxy.close()
 
 
 # -- the pieces ----------------------------------------------------------------------------------------
@@ -125,10 +132,8 @@ def test_a_retry_goes_after_the_agreed_job_and_saves_made_meanwhile_are_held_not
 def test_a_failed_drain_reaches_object_storage_with_no_further_save_or_wait(
         tmp_path: Path, moto_s3: tuple[str, dict[str, Any]]) -> None:
     bucket, opts = moto_s3
-    proxy = _down(opts)
     root = f"s3://{bucket}/run"
-    try:
-        m = _behind_down_endpoint(tmp_path, root, opts, proxy, 0.2)
+    with _behind_down_endpoint(tmp_path, root, opts, 0.2) as (m, proxy):
         m.save(1, {"x": torch.arange(10.0)}, metadata={"loss": 0.5})
         q = m._tiers._undrained
         _until("the save's own drain failed", lambda: q.failed_rounds >= 1)
@@ -141,17 +146,13 @@ def test_a_failed_drain_reaches_object_storage_with_no_further_save_or_wait(
         m.close()  # nothing left to report
         assert m.steps() == [1] and m.entries().get(1).metadata == {"loss": 0.5}  # indexed too
         assert sorted(os.listdir(tmp_path / "local")) == ["step-0000000001"]  # no drain record left
-    finally:
-        proxy.close()
 
 
 def test_close_stops_the_clock_and_leaves_the_step_absent_never_half_drained(
         tmp_path: Path, moto_s3: tuple[str, dict[str, Any]]) -> None:
     bucket, opts = moto_s3
-    proxy = _down(opts)
     root = f"s3://{bucket}/run"
-    try:
-        m = _behind_down_endpoint(tmp_path, root, opts, proxy, 0.3)
+    with _behind_down_endpoint(tmp_path, root, opts, 0.3) as (m, proxy):
         m.save(1, {"x": torch.ones(8)})
         clock = m._tiers._clock
         _until("a retry of the clock failed too", lambda: clock.retries >= 1 and m._tiers._undrained.failed_rounds >= 2)
@@ -166,8 +167,6 @@ def test_close_stops_the_clock_and_leaves_the_step_absent_never_half_drained(
         assert not _readable(f"{root}/step-0000000001", opts)  # absent (a manifest only once complete)
         # kept locally and recorded as due: the next run drains it
         assert sorted(os.listdir(tmp_path / "local")) == [".objckpt-drains", "step-0000000001"]
-    finally:
-        proxy.close()
 
 
 # -- bad settings ----------------------------------------------------------------------------------------
