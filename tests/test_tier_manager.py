@@ -19,6 +19,8 @@ import torch
 
 import objckpt
 from mp import run_multiprocess
+from objckpt.format import manifest as _manifest
+from objckpt.tier import step_files
 from objckpt.tier.errors import DrainError, LocalTierError, TierSettingsError
 
 ROWS, COLS = 6, 1001  # unaligned row bytes
@@ -370,6 +372,12 @@ def test_four_ranks_on_two_nodes_restore_a_lost_nodes_shares_from_its_peers(tmp_
     blobs = tmp_path / "n1" / "ckpt" / "step-0000000003" / "blobs"
     (attempt,) = os.listdir(blobs)  # n1 holds its own ranks' blobs and the copies of n0's
     assert sorted(os.listdir(blobs / attempt)) == [f"r0000{r}-0000.bin" for r in range(4)]
+    for node in ("n0", "n1"):  # each node's first rank wrote the step's file list, the manifest's own
+        d = tmp_path / node / "ckpt" / "step-0000000003"
+        data = (d / "manifest.json").read_bytes()
+        listed = step_files.read(d, data)
+        assert listed is not None and listed == step_files.of_manifest(_manifest.decode(data))
+        assert sorted(listed.by_rank) == [0, 1, 2, 3] and all(listed.of_rank(r) for r in range(4))
     shutil.rmtree(tmp_path / "n0")
     assert run_multiprocess(4, _two_per_node, root, local, True) == [(3, "peer")] * 2 + [(3, "local")] * 2
 

@@ -1,10 +1,15 @@
-"""A restore from the local tier decodes the chosen step's manifest once: the plan reads it
-from the node's folder to choose the step, and the load takes that one instead of fetching
-and decoding it again (a many-tensor manifest takes ~0.1 s to decode)."""
+"""A restore from the local tier decodes one manifest, the chosen step's, once: the plan learns
+each local step's files from its file list (objckpt.tier.step_files), not by decoding its
+manifest, and the load takes the manifest bytes the plan read instead of fetching them again
+(a many-tensor manifest takes ~0.1 s to decode).  A step whose list is missing, damaged or
+taken from another manifest is decoded instead, with the same outcome."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import logging
+import shutil
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import torch
 import objckpt
 from objckpt.format import manifest as _manifest
 from objckpt.load import session as _session
+from objckpt.tier import step_files
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -45,8 +51,7 @@ def test_the_chosen_steps_manifest_is_decoded_once(tmp_path: Path, monkeypatch: 
     want = which or 2
     assert res.step == want and res.source == "local"
     assert all(torch.equal(back[k], v) for k, v in _state(want).items() if k != "step") and back["step"] == want
-    name = f"step-{want:010d}"
-    assert sum(name in w for w in seen) == 1, seen  # the plan's decode; the load took it
+    assert seen == [str(tmp_path / "local" / f"step-{want:010d}" / "manifest.json")]  # the load's, no other
     m.close()
 
 
@@ -65,4 +70,74 @@ def test_a_fresh_manager_and_a_plain_load_restore_the_same_bytes(tmp_path: Path)
     plain = _state(0)
     objckpt.load(plain, str(tmp_path / "local" / "step-0000000003"))
     assert torch.equal(plain["layer0.w"], _state(3)["layer0.w"])
+    fresh.close()
+
+
+def _steps(tmp_path: Path, n: int) -> objckpt.CheckpointManager:
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                  persist_every=None, local_keep=n)
+    for s in range(1, n + 1):
+        m.save(s, _state(s))
+    m.close()
+    return objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                     persist_every=None, local_keep=n)
+
+
+def test_a_fresh_manager_learns_every_steps_files_without_decoding_a_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh = _steps(tmp_path, 3)  # a restarted job: three local steps, nothing read yet
+    seen = _count_decodes(monkeypatch)
+    assert fresh.latest_step() == 3 and fresh.step_tiers() == {1: ["local"], 2: ["local"], 3: ["local"]}
+    assert seen == []
+    back = _state(0)
+    assert fresh.load(back).step == 3 and back["step"] == 3 and torch.equal(back["layer2.w"], _state(3)["layer2.w"])
+    assert len(seen) == 1 and "step-0000000003" in seen[0]
+    fresh.close()
+
+
+def _spoil(d: Path, how: str, other: Path) -> None:
+    f = d / step_files.FILES_NAME
+    if how == "absent":  # a step committed by an older release, or a rank killed before writing it
+        f.unlink()
+    elif how == "damaged":  # one byte changed: its seal fails
+        raw = bytearray(f.read_bytes())
+        raw[raw.index(b"blobs/") + 1] ^= 0x01
+        f.write_bytes(bytes(raw))
+    else:  # "stale": taken from another manifest (a reused step folder)
+        shutil.copyfile(other / step_files.FILES_NAME, f)
+
+
+@pytest.mark.parametrize("how", ["absent", "damaged", "stale"])
+def test_a_step_whose_file_list_is_absent_damaged_or_stale_is_decoded_instead(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, how: str) -> None:
+    fresh = _steps(tmp_path, 2)
+    d, other = tmp_path / "local" / "step-0000000002", tmp_path / "local" / "step-0000000001"
+    data = (d / "manifest.json").read_bytes()
+    assert step_files.read(d, data) == step_files.of_manifest(_manifest.decode(data))  # intact: used
+    _spoil(d, how, other)
+    assert step_files.read(d, data) is None
+    seen = _count_decodes(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="objckpt.manager"):
+        back = _state(0)
+        res = fresh.load(back)
+    assert res.step == 2 and res.source == "local" and back["step"] == 2
+    assert all(torch.equal(back[k], v) for k, v in _state(2).items() if k != "step")
+    # the spoiled step's manifest decoded by the plan (then handed to the load), step 1's list used
+    assert seen == [str(d / "manifest.json")]
+    assert ("unusable" in caplog.text) == (how == "damaged")
+    fresh.close()
+
+
+def test_a_list_naming_a_file_the_folder_lacks_makes_the_step_incomplete(tmp_path: Path) -> None:
+    """The list says which files the step needs; a blob deleted from the folder (a damaged
+    node) makes the step local-partial, and the restore takes the older whole step."""
+    fresh = _steps(tmp_path, 2)
+    d = tmp_path / "local" / "step-0000000002"
+    listed = step_files.read(d, (d / "manifest.json").read_bytes())
+    assert listed is not None
+    blob = next(n for n in listed.needed if n.endswith(".bin"))
+    (d / blob).unlink()
+    assert fresh.step_tiers() == {1: ["local"], 2: ["local-partial"]}
+    back = _state(0)
+    assert fresh.load(back).step == 1 and back["step"] == 1
     fresh.close()

@@ -180,7 +180,8 @@ class ReadSession:
     once, and held; :meth:`refresh` fetches it anew."""
 
     def __init__(self, uri: str, storage_options: Optional[dict[str, Any]] = None,
-                 store: Optional[ObjectStore] = None, held: Optional[tuple[bytes, Manifest]] = None) -> None:
+                 store: Optional[ObjectStore] = None, held: Optional[tuple[bytes, Optional[Manifest]]] = None
+                 ) -> None:
         self.uri = uri
         self.store, self.prefix = open_location(uri, storage_options, store)
         self.stats = IOStats()
@@ -188,18 +189,26 @@ class ReadSession:
         self._resolver: Optional[Resolver] = None
         #: the stored bytes of the manifest held (a copy writes them unchanged)
         self.manifest_raw = b""
-        #: the manifest's bytes and decoded form, read before the session was opened from the
-        #: same committed object (a tiered restore's plan decodes the local step's to choose
-        #: it): a load's first try takes it instead of fetching and decoding it again.  The
-        #: session owns it from here (a load may add resolved chunks to it).
+        #: the manifest's bytes, and its decoded form when it was decoded, read before the
+        #: session was opened from the same committed object (a tiered restore's plan reads
+        #: the local step's to choose it): a load's first try takes it instead of fetching
+        #: (and decoding) it again.  The session owns it from here (a load may add resolved
+        #: chunks to it).
         self._held = held
 
     def first(self, stats: Optional[IOStats] = None) -> Manifest:
-        """The manifest for a load's first try: the held one (no request), else :meth:`refresh`."""
+        """The manifest for a load's first try: the held one (no request; decoded now when it
+        was held undecoded), else :meth:`refresh`."""
         if self._held is None:
             return self.refresh(stats)
         self.manifest_raw, m = self._held
         self._held = None
+        if m is None:  # read, not decoded yet: decoded here, as a fetch would
+            t0 = time.perf_counter()
+            m = decode(self.manifest_raw, f"{self.uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
+            st = self.stats if stats is None else stats
+            st.add(len(self.manifest_raw))
+            st.timings.add("manifest", time.perf_counter() - t0)
         if m.spread_up:
             m.object_keys(self.prefix)  # as _fetch: spread entries must place inside this namespace
         self._manifest, self._resolver = m, None

@@ -35,6 +35,7 @@ from ..storage.local import LocalStore
 from ..tier import local as _local
 from ..tier import restore as _restore
 from ..tier import space as _space
+from ..tier import step_files as _step_files
 from ..tier.advice import Advice, advise
 from ..tier import backlog as _backlog
 from ..tier.backlog import DrainQueue, Undrained
@@ -211,7 +212,7 @@ class TieredSaves:
                                                         self._retry_round)
         self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
         #: step -> (bytes, manifest) of the local steps the last restore plan decoded (see load)
-        self._scanned: dict[int, tuple[bytes, _manifest.Manifest]] = {}
+        self._scanned: dict[int, tuple[bytes, Optional[_manifest.Manifest]]] = {}
         pages = small_pages_hint(self.root) if self.first_on_node else None
         if pages:
             log.info("objckpt: %s", pages)
@@ -334,8 +335,11 @@ class TieredSaves:
                 meta = _local.spread_metadata(self.spread_comm, d, list(self.topology.nodes), self.comm.rank,
                                               self.leaders)
                 self.commits.append(time.perf_counter() - t0)  # from the call to the local commit
-            if meta is None:
-                meta = _manifest.decode((d / keys.MANIFEST_NAME).read_bytes(), str(d))
+            if meta is None or self.first_on_node:
+                data = (d / keys.MANIFEST_NAME).read_bytes()
+                meta = meta or _manifest.decode(data, str(d))
+                if self.first_on_node:  # restores, drains and `objckpt ls` read it instead of decoding
+                    _step_files.write(d, data, _step_files.of_manifest(meta))
             mine = _local.files_of(meta, self.comm.rank)
             if self.s.replicas:
                 from ..tier import peers
@@ -464,7 +468,7 @@ class TieredSaves:
         the files its load of ``state`` reads from each step held there but not whole, and
         rank 0's index."""
         self.wait(drains=False)
-        self._scanned = {}  # the manifests decoded here: the load of the chosen step takes its own
+        self._scanned = {}  # the manifests read here: the load of the chosen step takes its own
         steps = _local.scan(self.root, self.m.naming.parse, self._scanned)
         reads = ({} if state is None else
                  step_reads(steps, self.step_dir, state, self.comm.rank, load_kwargs or {}, step))
@@ -492,7 +496,7 @@ class TieredSaves:
     def latest_step(self) -> Optional[int]:
         """The newest step every rank can restore from some tier (None: none)."""
         step = self._plan(None).step
-        self._scanned = {}  # no load follows: the decoded manifests are not kept
+        self._scanned = {}  # no load follows: the manifests read are not kept
         return step
 
     def load(self, state: Any, step: Optional[int], load_kwargs: dict[str, Any]) -> LoadResult:

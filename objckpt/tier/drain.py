@@ -209,10 +209,10 @@ def _files_of(step_dir: Path, rank: int) -> list[str]:
     when the folder or its manifest is gone: the step cannot be drained from here)."""
     from . import local as _local
 
-    got = _local.read_manifest(step_dir)
+    got = _local.read_listed(step_dir)
     if got is None:
         raise StepGoneError(f"the local step {str(step_dir)!r} has no readable manifest")
-    return _local.files_of(got[1], rank)
+    return got[2].of_rank(rank)
 
 
 def _already_there(store: ObjectStore, prefix: str, manifest: bytes, step: int, uri: str) -> str:

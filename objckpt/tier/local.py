@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import secrets
 import shutil
 from dataclasses import dataclass
@@ -32,10 +31,9 @@ from ..format import manifest as _manifest
 from ..runtime import loop as _runtime
 from ..storage.local import LocalStore
 from ..errors import ObjckptError
+from . import step_files as _step_files
+from .step_files import files_of, needed_files  # noqa: F401  (the tier's modules take them from here)
 from .errors import LocalTierError, Problem, ProblemKind
-
-_INDEX = re.compile(r"r(\d{5,})\.index\.json$")
-
 
 def resolve_dir(template: str, node: str) -> Path:
     """``template`` with ``{node}`` replaced by the node's name, absolute."""
@@ -59,34 +57,6 @@ def writable_error(root: Path) -> Optional[str]:
     return None
 
 
-def files_of(m: _manifest.Manifest, rank: int) -> list[str]:
-    """The files (relative to the step folder) ``rank`` wrote: its blobs and rank index."""
-    out = [b.name for b in m.blobs if b.rank == rank and not b.spread]
-    for r in m.rank_indexes:
-        hit = _INDEX.search(r.name)
-        if hit and int(hit.group(1)) == rank and not r.spread:
-            out.append(r.name)
-    return out
-
-
-def needed_files(m: _manifest.Manifest) -> list[str]:
-    """Every file a step folder must hold to be complete: the manifest, blobs, rank indexes."""
-    return [keys.MANIFEST_NAME, *(b.name for b in m.blobs), *(r.name for r in m.rank_indexes)]
-
-
-def read_manifest(step_dir: Path) -> Optional[tuple[bytes, _manifest.Manifest]]:
-    """The committed manifest of a local step folder (its bytes and decoded), or None."""
-    path = step_dir / keys.MANIFEST_NAME
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    try:
-        return data, _manifest.decode(data, str(path))
-    except Exception:  # noqa: BLE001 - an unreadable manifest is no local checkpoint
-        return None
-
-
 def present(step_dir: Path, names: list[str]) -> list[str]:
     """Those of ``names`` that exist (as files of a plausible size) under ``step_dir``."""
     return [n for n in names if (step_dir / n).is_file()]
@@ -105,11 +75,14 @@ class LocalStep:
         return set(self.needed) <= set(self.present)
 
 
-def scan(root: Path, parse: Any, keep: Optional[dict[int, tuple[bytes, _manifest.Manifest]]] = None
+def scan(root: Path, parse: Any, keep: Optional[dict[int, tuple[bytes, Optional[_manifest.Manifest]]]] = None
          ) -> dict[int, LocalStep]:
     """The committed steps in ``root`` (``parse(name)`` -> step or None per folder name);
-    ``keep``, when given, receives each step's manifest as read and decoded here (its bytes
-    and the manifest), for a load of that step to take instead of decoding it again."""
+    ``keep``, when given, receives each step's manifest as read here (its bytes, and the
+    manifest when it was decoded), for a load of that step to take instead of reading it again.
+
+    A step's files come from its file list (:mod:`objckpt.tier.step_files`) when that was
+    taken from these very manifest bytes; only a step without one has its manifest decoded."""
     out: dict[int, LocalStep] = {}
     try:
         names = os.listdir(root)
@@ -119,14 +92,33 @@ def scan(root: Path, parse: Any, keep: Optional[dict[int, tuple[bytes, _manifest
         step = parse(name)
         if step is None:
             continue
-        got = read_manifest(root / name)
+        got = read_listed(root / name)
         if got is None:
             continue
+        data, m, files = got
         if keep is not None:
-            keep[step] = got
-        need = needed_files(got[1])
+            keep[step] = (data, m)
+        need = list(files.needed)
         out[step] = LocalStep(step, need, present(root / name, need))
     return out
+
+
+def read_listed(step_dir: Path) -> Optional[tuple[bytes, Optional[_manifest.Manifest], _step_files.StepFiles]]:
+    """A committed local step's manifest bytes, its manifest when it had to be decoded (no
+    usable file list), and its files; None when the folder holds no readable manifest."""
+    path = step_dir / keys.MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    files = _step_files.read(step_dir, data)
+    if files is not None:
+        return data, None, files
+    try:
+        m = _manifest.decode(data, str(path))
+    except Exception:  # noqa: BLE001 - an unreadable manifest is no local checkpoint
+        return None
+    return data, m, _step_files.of_manifest(m)
 
 
 def committed_steps(root: Path, parse: Any) -> list[int]:
