@@ -44,6 +44,7 @@ from .dtypes import NAME_TO_DTYPE, itemsize
 from . import keys as _keys
 from . import spread as _spread
 from .keys import is_safe_object_name
+from ..runtime.gc_pause import paused_gc
 from .sealed_json import ZSTD_MAGIC, load_json, reseal, seal, verify  # noqa: F401  (re-exported)
 from .tree import check_tree
 
@@ -322,8 +323,15 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
 
     Everything a reader later trusts (offsets, lengths, shapes, aliases) is
     checked here, so a damaged or hostile manifest fails with
-    :class:`CorruptCheckpointError` instead of reading the wrong bytes.
+    :class:`CorruptCheckpointError` instead of reading the wrong bytes.  The cyclic
+    garbage collector is paused meanwhile (:mod:`objckpt.runtime.gc_pause`: the decode
+    makes hundreds of thousands of objects and no cycle).
     """
+    with paused_gc():
+        return _decode(data, where)
+
+
+def _decode(data: bytes, where: str) -> Manifest:
     obj = load_json(data, lambda what: CorruptCheckpointError(f"manifest {where}: {what}"))
     _need(isinstance(obj, dict), where, "top level is not an object")
     _need(obj.get("format") == FORMAT_NAME, where, f"'format' is {obj.get('format')!r}, not {FORMAT_NAME!r}")

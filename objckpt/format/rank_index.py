@@ -21,6 +21,7 @@ import zstandard
 
 from ..errors import CorruptCheckpointError
 from .manifest import MAX_INT, Chunk, ChunkRecord, crc_list
+from ..runtime.gc_pause import paused_gc
 from .sealed_json import load_json, seal, verify
 
 INDEX_FORMAT = "objckpt-rank-index"
@@ -45,7 +46,15 @@ def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[
     """Chunks by tensor key and global offsets; ``blobs`` maps the rank's n-th
     blob to its index in the manifest.  Everything is checked like the manifest
     (a reader of thousands of records per index: the checks are kept cheap).
-    ``require_crc``: the manifest is v3 or later, so the index must carry its ``crc32c``."""
+    ``require_crc``: the manifest is v3 or later, so the index must carry its ``crc32c``.
+    The cyclic garbage collector is paused meanwhile, as for a manifest."""
+    with paused_gc():
+        return _decode(data, where, attempt=attempt, rank=rank, blobs=blobs, blob_sizes=blob_sizes,
+                       crc_block=crc_block, require_crc=require_crc)
+
+
+def _decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[int], blob_sizes: Sequence[int],
+            crc_block: int, require_crc: bool) -> dict[str, dict[tuple[int, ...], Chunk]]:
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"rank index {where}: {what}")
 

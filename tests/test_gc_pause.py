@@ -1,0 +1,114 @@
+"""The cyclic garbage collector is paused while a manifest or rank index is decoded
+(objckpt.runtime.gc_pause): no collection runs inside the decode (at most one of the young
+generation when it ends, where hundreds would without the pause), the collector is on again
+after it (also after a failed decode, and after decodes in flight on several threads end),
+and a program that switched the collector off itself finds it off."""
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import objckpt
+from objckpt.errors import CorruptCheckpointError
+from objckpt.format import manifest as _manifest
+from objckpt.runtime.gc_pause import paused_gc
+
+
+@pytest.fixture
+def collections() -> Iterator[list[int]]:
+    """Each cyclic collection that starts, by generation; a low threshold so a decode of
+    thousands of objects would trigger many."""
+    seen: list[int] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    before = gc.get_threshold()
+    gc.set_threshold(50, 2, 2)
+    gc.callbacks.append(callback)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(callback)
+        gc.set_threshold(*before)
+
+
+@pytest.fixture(scope="module")
+def manifest_bytes(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    d = tmp_path_factory.mktemp("ck")
+    objckpt.save({f"layers.{i}.w": torch.zeros(300) for i in range(400)}, str(d / "ck"), crc_block=64)
+    return (d / "ck" / "manifest.json").read_bytes()
+
+
+def test_a_manifest_decodes_without_a_collection_and_the_collector_is_on_after(
+        manifest_bytes: bytes, collections: list[int]) -> None:
+    assert gc.isenabled()
+    [gc.collect() for _ in range(3)]
+    collections.clear()
+    m = _manifest.decode(manifest_bytes, "ck")
+    assert len(m.tensors) == 400
+    # none inside; at most the one the first allocation after it starts (of the young objects)
+    assert len(collections) <= 1 and 2 not in collections and gc.isenabled()
+    _ = [[i] for i in range(2000)]  # the collector runs again after the decode
+    assert collections
+
+
+def test_a_failed_decode_switches_the_collector_back_on(manifest_bytes: bytes) -> None:
+    bad = manifest_bytes[:-40] + b"}"
+    with pytest.raises(CorruptCheckpointError):
+        _manifest.decode(bad, "ck")
+    assert gc.isenabled()
+
+
+def test_a_collector_the_program_switched_off_stays_off(manifest_bytes: bytes) -> None:
+    gc.disable()
+    try:
+        _manifest.decode(manifest_bytes, "ck")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_pauses_on_several_threads_end_with_the_last(manifest_bytes: bytes) -> None:
+    inside, release = threading.Barrier(3), threading.Event()
+    states: list[bool] = []
+
+    def hold() -> None:
+        with paused_gc():
+            inside.wait()
+            release.wait()
+
+    first = threading.Thread(target=hold)
+    second = threading.Thread(target=hold)
+    first.start()
+    second.start()
+    inside.wait()
+    states.append(gc.isenabled())  # both inside: off
+    release.set()
+    first.join()
+    second.join()
+    states.append(gc.isenabled())  # both out: on again
+    assert states == [False, True]
+    with paused_gc():  # nested on one thread
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_rank_index_decodes_without_a_collection(collections: list[int]) -> None:
+    from objckpt.format import rank_index
+    from objckpt.format.manifest import Chunk, ChunkRecord
+
+    recs = [ChunkRecord(f"t{i}", Chunk((0,), (16,), 0, 64 * i, 64, i, (i, i + 1))) for i in range(2000)]
+    data = rank_index.encode("a", 0, recs)
+    [gc.collect() for _ in range(3)]
+    collections.clear()
+    got = rank_index.decode(data, "idx", attempt="a", rank=0, blobs=[0], blob_sizes=[64 * 2000], crc_block=32)
+    assert len(got) == 2000 and got["t7"][(0,)].block_crc32c == (7, 8)
+    assert len(collections) <= 1 and 2 not in collections and gc.isenabled()
