@@ -60,6 +60,18 @@ def test_tensor_memory_skips_what_is_not_plain_host() -> None:
     assert len(got) == 1 and len(got[0]) == plain.numel() * 4
 
 
+def test_only_destinations_the_advice_can_use_are_viewed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With populating off (the default) only tensors of HUGE_MIN bytes or more can be
+    advised, so a load hands start() only those: thousands of small tensors cost no views."""
+    small, large = torch.zeros(1024), torch.zeros(prefault.HUGE_MIN // 4)
+    assert prefault.POPULATE is False and prefault.smallest_used() == prefault.HUGE_MIN
+    got = list(prefault.tensor_memory([small, large, small], prefault.smallest_used()))
+    assert [len(v) for v in got] == [prefault.HUGE_MIN]
+    monkeypatch.setattr(prefault, "POPULATE", True)  # populating touches every destination: all of them
+    assert prefault.smallest_used() == 0
+    assert len(list(prefault.tensor_memory([small, large, small], prefault.smallest_used()))) == 3
+
+
 @pytest.mark.parametrize("fresh", [True, False])
 def test_load_with_prefault_round_trips(small_threshold: None, tmp_path, fresh: bool) -> None:
     g = torch.Generator().manual_seed(0)

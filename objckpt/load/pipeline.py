@@ -201,7 +201,8 @@ def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, o
     # A restarting job's template was just allocated: its large pieces are advised huge
     # pages where that pays (see prefault), before the manifest is fetched; a misspelt
     # OBJCKPT_HUGE_PAGES is reported here, before any request.
-    faults = prefault.start(prefault.tensor_memory(s.value for s in template_slots(state_dict, stateful)))
+    faults = prefault.start(prefault.tensor_memory((s.value for s in template_slots(state_dict, stateful)),
+                                                   prefault.smallest_used()))
     try:
         while True:
             t0 = time.perf_counter()

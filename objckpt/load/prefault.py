@@ -257,8 +257,9 @@ class Prefault:
 
 
 def start(views: Iterable[memoryview]) -> Optional[Prefault]:
-    """Advise huge pages for the large fresh ones of ``views``; with :data:`POPULATE`,
-    also populate their pages (in this order) from background threads.  None when no
+    """Advise huge pages for the large fresh ones of ``views`` (when they total at least
+    :data:`MIN_BYTES`); with :data:`POPULATE`, also populate their pages (in this order)
+    from background threads.  None when no
     thread was started.  Await :meth:`Prefault.finish` before the buffers may be freed."""
     global _pool
     huge = huge_pages_wanted()  # first: a misspelt setting is reported on every load, small ones too
@@ -282,12 +283,22 @@ def start(views: Iterable[memoryview]) -> Optional[Prefault]:
     return job
 
 
-def tensor_memory(tensors: Iterable[Any]) -> Iterator[memoryview]:
-    """The bytes of each CPU tensor (a DTensor's local shard) that a load may write in place."""
+def tensor_memory(tensors: Iterable[Any], at_least: int = 0) -> Iterator[memoryview]:
+    """The bytes of each CPU tensor (a DTensor's local shard) that a load may write in place,
+    of those holding at least ``at_least`` bytes (the others are not even viewed: a state of
+    thousands of small tensors would pay ~10 us a view for nothing)."""
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else getattr(t, "local", t)  # DTensor, objckpt.Shard
-        if isinstance(local, torch.Tensor) and plain_host(local) and not local.is_meta and local.numel():
+        if (isinstance(local, torch.Tensor) and local.numel() and local.numel() * local.element_size() >= at_least
+                and plain_host(local) and not local.is_meta):
             yield host_bytes(local)
+
+
+def smallest_used() -> int:
+    """The size below which :func:`start` does nothing with a destination: with
+    :data:`POPULATE` off (the default) only destinations of :data:`HUGE_MIN` bytes or more
+    are advised, so only those need be handed to it."""
+    return 0 if POPULATE or HUGE_MIN <= 0 else HUGE_MIN
 
 
 def _after_fork_in_child() -> None:
