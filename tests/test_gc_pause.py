@@ -112,3 +112,78 @@ def test_a_rank_index_decodes_without_a_collection(collections: list[int]) -> No
     got = rank_index.decode(data, "idx", attempt="a", rank=0, blobs=[0], blob_sizes=[64 * 2000], crc_block=32)
     assert len(got) == 2000 and got["t7"][(0,)].block_crc32c == (7, 8)
     assert len(collections) <= 1 and 2 not in collections and gc.isenabled()
+
+
+class _Probe:
+    """A Stateful value that notes the collector's frozen count while the load hands it its state."""
+
+    def __init__(self) -> None:
+        self.w = torch.zeros(8)
+        self.seen: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": self.w}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.seen.append(gc.get_freeze_count())
+        self.w = sd["w"]
+
+
+@pytest.fixture
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    uri = str(tmp_path_factory.mktemp("frozen") / "ck")
+    objckpt.save({"probe": {"w": torch.arange(8.0)}, **{f"t{i}": torch.full((4,), float(i)) for i in range(50)}}, uri)
+    return uri
+
+
+def _template() -> dict[str, Any]:
+    return {"probe": _Probe(), **{f"t{i}": torch.zeros(4) for i in range(50)}}
+
+
+def test_a_load_keeps_the_older_objects_frozen_while_it_runs_and_unfreezes_them_after(saved: str) -> None:
+    assert gc.get_freeze_count() == 0
+    st = _template()
+    objckpt.load(st, saved)
+    assert st["probe"].seen and st["probe"].seen[0] > 1000  # the manifest and the program: frozen inside
+    assert torch.equal(st["probe"].w, torch.arange(8.0)) and torch.equal(st["t7"], torch.full((4,), 7.0))
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
+def test_a_failed_load_unfreezes_too(saved: str) -> None:
+    st = _template()
+    st["t3"] = torch.zeros(5)  # the wrong shape: refused
+    with pytest.raises(objckpt.ObjckptError, match="t3"):
+        objckpt.load(st, saved)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_program_that_froze_its_own_objects_keeps_exactly_those_frozen(saved: str) -> None:
+    gc.freeze()  # as a program does before forking workers
+    try:
+        mine = gc.get_freeze_count()
+        st = _template()
+        objckpt.load(st, saved)
+        # nothing more frozen by the load, nothing of the program's unfrozen (a frozen object
+        # that dies meanwhile leaves the count)
+        assert len(st["probe"].seen) == 1 and mine - 100 < st["probe"].seen[0] <= mine
+        assert mine - 100 < gc.get_freeze_count() <= mine
+    finally:
+        gc.unfreeze()
+
+
+def test_loads_on_two_threads_leave_nothing_frozen(saved: str) -> None:
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            for _ in range(5):
+                st = _template()
+                objckpt.load(st, saved)
+                assert torch.equal(st["t9"], torch.full((4,), 9.0))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == [] and gc.get_freeze_count() == 0

@@ -23,6 +23,7 @@ from ..format.tree import decode_tree, iter_leaves
 from ..logs import get_logger
 from ..options import LoadOptions
 from ..results import IOStats, LoadResult
+from ..runtime.gc_pause import FrozenOld
 from ..runtime.memory import CAST_BATCH_BYTES
 from ..state import Slot, StatefulValue, create_optimizer_state, find_stateful, template_slots
 from ..storage import ObjectStore
@@ -203,11 +204,13 @@ def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, o
     # OBJCKPT_HUGE_PAGES is reported here, before any request.
     faults = prefault.start(prefault.tensor_memory((s.value for s in template_slots(state_dict, stateful)),
                                                    prefault.smallest_used()))
+    frozen = FrozenOld()
     try:
         while True:
             t0 = time.perf_counter()
             stats = IOStats()
             m = session.first(stats) if tries == 0 else session.refresh(stats)
+            frozen.now()  # the manifest and the program's objects: out of the collector's walks until the end
             try:
                 return _load_from(state_dict, stateful, uri, st, prefix, reader, opts, m, stats, t0, faults)
             except BlobMissingError as e:
@@ -218,6 +221,7 @@ def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, o
                     raise
                 tries += 1
     finally:
+        frozen.close()
         if faults is not None:
             faults.close()
 

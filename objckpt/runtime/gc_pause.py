@@ -13,6 +13,18 @@ The pause is process-wide (the collector has one switch) and short (one decode),
 :func:`paused_gc` nests across threads: the collector is switched back on when the last
 decode in flight ends, and only if it was on when the first began, so a program that
 disabled it itself keeps it disabled.
+
+The decoded manifest then lives as long as the load that uses it, and the objects the
+load's planning makes push it into the oldest generation: one full collection per load,
+walking the manifest and everything else the process holds (85 ms of a 320 ms load of
+3,200 small tensors on the 2-core VM).  :class:`FrozenOld` moves every object that exists
+once the manifest is decoded into the collector's permanent generation (``gc.freeze``)
+for the rest of the load, and back (``gc.unfreeze``) when the load ends: the collector
+still collects what the load makes, but never walks the manifest or the program's own
+objects meanwhile, and when the load ends its manifest is freed by reference counting,
+never having been pending for a full collection (the same load: 226-239 ms).  A program
+that froze objects itself (``gc.get_freeze_count()`` above zero, as before a fork) or
+switched the collector off is left alone.
 """
 from __future__ import annotations
 
@@ -44,3 +56,38 @@ def paused_gc() -> Iterator[None]:
             if _depth == 0 and _switched_off:
                 _switched_off = False
                 gc.enable()
+
+
+_frozen_depth = 0
+_we_froze = False
+
+
+class FrozenOld:
+    """One load's hold on :func:`gc.freeze` (see the module docstring): :meth:`now` once its
+    manifest is decoded (again after a second manifest: it is frozen too), :meth:`close`
+    when it ends.  Loads on several threads share the freeze; the last to end unfreezes."""
+
+    def __init__(self) -> None:
+        self._held = False
+
+    def now(self) -> None:
+        global _frozen_depth, _we_froze
+        with _lock:
+            if _frozen_depth == 0:
+                _we_froze = gc.isenabled() and gc.get_freeze_count() == 0
+            if _we_froze:
+                gc.freeze()  # (again, when another load holds it: its objects since then join)
+            if not self._held:
+                _frozen_depth += 1
+                self._held = True
+
+    def close(self) -> None:
+        global _frozen_depth, _we_froze
+        with _lock:
+            if not self._held:
+                return
+            self._held = False
+            _frozen_depth -= 1
+            if _frozen_depth == 0 and _we_froze:
+                _we_froze = False
+                gc.unfreeze()
