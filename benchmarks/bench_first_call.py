@@ -149,16 +149,6 @@ def _store_for_peers(url: str, bucket: str, state: dict[str, Any]) -> None:
     client.put_object(Bucket=bucket, Key="first-call-peer.pt", Body=buf.getvalue())
 
 
-def _export(ref: str) -> str:
-    """``ref``'s objckpt/ in a temporary directory (put first on ``sys.path`` by its processes)."""
-    commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=h.REPO_ROOT, capture_output=True, text=True,
-                            check=True).stdout.strip()
-    root = tempfile.mkdtemp(prefix=f"objckpt-{commit}-")
-    archive = subprocess.run(["git", "archive", commit, "objckpt"], cwd=h.REPO_ROOT, capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", root], input=archive.stdout, check=True)
-    return root
-
-
 class _ContainerCreds:
     """A container credentials endpoint on loopback (a thread of the driver) that answers
     with the benchmark's keys after ``delay_s``."""
@@ -198,7 +188,7 @@ def _fmt(xs: list[float]) -> str:
 def drive(args: argparse.Namespace) -> int:
     roots = {"this tree": ""}
     for ref in (r for r in (args.baseline or "").split(",") if r):
-        roots[ref] = _export(ref)
+        roots[ref] = h.export_objckpt(ref)
     peers = [p for p in (args.peers or "").split(",") if p]
     variants = list(roots) + peers
     pyc = tempfile.mkdtemp(prefix="objckpt-pyc-")

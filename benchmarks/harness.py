@@ -355,6 +355,18 @@ def emit(result: dict[str, Any], out: str = "") -> None:
             json.dump(result, f, indent=1)
 
 
+def export_objckpt(ref: str) -> str:
+    """The ``objckpt/`` package of git ``ref`` in a new temporary directory (returned): a
+    process that puts it first on ``sys.path`` runs that commit's objckpt (A/B against
+    this tree in the same run)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", ref], cwd=REPO_ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    root = tempfile.mkdtemp(prefix=f"objckpt-{commit}-")
+    archive = subprocess.run(["git", "archive", commit, "objckpt"], cwd=REPO_ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", root], input=archive.stdout, check=True)
+    return root
+
+
 def write_results(path: str, results: dict[str, Any]) -> str:
     """Write ``results`` (plus ``created``) as JSON; ``path`` relative to the repository root.
     Returns the relative path, which is what the scripts print and record."""
