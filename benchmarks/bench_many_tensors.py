@@ -22,8 +22,9 @@ imported untimed, the destination tensors are allocated fresh (``torch.empty``: 
 touched), then the first call is timed (**cold**: objckpt's threads, the first decode,
 first-touch page faults, all of it) and the median of three more into the same, now
 touched, tensors (**warm**), each with its CPU seconds (all threads of the process).
-Peak RSS is the process's ``VmHWM`` after the calls, less its RSS before the first one and
-less the state's bytes (its own destination tensors).  Medians (min-max) over rounds.
+Peak RSS is the process's ``VmHWM`` after the calls, less its RSS before the destinations
+were allocated and less the state's bytes (the destination tensors themselves; not for
+``latest_step``, which fills nothing): objckpt's (or the peer's) import is in it.  Medians (min-max) over rounds.
 """
 from __future__ import annotations
 
@@ -42,12 +43,16 @@ from . import harness as h
 OPS = ("plain", "manager", "latest_step", "dcp", "torch.load")
 
 
+def shapes(tensors: int, kib: int) -> dict[str, int]:
+    """Each tensor's name and element count (float32; unaligned sizes)."""
+    return {f"layers.{i // 8}.w{i % 8}": kib * 1024 // 4 + i % 8 for i in range(tensors)}
+
+
 def make_state(tensors: int, kib: int) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    n = kib * 1024 // 4
-    return {f"layers.{i // 8}.w{i % 8}": torch.randn(n + i % 8, generator=g) for i in range(tensors)}
+    return {k: torch.randn(n, generator=g) for k, n in shapes(tensors, kib).items()}
 
 
 def _cpu() -> float:
@@ -66,9 +71,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.root:
         sys.path.insert(0, args.root)
-    shapes = {k: v.shape for k, v in make_state(args.tensors, args.kib).items()}  # untimed: the names and shapes
-    state_bytes = sum(4 * s.numel() for s in shapes.values())
-    dest = {k: torch.empty(s) for k, s in shapes.items()}
+    sizes = shapes(args.tensors, args.kib)
+    state_bytes = 4 * sum(sizes.values())
+    rss0 = h.proc_status("VmRSS") or 0
+    dest = {k: torch.empty(n) for k, n in sizes.items()}  # fresh: no page touched yet
     base = os.path.join(args.data, "")
     op = args.op
     fn: Callable[[], Any]
@@ -98,18 +104,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             loaded = torch.load(base + "state.pt", weights_only=True)
             for k, v in loaded.items():
                 dest[k].copy_(v)
-    rss0 = h.proc_status("VmRSS") or 0
     cold, cold_cpu = _timed(fn)
     warm = [_timed(fn) for _ in range(3)]
+    hwm = h.proc_status("VmHWM") or 0  # before the check below makes a second copy of the state
     if op != "latest_step":
         want = make_state(args.tensors, args.kib)
         bad = [k for k, v in want.items() if not torch.equal(dest[k], v)]
         if bad:
             raise RuntimeError(f"{op}: {len(bad)} tensors differ, e.g. {bad[:3]}")
-    hwm = h.proc_status("VmHWM") or 0
     return {"cold_s": cold, "cold_cpu_s": cold_cpu, "warm_s": statistics.median(w for w, _ in warm),
             "warm_cpu_s": statistics.median(c for _, c in warm),
-            "peak_rss_beyond_state_mib": max(0, hwm - rss0 - state_bytes // 1024) / 1024}
+            "peak_rss_beyond_state_mib": max(0, hwm - rss0 - (state_bytes if op != "latest_step" else 0)) / h.MiB}
 
 
 def _prepare(args: argparse.Namespace, data: str) -> int:
