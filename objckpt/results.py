@@ -32,6 +32,10 @@ class SaveResult:
     manifest_bytes: int = 0
     #: seconds of each phase: describe, plan, stage, upload, commit
     timings: Timings = field(default_factory=Timings)
+    #: the objects this rank wrote (its blobs, then its rank index), as the manifest names them
+    #: (relative to the checkpoint); empty when they are spread outside it.  The local tier
+    #: replicates and drains these without decoding the manifest to find them.
+    files: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:

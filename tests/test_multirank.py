@@ -57,7 +57,7 @@ def save_two(rank: int, world: int, uri: str) -> dict[str, Any]:
         "who": rank,
     }
     res = objckpt.save(state, uri, part_size=64 << 10, crc_block=4096)
-    return {"bytes": res.bytes}
+    return {"bytes": res.bytes, "files": list(res.files)}
 
 
 def load_into(rank: int, world: int, uri: str) -> dict[str, Any]:
@@ -106,6 +106,11 @@ def test_save_two_ranks_load_with_1_3_4(tmp_path: Any) -> None:
     out = run_multiprocess(2, save_two, uri)
     m = objckpt.inspect(uri)
     assert m.world_size == 2 and {b.rank for b in m.blobs} == {0, 1}
+    # each rank's SaveResult names the objects the manifest says it wrote (blobs, then its index)
+    from objckpt.tier.step_files import files_of
+
+    assert [o["files"] for o in out] == [files_of(m, r) for r in (0, 1)]
+    assert all(o["files"] for o in out)
     # replicated tensors are stored once; the big one is written half by each rank
     for k in ("rep", "rep_big", "ints"):
         assert sum(c.length for c in m.tensors[k].chunks) == full(k).numel() * full(k).element_size()

@@ -117,7 +117,8 @@ def test_spread_round_trip_and_where_objects_live(run_root: tuple[str, dict[str,
     root, opts = run_root
     uri = f"{root}/step-1"
     state = _state(1)
-    objckpt.save(state, uri, storage_options=opts, key_layout="spread", blob_size=8 << 10, part_size=8 << 10)
+    res = objckpt.save(state, uri, storage_options=opts, key_layout="spread", blob_size=8 << 10, part_size=8 << 10)
+    assert res.files == ()  # spread outside the checkpoint: not named as its files
     assert_same(objckpt.read(uri, storage_options=opts), state)
     tmpl = {"w": torch.zeros(300, 40), "b": torch.zeros(7, dtype=torch.bfloat16), "step": 0}
     objckpt.load(tmpl, uri, storage_options=opts)
@@ -132,7 +133,9 @@ def test_spread_round_trip_and_where_objects_live(run_root: tuple[str, dict[str,
     want = sorted(f"{run_prefix}/.spread-00/step-1/{b.name}" for b in m.blobs)
     assert _keys(uri, opts, f"{run_prefix}/.spread-") == want
     # the default layout is unchanged: v3, blobs under the prefix, no spread fields in the JSON
-    objckpt.save(state, f"{root}/plain", storage_options=opts)
+    plain = objckpt.save(state, f"{root}/plain", storage_options=opts)
+    assert plain.files and list(plain.files) == [b.name for b in objckpt.inspect(f"{root}/plain",
+                                                                                storage_options=opts).blobs]
     raw = json.loads(mf.reseal(json.dumps(mf.to_json_obj(objckpt.inspect(f"{root}/plain", storage_options=opts)))
                                .encode()))
     assert raw["format_version"] == 3 and "spread_up" not in raw and all("spread" not in b for b in raw["blobs"])

@@ -173,13 +173,13 @@ def _state(rank: int, world: int, tag: str) -> dict[str, Any]:
     }
 
 
-def save_v2(rank: int, world: int, uri: str, opts: dict, tag: str, times: int = 1) -> tuple[int, int]:
+def save_v2(rank: int, world: int, uri: str, opts: dict, tag: str, times: int = 1) -> tuple[int, int, list[str]]:
     from objckpt.layout import PLAN_CACHE
 
     for _ in range(times):  # the same layout again: the plan comes from the cache
         res = objckpt.save(_state(rank, world, tag), uri, storage_options=opts, overwrite=True,
                            part_size=64 << 10, crc_block=4096)
-    return res.bytes, PLAN_CACHE.stats["hits"]
+    return res.bytes, PLAN_CACHE.stats["hits"], list(res.files)
 
 
 def load_3(rank: int, world: int, uri: str, opts: dict) -> dict[str, Any]:
@@ -215,9 +215,15 @@ def load_3(rank: int, world: int, uri: str, opts: dict) -> dict[str, Any]:
 def test_symbolic_save_is_v2_loads_anywhere_and_checks_indexes(moto_s3: Any) -> None:
     bucket, opts = moto_s3
     uri = f"s3://{bucket}/sym/ck"
-    written = [b for b, _ in run_multiprocess(4, save_v2, uri, opts, "")]
+    saved = run_multiprocess(4, save_v2, uri, opts, "")
+    written = [b for b, _, _ in saved]
     m = objckpt.inspect(uri, storage_options=opts, chunks=False)
     assert m.format_version == 3 and len(m.rank_indexes) == 4 and m.rank_trees is not None
+    # each rank's SaveResult names its blobs and then its rank index, as the manifest does
+    from objckpt.tier.step_files import files_of
+
+    assert [f for _, _, f in saved] == [files_of(m, r) for r in range(4)]
+    assert all(f[-1] == m.rank_indexes[r].name for r, (_, _, f) in enumerate(saved))
     assert all(t.layout is not None for k, t in m.tensors.items())
     assert m.tensors["rep_big"].layout.split == 4  # type: ignore[union-attr]
     assert m.tensors["tp_only"].layout.placements == ("R", "S1")  # type: ignore[union-attr]
@@ -251,7 +257,7 @@ def test_symbolic_save_is_v2_loads_anywhere_and_checks_indexes(moto_s3: Any) -> 
         objckpt.read(uri, storage_options=opts)
 
     # overwriting removes the old attempt's blobs and index objects
-    assert all(hits == 1 for _, hits in run_multiprocess(4, save_v2, uri, opts, "b", 2))
+    assert all(hits == 1 for _, hits, _ in run_multiprocess(4, save_v2, uri, opts, "b", 2))
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="sym/ck/")["Contents"]]
     m2 = objckpt.inspect(uri, storage_options=opts, chunks=False)
     assert not any(m.attempt in k for k in keys) and all(m2.attempt in k for k in keys if "blobs/" in k)

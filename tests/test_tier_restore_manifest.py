@@ -141,3 +141,31 @@ def test_a_list_naming_a_file_the_folder_lacks_makes_the_step_incomplete(tmp_pat
     back = _state(0)
     assert fresh.load(back).step == 1 and back["step"] == 1
     fresh.close()
+
+
+def _save_counting(rank: int, world: int, root: str, local: str) -> int:
+    seen = []
+    real = _manifest.decode
+
+    def counting(data: bytes, where: str = "<manifest>") -> Any:
+        seen.append(where)
+        return real(data, where)
+
+    _manifest.decode = counting  # type: ignore[assignment]  # a fresh process of its own
+    with objckpt.CheckpointManager(root, local_dir=local, replicas=0, persist_every=2, node_override="same") as m:
+        for s in (1, 2):  # step 2 drains: every rank uploads its files
+            m.save(s, {"w": objckpt.Shard(torch.full((4, 3), float(rank + s)), (8, 3), (4 * rank, 0)), "step": s})
+        m.wait()
+    return len(seen)
+
+
+def test_after_a_tiered_save_only_each_nodes_first_rank_decodes_the_manifest(tmp_path: Path) -> None:
+    """Each rank replicates and drains the files its save reported (SaveResult.files); only
+    the node's first rank decodes the step's manifest, to write its file list."""
+    from mp import run_multiprocess
+
+    root, local = str(tmp_path / "root"), str(tmp_path / "local")
+    assert run_multiprocess(2, _save_counting, root, local) == [2, 0]  # rank 0: one per step
+    back = {"w": torch.zeros(8, 3), "step": 0}
+    objckpt.load(back, f"{root}/step-0000000002")  # drained whole by both ranks
+    assert back["step"] == 2 and torch.equal(back["w"][4:], torch.full((4, 3), 3.0))

@@ -28,7 +28,7 @@ from ..errors import CollectiveError, ObjckptError
 from ..format import manifest as _manifest
 from ..format import keys
 from ..load.session import ReadSession
-from ..results import LoadResult
+from ..results import LoadResult, SaveResult
 from ..save.background import SaveHandle
 from ..state import expand_for_save
 from ..storage.local import LocalStore
@@ -258,6 +258,7 @@ class TieredSaves:
         store = LocalStore("/", direct=self.s.direct)
         handle: Optional[SaveHandle] = None
         meta: Optional[_manifest.Manifest] = None
+        saved: Optional[SaveResult] = None
         if self.m.async_save:  # the stall is the staging copy; the local commit follows in the background
             # one local commit in flight, as the manager's async saves; the previous step's
             # replication and drain go on (their errors come at the next save or wait())
@@ -267,8 +268,8 @@ class TieredSaves:
                                                      max_in_flight=1, process_group=self.m.process_group,
                                                      no_dist=self.m.no_dist)
         else:
-            _save(state, str(d), store=store, metadata=md, overwrite=False,
-                  process_group=self.m.process_group, no_dist=self.m.no_dist)
+            saved = _save(state, str(d), store=store, metadata=md, overwrite=False,
+                          process_group=self.m.process_group, no_dist=self.m.no_dist)
             # on objckpt's own group: a failing node is an error on every rank at once
             meta = _local.spread_metadata(self.spread_comm, d, list(self.topology.nodes), self.comm.rank,
                                           self.leaders)
@@ -280,7 +281,8 @@ class TieredSaves:
             self.commits.append(commit_s)
         # finished ones stay until _raise_failed (the next save) or wait() looks at them: an
         # error of the step before is raised, never dropped with its future
-        self._pending.append(self._jobs.submit(self._after_commit, step, md, saved_at, due, handle, t0, meta))
+        self._pending.append(self._jobs.submit(self._after_commit, step, md, saved_at, due, handle, t0, meta,
+                                               saved.files if saved is not None else ()))
         self.stalls.append(time.perf_counter() - t0)
 
     def _check(self, step: int, d: Path, share: _space.Share) -> Optional[Problem]:
@@ -322,7 +324,7 @@ class TieredSaves:
 
     def _after_commit(self, step: int, md: dict[str, Any], saved_at: float, due: bool,
                       handle: Optional[SaveHandle] = None, t0: float = 0.0,
-                      meta: Optional[_manifest.Manifest] = None) -> None:
+                      meta: Optional[_manifest.Manifest] = None, files: tuple[str, ...] = ()) -> None:
         """Background, in save order on every rank: (an async save's local commit and the
         metadata for every node), replicate, drain (the steps whose drain failed before
         first, then this one when due), index, local retention.  A replication error that
@@ -331,16 +333,20 @@ class TieredSaves:
         failed: Optional[ObjckptError] = None
         try:
             if handle is not None:
-                handle.result()  # raises on every rank alike when the local save failed
+                files = handle.result().files  # raises on every rank alike when the local save failed
                 meta = _local.spread_metadata(self.spread_comm, d, list(self.topology.nodes), self.comm.rank,
                                               self.leaders)
                 self.commits.append(time.perf_counter() - t0)  # from the call to the local commit
-            if meta is None or self.first_on_node:
+            # this rank's files, as its save reported them (the manifest is decoded for them only
+            # when the save could not say); each node's first rank lists the whole step's once
+            if self.first_on_node:  # restores, drains and `objckpt ls` read the list instead of decoding
                 data = (d / keys.MANIFEST_NAME).read_bytes()
                 meta = meta or _manifest.decode(data, str(d))
-                if self.first_on_node:  # restores, drains and `objckpt ls` read it instead of decoding
-                    _step_files.write(d, data, _step_files.of_manifest(meta))
-            mine = _local.files_of(meta, self.comm.rank)
+                _step_files.write(d, data, _step_files.of_manifest(meta))
+            if not files:
+                meta = meta or _manifest.decode((d / keys.MANIFEST_NAME).read_bytes(), str(d))
+                files = tuple(_local.files_of(meta, self.comm.rank))
+            mine = list(files)
             if self.s.replicas:
                 from ..tier import peers
 

@@ -102,6 +102,14 @@ class Prepared:
         return [self.place.key(n) for n in self.blob_names]
 
     @property
+    def rank_files(self) -> tuple[str, ...]:
+        """This rank's objects as the manifest names them (empty when spread: see SaveResult.files)."""
+        if self.place.bucket:
+            return ()
+        index = [self.place.index_name(self.attempt)] if self.layout.writes_index else []
+        return tuple(self.blob_names + index)
+
+    @property
     def written_keys(self) -> list[str]:
         """Every object this rank writes (deleted if the save does not commit)."""
         index = [self.place.key(self.place.index_name(self.attempt))] if self.layout.writes_index else []
@@ -365,7 +373,8 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         raise ObjckptError(status.message)
     prep.stats.timings.add("commit", time.perf_counter() - t_commit)
     res = SaveResult(prep.uri, prep.nbytes, time.perf_counter() - prep.t0, prep.stats.requests,
-                     len(prep.local.dtypes), len(prep.plan.blobs), status.manifest_bytes, prep.stats.timings)
+                     len(prep.local.dtypes), len(prep.plan.blobs), status.manifest_bytes, prep.stats.timings,
+                     prep.rank_files)
     log.info("saved %s rank %d/%d: %d tensors, %d bytes in %d blob(s), %d requests, %.3f s (%s)", prep.uri,
              prep.rank, prep.world_size, res.tensors, res.bytes, res.blobs, res.requests, res.seconds,
              res.timings.describe())
