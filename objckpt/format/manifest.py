@@ -45,7 +45,7 @@ from . import keys as _keys
 from . import spread as _spread
 from .keys import is_safe_object_name
 from ..runtime.gc_pause import paused_gc
-from .sealed_json import ZSTD_MAGIC, load_json, reseal, seal, verify  # noqa: F401  (re-exported)
+from .sealed_json import ZSTD_MAGIC, load_json, load_sealed, reseal, seal, verify  # noqa: F401  (re-exported)
 from .tree import check_tree
 
 FORMAT_NAME = "objckpt"
@@ -332,7 +332,7 @@ def decode(data: bytes, where: str = "<manifest>") -> Manifest:
 
 
 def _decode(data: bytes, where: str) -> Manifest:
-    obj = load_json(data, lambda what: CorruptCheckpointError(f"manifest {where}: {what}"))
+    obj, text_intact = load_sealed(data, lambda what: CorruptCheckpointError(f"manifest {where}: {what}"))
     _need(isinstance(obj, dict), where, "top level is not an object")
     _need(obj.get("format") == FORMAT_NAME, where, f"'format' is {obj.get('format')!r}, not {FORMAT_NAME!r}")
     version = obj.get("format_version")
@@ -428,7 +428,8 @@ def _decode(data: bytes, where: str) -> Manifest:
     _need(isinstance(created, (int, float)) and not isinstance(created, bool), where, "'created' malformed")
     for t_where, tree in [("", obj.get("tree"))] + [(f" rank_trees[{i}]", r) for i, r in enumerate(rank_trees or [])]:
         check_tree(tree, tensors, f"{where}{t_where}")
-    verify(obj, lambda what: CorruptCheckpointError(f"manifest {where}: {what}"), required=version >= SEALED_VERSION)
+    verify(obj, lambda what: CorruptCheckpointError(f"manifest {where}: {what}"), required=version >= SEALED_VERSION,
+           text_intact=text_intact)
     return Manifest(
         tensors=tensors,
         blobs=blobs,

@@ -22,7 +22,7 @@ import zstandard
 from ..errors import CorruptCheckpointError
 from .manifest import MAX_INT, Chunk, ChunkRecord, crc_list
 from ..runtime.gc_pause import paused_gc
-from .sealed_json import load_json, seal, verify
+from .sealed_json import load_sealed, seal, verify
 
 INDEX_FORMAT = "objckpt-rank-index"
 
@@ -58,13 +58,13 @@ def _decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"rank index {where}: {what}")
 
-    obj: Any = load_json(data, bad)
+    obj, text_intact = load_sealed(data, bad)
     if not isinstance(obj, dict) or obj.get("format") != INDEX_FORMAT:
         raise bad("not an objckpt rank index")
     if obj.get("attempt") != attempt or obj.get("rank") != rank:
         raise bad(f"belongs to attempt {obj.get('attempt')!r} rank {obj.get('rank')!r}, "
                   f"the manifest expects {attempt!r} rank {rank}")
-    verify(obj, bad, required=require_crc)
+    verify(obj, bad, required=require_crc, text_intact=text_intact)
     by_key = obj.get("chunks")
     if not isinstance(by_key, dict):
         raise bad("'chunks' missing")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from typing import Any, Callable
 
 import zstandard
@@ -22,6 +23,8 @@ from ..checksum import crc32c
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 CRC_FIELD = "crc32c"
+#: the crc32c of the sealed text's bytes before this field (see :func:`seal`)
+TEXT_CRC_FIELD = "crc32c_text"
 MAX_BYTES_ENV = "OBJCKPT_MAX_MANIFEST_BYTES"
 DEFAULT_MAX_BYTES = 256 << 20
 
@@ -48,13 +51,37 @@ def canonical(obj: Any) -> bytes:
 
 
 def seal(obj: dict[str, Any]) -> bytes:
-    """Compact JSON of ``obj`` in its own key order (tensor order is meaningful) with a
-    ``crc32c`` field appended last: the crc32c of the *canonical* JSON of the rest."""
-    body = {k: v for k, v in obj.items() if k != CRC_FIELD}
+    """Compact JSON of ``obj`` in its own key order (tensor order is meaningful) with two
+    fields appended last: ``crc32c_text``, the crc32c of the bytes before it (what a reader
+    checks first: no re-encoding), then ``crc32c``, the crc32c of the *canonical* JSON of
+    everything else, ``crc32c_text`` included (what survives re-indentation, and what
+    readers that do not know ``crc32c_text`` check)."""
+    body = {k: v for k, v in obj.items() if k not in (CRC_FIELD, TEXT_CRC_FIELD)}
     raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-    # the crc is of what a reader parses back (int dict keys become strings, tuples lists)
-    crc = crc32c(canonical(json.loads(raw)))
-    return raw[:-1] + (b"," if body else b"") + f'"{CRC_FIELD}":{crc}}}'.encode()
+    if not body:
+        return f'{{"{CRC_FIELD}":{crc32c(canonical({}))}}}'.encode()
+    text = raw[:-1]
+    text_crc = crc32c(text)
+    # the canonical crc is of what a reader parses back (int dict keys become strings, tuples lists)
+    parsed = json.loads(raw)
+    parsed[TEXT_CRC_FIELD] = text_crc
+    crc = crc32c(canonical(parsed))
+    return text + f',"{TEXT_CRC_FIELD}":{text_crc},"{CRC_FIELD}":{crc}}}'.encode()
+
+
+#: the sealed text's last bytes: its text crc, then its canonical crc, then the closing brace
+_TAIL = re.compile(rb',"crc32c_text":(\d{1,10}),"crc32c":\d{1,10}\}\Z')
+
+
+def _text_intact(text: bytes, obj: Any) -> bool:
+    """Whether ``text`` ends exactly as :func:`seal` writes it and its ``crc32c_text`` is the
+    crc32c of the bytes before that field: then every byte is as the writer wrote it, and
+    the canonical re-encoding (a fifth of a large manifest's decode) is not needed."""
+    m = _TAIL.search(text, max(0, len(text) - 48))
+    if m is None or not isinstance(obj, dict):
+        return False
+    stored = int(m.group(1))
+    return obj.get(TEXT_CRC_FIELD) == stored and crc32c(memoryview(text)[: m.start()]) == stored
 
 
 def reseal(data: bytes) -> bytes:
@@ -67,13 +94,18 @@ def reseal(data: bytes) -> bytes:
     return seal(obj)
 
 
-def verify(obj: dict[str, Any], bad: Bad, *, required: bool) -> None:
-    """Check ``obj``'s ``crc32c`` field (popping it); ``required``: its absence is an error."""
+def verify(obj: dict[str, Any], bad: Bad, *, required: bool, text_intact: bool = False) -> None:
+    """Check ``obj``'s ``crc32c`` field (popping it, and ``crc32c_text``); ``required``: its
+    absence is an error.  ``text_intact`` (from :func:`load_sealed`): the text's own crc
+    proved every byte unchanged, so the canonical re-encoding is skipped."""
     if CRC_FIELD not in obj:
         if required:
             raise bad(f"its '{CRC_FIELD}' checksum field is missing")
         return
     stored = obj.pop(CRC_FIELD)
+    if text_intact:
+        obj.pop(TEXT_CRC_FIELD, None)
+        return
     try:
         actual = crc32c(canonical(obj))
     except (ValueError, RecursionError) as e:
@@ -81,6 +113,7 @@ def verify(obj: dict[str, Any], bad: Bad, *, required: bool) -> None:
     if type(stored) is not int or stored != actual:
         raise bad(f"checksum mismatch: '{CRC_FIELD}' is {stored!r}, the content has {actual} — "
                   "the object was changed or damaged after it was written")
+    obj.pop(TEXT_CRC_FIELD, None)  # covered by the canonical crc just checked
 
 
 def _decompress(data: bytes, limit: int, bad: Bad) -> bytes:
@@ -115,11 +148,27 @@ def _no_constant(name: str) -> Any:
 def load_json(data: bytes, bad: Bad) -> Any:
     """zstd-decompress (when it starts with the magic) and parse, within the size bound;
     ``bad(what)`` builds the error that names the object."""
+    return _parse(_text(data, bad), bad)
+
+
+def load_sealed(data: bytes, bad: Bad) -> tuple[Any, bool]:
+    """:func:`load_json`, and whether the text's own seal proves it unchanged (pass it to
+    :func:`verify` as ``text_intact``)."""
+    text = _text(data, bad)
+    obj = _parse(text, bad)
+    return obj, _text_intact(text, obj)
+
+
+def _text(data: bytes, bad: Bad) -> bytes:
     limit = max_manifest_bytes()
     if data[:4] == ZSTD_MAGIC:
-        data = _decompress(data, limit, bad)
-    elif len(data) > limit:
+        return _decompress(data, limit, bad)
+    if len(data) > limit:
         raise bad(_too_big(limit, "is"))
+    return data
+
+
+def _parse(data: bytes, bad: Bad) -> Any:
     try:
         return json.loads(data, parse_constant=_no_constant)
     except RecursionError:
