@@ -171,13 +171,23 @@ def combine_blocks(blocks: Sequence[int], length: int, block: int) -> int:
     return total
 
 
+#: below this many bytes :func:`block_crcs` hashes the data again for the whole crc instead
+#: of combining the blocks' crcs: the bytes were just hashed, so they are in the CPU's cache
+#: (64 KiB in ~1 us), where combining costs ~0.25 us of Python per block (3,200 chunks of
+#: 64 KiB with 1 KiB blocks: 52 ms combined, ~4 ms hashed again)
+REHASH_BELOW = 512 << 10
+
+
 def block_crcs(data: memoryview, block: int) -> tuple[int, list[int]]:
     """(crc of all of ``data``, crc of each ``block``-byte block); no blocks if it fits in one.
-    The whole crc is combined from the blocks' (:func:`combine_blocks`), not hashed again."""
+    For large data the whole crc is combined from the blocks' (:func:`combine_blocks`), not
+    hashed again; below :data:`REHASH_BELOW` hashing again is the cheaper of the two."""
     n = len(data)
     if block <= 0 or n <= block:
         return crc32c(data), []
     blocks = [crc32c(data[i : i + block]) for i in range(0, n, block)]
+    if n < REHASH_BELOW:
+        return crc32c(data), blocks
     return combine_blocks(blocks, n, block), blocks
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import objckpt
-from objckpt.checksum import CellCrcs, block_crcs, combine_blocks, crc32c, crc32c_combine
+from objckpt.checksum import REHASH_BELOW, CellCrcs, block_crcs, combine_blocks, crc32c, crc32c_combine
 from objckpt.load import arrival, ranged_get
 from objckpt.planning.ranges import Request, RequestPiece, Span
 from testkit.s3memstore import _Data
@@ -55,6 +55,26 @@ def test_block_crcs_combine_to_the_whole_crc(block: int) -> None:
     for cut in (1, 4096, 8192, 65536, 12345):
         a, b = data[:-cut], data[-cut:]
         assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(data)
+
+
+@pytest.mark.parametrize("n", [REHASH_BELOW - 1, REHASH_BELOW, 3 * REHASH_BELOW + 7])
+def test_block_crcs_hash_again_below_the_threshold_and_combine_above(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small data: the whole crc is hashed again (cheaper than combining in Python); large
+    data: combined from the blocks. Either way it is the crc of the bytes."""
+    import objckpt.checksum as ck
+
+    data = memoryview(os.urandom(n))
+    combined: list[int] = []
+    real = ck.combine_blocks
+
+    def counting(blocks: Any, length: int, block: int) -> int:
+        combined.append(length)
+        return real(blocks, length, block)
+
+    monkeypatch.setattr(ck, "combine_blocks", counting)
+    total, blocks = ck.block_crcs(data, 4096)
+    assert total == crc32c(data) and blocks == [crc32c(data[i : i + 4096]) for i in range(0, n, 4096)]
+    assert combined == ([] if n < REHASH_BELOW else [n])
 
 
 def test_cells_of_a_stream_fed_in_part_are_none_and_overfeeding_fails() -> None:

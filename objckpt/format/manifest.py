@@ -289,8 +289,10 @@ def _spread_field(d: dict[str, Any], spread: str) -> dict[str, Any]:
 
 def encode(m: Manifest, *, compress: Optional[bool] = None) -> bytes:
     """Sealed canonical JSON of ``m`` (format v3, its ``crc32c`` last: docs/format.md §9.1);
-    zstd-compressed when larger than 1 MiB (or as told)."""
-    raw = seal(to_json_obj(m))
+    zstd-compressed when larger than 1 MiB (or as told).  The garbage collector is paused
+    meanwhile, as for :func:`decode` (the seal parses the text back: as many objects)."""
+    with paused_gc():
+        raw = seal(to_json_obj(m))
     if compress is None:
         compress = len(raw) > COMPRESS_ABOVE
     return zstandard.ZstdCompressor(level=3).compress(raw) if compress else raw

@@ -29,11 +29,12 @@ INDEX_FORMAT = "objckpt-rank-index"
 
 def encode(attempt: str, rank: int, records: Sequence[ChunkRecord]) -> bytes:
     by_key: dict[str, list] = {}
-    for r in records:
-        c = r.chunk
-        by_key.setdefault(r.key, []).append([list(c.offsets), list(c.shape), c.blob, c.offset, c.length, c.crc32c,
-                                             list(c.block_crc32c)])
-    raw = seal({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": by_key})
+    with paused_gc():  # as decode: many objects, no cycle
+        for r in records:
+            c = r.chunk
+            by_key.setdefault(r.key, []).append([list(c.offsets), list(c.shape), c.blob, c.offset, c.length,
+                                                 c.crc32c, list(c.block_crc32c)])
+        raw = seal({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": by_key})
     return zstandard.ZstdCompressor(level=3).compress(raw)  # internal: always compressed
 
 
