@@ -4,6 +4,7 @@ bytes, sets the time.
     python -m benchmarks.bench_many_tensors                          # 3,200 x 64 KiB, 4 rounds
     python -m benchmarks.bench_many_tensors --baseline 0c79fad       # and that commit's objckpt, alternated
     python -m benchmarks.bench_many_tensors --tensors 800 --kib 256 --rounds 2
+    python -m benchmarks.bench_many_tensors --saves                  # only the saves
 
 One state (``--tensors`` float32 tensors of about ``--kib`` KiB, unaligned sizes) is written
 once, by this tree, under a temporary folder on ``--dir`` (default /dev/shm):
@@ -16,6 +17,11 @@ once, by this tree, under a temporary folder on ``--dir`` (default /dev/shm):
   **dcp** is ``torch.distributed.checkpoint.load`` of it, in place;
 * ``torch``: ``torch.save`` of the state to one file; **torch.load** is ``torch.load``
   (``weights_only=True``) then a copy into the destination tensors.
+
+and the same state saved (``--saves``; every call into a new place under that folder):
+**save** (``objckpt.save``), **manager.save** (a tiered ``CheckpointManager.save``,
+synchronous: the local commit the training waits for; the work after it untimed),
+**dcp.save** and **torch.save**.
 
 Each (variant, operation) runs in a new process per round, in alternating order: torch is
 imported untimed, the destination tensors are allocated fresh (``torch.empty``: no page
@@ -40,7 +46,10 @@ from typing import Any, Callable, Optional
 
 from . import harness as h
 
-OPS = ("plain", "manager", "latest_step", "dcp", "torch.load")
+OPS = ("plain", "manager", "latest_step", "dcp", "torch.load", "save", "manager.save", "dcp.save", "torch.save")
+#: the operations that run objckpt (the baselines run them too)
+OBJCKPT_OPS = ("plain", "manager", "latest_step", "save", "manager.save")
+SAVES = ("save", "manager.save", "dcp.save", "torch.save")
 
 
 def shapes(tensors: int, kib: int) -> dict[str, int]:
@@ -78,6 +87,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     base = os.path.join(args.data, "")
     op = args.op
     fn: Callable[[], Any]
+    if op in SAVES:
+        return _save_child(args, op, base, rss0, state_bytes)
     if op in ("plain", "manager", "latest_step"):
         import objckpt
 
@@ -117,6 +128,51 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "peak_rss_beyond_state_mib": max(0, hwm - rss0 - (state_bytes if op != "latest_step" else 0)) / h.MiB}
 
 
+def _save_child(args: argparse.Namespace, op: str, base: str, rss0: int, state_bytes: int) -> dict[str, Any]:
+    """A save's cold call (the first in the process) and warm ones (each into a new place);
+    the state is made before the timing, so its bytes count as the destinations' do."""
+    import torch
+
+    state = make_state(args.tensors, args.kib)
+    out = tempfile.mkdtemp(prefix="save-", dir=base)
+    calls = iter(range(1, 100))
+    if op in ("save", "manager.save"):
+        import objckpt
+
+        if args.root and not objckpt.__file__.startswith(args.root):
+            raise RuntimeError("the baseline objckpt was not the one imported")
+        m = (objckpt.CheckpointManager(os.path.join(out, "root"), local_dir=os.path.join(out, "local"), replicas=0,
+                                       persist_every=None, local_keep=2) if op == "manager.save" else None)
+
+        def fn() -> Any:
+            return objckpt.save(state, os.path.join(out, f"ck{next(calls)}"))
+    elif op == "dcp.save":
+        import torch.distributed.checkpoint as dcp
+
+        def fn() -> Any:
+            dcp.save(state, checkpoint_id=os.path.join(out, f"dcp{next(calls)}"))
+    else:
+        def fn() -> Any:
+            torch.save(state, os.path.join(out, f"state{next(calls)}.pt"))
+
+    def timed() -> tuple[float, float]:
+        if op != "manager.save" or m is None:
+            return _timed(fn)
+        c0, t0 = _cpu(), time.perf_counter()
+        m.save(next(calls), state)  # the stall: the local commit the training waits for
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        m.wait()  # untimed: the background work after the commit
+        return wall, cpu
+
+    cold, cold_cpu = timed()
+    warm = [timed() for _ in range(3)]
+    hwm = h.proc_status("VmHWM") or 0
+    shutil.rmtree(out, ignore_errors=True)
+    return {"cold_s": cold, "cold_cpu_s": cold_cpu, "warm_s": statistics.median(w for w, _ in warm),
+            "warm_cpu_s": statistics.median(c for _, c in warm),
+            "peak_rss_beyond_state_mib": max(0, hwm - rss0 - state_bytes) / h.MiB}
+
+
 def _prepare(args: argparse.Namespace, data: str) -> int:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -149,7 +205,8 @@ def drive(args: argparse.Namespace) -> int:
     try:
         sys.path.insert(0, h.REPO_ROOT)
         nbytes = _prepare(args, data)
-        runs = [(v, op) for op in OPS for v in (roots if op in ("plain", "manager", "latest_step") else ["peer"])]
+        ops = [op for op in OPS if (op in SAVES) == args.saves or args.saves is None]
+        runs = [(v, op) for op in ops for v in (roots if op in OBJCKPT_OPS else ["peer"])]
         results: dict[str, list[dict[str, Any]]] = {f"{op} [{v}]": [] for v, op in runs}
         for rnd in range(args.rounds):
             for v, op in (runs if rnd % 2 == 0 else runs[::-1]):
@@ -194,6 +251,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--baseline", default=None, metavar="REFS",
                     help="also run the objckpt of these git refs (comma-separated), alternated")
     ap.add_argument("--name", default=None, help="benchmarks/results/<name>.json")
+    ap.add_argument("--saves", default=None, action=argparse.BooleanOptionalAction,
+                    help="only the saves (--saves) or only the restores (--no-saves); both by default")
     ap.add_argument("--one", action="store_true", help="internal: one new process")
     ap.add_argument("--op", choices=OPS, default="plain", help="internal: the operation of this process")
     ap.add_argument("--root", default="", help="internal: the objckpt source to import first")

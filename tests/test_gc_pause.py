@@ -187,3 +187,28 @@ def test_loads_on_two_threads_leave_nothing_frozen(saved: str) -> None:
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert errors == [] and gc.get_freeze_count() == 0
+
+
+class _SaveProbe:
+    """A Stateful value that notes the collector's frozen count when a save asks for its state."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.seen.append(gc.get_freeze_count())
+        return {"w": torch.arange(6.0)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_save_keeps_the_older_objects_frozen_while_it_runs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    probe = _SaveProbe()
+    uri = str(tmp_path_factory.mktemp("save") / "ck")
+    objckpt.save({"probe": probe, "t": torch.ones(3)}, uri)
+    assert probe.seen and probe.seen[0] > 1000 and gc.get_freeze_count() == 0
+    assert torch.equal(objckpt.read(uri)["probe"]["w"], torch.arange(6.0))
+    with pytest.raises(objckpt.ObjckptError):  # a failed save unfreezes too
+        objckpt.save({"probe": probe, "t": torch.ones(3)}, uri)  # exists: refused
+    assert gc.get_freeze_count() == 0

@@ -71,7 +71,8 @@ class GatheredLayout(SaveLayout):
                 t = metas0[k]
                 entries[k] = TensorEntry(k, t.dtype, t.shape)
         trees = [r.tree for r in self.reports]
-        same = all(json.dumps(t, sort_keys=True) == json.dumps(trees[0], sort_keys=True) for t in trees)
+        first = json.dumps(trees[0], sort_keys=True) if len(trees) > 1 else ""  # (encoded once; none alone)
+        same = all(json.dumps(t, sort_keys=True) == first for t in trees[1:])
         return _inline_manifest(entries, outcomes, trees[0], None if same else trees, common)
 
 

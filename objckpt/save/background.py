@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..runtime.gc_pause import FrozenOld
 from ..runtime import loop as _runtime
 from ..distributed.comm import Comm
 from ..errors import ForeignSaveError
@@ -248,6 +249,8 @@ def start_save(state_dict: Any, uri: str, st: ObjectStore, prefix: str, comm: Co
     mirrors: Optional[MirrorSet] = mirror_set() if not lazy and opts.staging_bytes is None else None
     if mirrors is not None and not mirrors.acquire():
         mirrors = None
+    frozen = FrozenOld()  # the walk and the plan make an object per tensor: the program's stay out of the GC's walks
+    frozen.now()
     try:
         prep = pipeline.prepare(state_dict, uri, st, prefix, comm, opts,
                                 mirror=mirrors.mirror if mirrors is not None else None)
@@ -256,6 +259,8 @@ def start_save(state_dict: Any, uri: str, st: ObjectStore, prefix: str, comm: Co
             mirrors.wait()
             mirrors.release()
         raise
+    finally:
+        frozen.close()
     if mirrors is not None:
         return _finish_mirrored(prep, mirrors, bg_comm, uri)
     max_part = max(prep.plan.max_part, 1)

@@ -32,6 +32,7 @@ from ..format import keys
 from ..format.spread import Placement, up_for
 from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
+from ..runtime.gc_pause import FrozenOld
 from ..runtime.memory import AnyBudget, HostPool, save_budget
 from ..options import KeyScheme, SaveOptions
 from ..planning import crc_blocks
@@ -385,8 +386,16 @@ def save_now(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opt
              pool: HostPool) -> SaveResult:
     """A synchronous save: all three phases in the caller's thread.  Contiguous
     CPU tensors upload from their own memory (the caller waits, so they cannot
-    change); everything else stages within ``opts.staging_bytes`` (512 MiB by default)."""
-    prep = prepare(state, uri, st, prefix, comm, opts)
-    budget = save_budget(opts.staging_bytes)  # the save's one staging budget (SAVE_STAGING_BYTES by default)
-    outcome = _runtime.run(upload(prep, pool, budget, zero_copy=True))
-    return finish(prep, comm, outcome)
+    change); everything else stages within ``opts.staging_bytes`` (512 MiB by default).
+    The program's objects stay out of the garbage collector's walks meanwhile
+    (:class:`~objckpt.runtime.gc_pause.FrozenOld`: a save of many tensors makes as many
+    objects as its manifest holds)."""
+    frozen = FrozenOld()
+    frozen.now()
+    try:
+        prep = prepare(state, uri, st, prefix, comm, opts)
+        budget = save_budget(opts.staging_bytes)  # the save's one staging budget (SAVE_STAGING_BYTES by default)
+        outcome = _runtime.run(upload(prep, pool, budget, zero_copy=True))
+        return finish(prep, comm, outcome)
+    finally:
+        frozen.close()
