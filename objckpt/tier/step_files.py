@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from typing_extensions import TypeGuard
+
 from ..checksum import crc32c
 from ..format import keys
 from ..format import manifest as _manifest
@@ -132,7 +134,7 @@ def read(step_dir: Path, manifest_bytes: bytes) -> Optional[StepFiles]:
         return None
 
 
-def _names(v: object) -> bool:
+def _names(v: object) -> "TypeGuard[list[str]]":
     """A list of relative file names inside a step folder (no absolute path, no ``..``)."""
     return isinstance(v, list) and all(
         isinstance(n, str) and n and not n.startswith("/") and ".." not in n.split("/") for n in v)
