@@ -15,7 +15,7 @@ import torch
 import objckpt
 from objckpt.errors import CorruptCheckpointError
 from objckpt.format import manifest as _manifest
-from objckpt.runtime.gc_pause import paused_gc
+from objckpt.runtime.gc_pause import FrozenOld, paused_gc
 
 
 @pytest.fixture
@@ -212,3 +212,31 @@ def test_a_save_keeps_the_older_objects_frozen_while_it_runs(tmp_path_factory: p
     with pytest.raises(objckpt.ObjckptError):  # a failed save unfreezes too
         objckpt.save({"probe": probe, "t": torch.ones(3)}, uri)  # exists: refused
     assert gc.get_freeze_count() == 0
+
+
+def test_a_child_forked_during_a_pause_has_the_collector_on_and_nothing_to_end() -> None:
+    """A worker forked while a decode holds the pause (another thread) must not inherit a
+    collector switched off for good."""
+    import os
+
+    with paused_gc():
+        frozen = FrozenOld()
+        frozen.now()
+        try:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: report, then leave at once
+                ok = gc.isenabled()
+                with paused_gc():
+                    pass
+                ok = ok and gc.isenabled()
+                os.write(w, b"1" if ok else b"0")
+                os._exit(0)
+            os.close(w)
+            got = os.read(r, 1)
+            os.close(r)
+            os.waitpid(pid, 0)
+            assert not gc.isenabled()  # the parent's pause goes on
+        finally:
+            frozen.close()
+    assert got == b"1" and gc.isenabled() and gc.get_freeze_count() == 0

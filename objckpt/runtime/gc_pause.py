@@ -25,11 +25,18 @@ objects meanwhile, and when the load ends its manifest is freed by reference cou
 never having been pending for a full collection (the same load: 226-239 ms).  A program
 that froze objects itself (``gc.get_freeze_count()`` above zero, as before a fork) or
 switched the collector off is left alone.
+
+A process forked meanwhile (a DataLoader worker started while another thread decodes or
+loads) starts with the collector on and no pause or freeze of its own to end: its parent's
+threads do not exist in it.  Objects frozen at the fork stay frozen in the child, as
+after a program's own ``gc.freeze()`` before forking (unfreezing them would write to every
+inherited page).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from typing import Iterator
 
@@ -91,3 +98,14 @@ class FrozenOld:
             if _frozen_depth == 0 and _we_froze:
                 _we_froze = False
                 gc.unfreeze()
+
+
+def _after_fork_in_child() -> None:
+    global _depth, _switched_off, _frozen_depth, _we_froze
+    if _switched_off:
+        gc.enable()
+    _depth, _switched_off, _frozen_depth, _we_froze = 0, False, 0, False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
