@@ -169,3 +169,36 @@ def test_after_a_tiered_save_only_each_nodes_first_rank_decodes_the_manifest(tmp
     back = {"w": torch.zeros(8, 3), "step": 0}
     objckpt.load(back, f"{root}/step-0000000002")  # drained whole by both ranks
     assert back["step"] == 2 and torch.equal(back["w"][4:], torch.full((4, 3), 3.0))
+
+
+def test_a_file_list_that_cannot_be_written_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The list is a hint: a full disk or an unwritable folder at that moment is a warning,
+    the step stays committed, and restores decode its manifest instead."""
+    import os as _os
+
+    real = _os.replace
+
+    def refuse(src: Any, dst: Any) -> None:
+        if str(dst).endswith(step_files.FILES_NAME):
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(step_files.os, "replace", refuse)
+    with caplog.at_level(logging.WARNING, logger="objckpt.manager"):
+        m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                      persist_every=None)
+        m.save(4, _state(4))
+        m.wait()
+        m.close()
+    d = tmp_path / "local" / "step-0000000004"
+    assert "cannot write the file list" in caplog.text
+    assert sorted(p.name for p in d.iterdir()) == ["blobs", "manifest.json"]  # no list, no temporary left
+    monkeypatch.undo()
+    seen = _count_decodes(monkeypatch)
+    fresh = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                      persist_every=None)
+    back = _state(0)
+    assert fresh.load(back).step == 4 and back["step"] == 4 and torch.equal(back["layer1.w"], _state(4)["layer1.w"])
+    assert seen == [str(d / "manifest.json")]
+    fresh.close()
