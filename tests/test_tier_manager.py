@@ -323,6 +323,25 @@ def test_persist_every_seconds_drains_by_the_managers_clock_and_latest_step_sees
     assert main(["ls", str(tmp_path / "root"), "--local-dir", str(tmp_path / "nowhere")]) == 2  # named, not empty
 
 
+def test_ls_with_a_local_dir_shows_local_steps_before_anything_is_drained(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiered root with nothing drained yet has no index: ``ls --local-dir`` still lists the
+    node's steps (it printed nothing), and a plain ``ls`` of an empty prefix says so."""
+    from objckpt.cli import main
+
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
+                                  persist_every=None)
+    m.save(7, {"x": torch.ones(3)})
+    m.wait()
+    m.close()
+    assert main(["ls", str(tmp_path / "root"), "--local-dir", str(tmp_path / "local")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "TIERS" in out[0] and out[1].split()[0] == "7" and "local" in out[1].split()
+    assert main(["ls", str(tmp_path / "root")]) == 0
+    got = capsys.readouterr()
+    assert got.out == "" and "no committed checkpoint under" in got.err
+
+
 def test_the_drain_cap_paces_uploads(monkeypatch: pytest.MonkeyPatch) -> None:
     from objckpt.tier import drain as drain_mod
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -55,8 +56,11 @@ def raw_listing(uri: str, options: Optional[dict[str, Any]]) -> list[str]:
 
 
 def _print_listing(uri: str, options: Optional[dict[str, Any]]) -> int:
-    for u in raw_listing(uri, options):
+    found = raw_listing(uri, options)
+    for u in found:
         print(u)
+    if not found:  # on stderr: the listing on stdout stays one URI a line
+        print(f"no committed checkpoint under {uri.rstrip('/')}/", file=sys.stderr)
     return 0
 
 
@@ -68,8 +72,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return _print_listing(args.uri, opts)
     store, prefix = open_store(args.uri, opts)
     doc = _runtime.run(StepIndex(store, prefix).read(repair=False))
-    if doc.seq < 0 and not doc.steps:  # not a manager root: the plain listing
-        return _print_listing(args.uri, opts)
+    if doc.seq < 0 and not doc.steps and local_root is None:  # not a manager root: the plain listing
+        return _print_listing(args.uri, opts)  # (with --local-dir: its steps, though none is drained yet)
     if getattr(args, "json", False):
         print(json.dumps([e.to_json() for e in doc.steps], indent=1))
         return 0
