@@ -143,7 +143,7 @@ def test_a_list_naming_a_file_the_folder_lacks_makes_the_step_incomplete(tmp_pat
     fresh.close()
 
 
-def _save_counting(rank: int, world: int, root: str, local: str) -> int:
+def _save_counting(rank: int, world: int, root: str, local: str, per_node: int = 0) -> int:
     seen = []
     real = _manifest.decode
 
@@ -152,9 +152,12 @@ def _save_counting(rank: int, world: int, root: str, local: str) -> int:
         return real(data, where)
 
     _manifest.decode = counting  # type: ignore[assignment]  # a fresh process of its own
-    with objckpt.CheckpointManager(root, local_dir=local, replicas=0, persist_every=2, node_override="same") as m:
+    node = f"n{rank // per_node}" if per_node else "same"
+    with objckpt.CheckpointManager(root, local_dir=local, replicas=1 if per_node else 0, persist_every=2,
+                                   node_override=node) as m:
         for s in (1, 2):  # step 2 drains: every rank uploads its files
-            m.save(s, {"w": objckpt.Shard(torch.full((4, 3), float(rank + s)), (8, 3), (4 * rank, 0)), "step": s})
+            m.save(s, {"w": objckpt.Shard(torch.full((4, 3), float(rank + s)), (4 * world, 3), (4 * rank, 0)),
+                       "step": s})
         m.wait()
     return len(seen)
 
@@ -202,3 +205,20 @@ def test_a_file_list_that_cannot_be_written_loses_nothing(tmp_path: Path, monkey
     assert fresh.load(back).step == 4 and back["step"] == 4 and torch.equal(back["layer1.w"], _state(4)["layer1.w"])
     assert seen == [str(d / "manifest.json")]
     fresh.close()
+
+
+def test_on_two_nodes_only_each_nodes_first_rank_decodes_the_manifest(tmp_path: Path) -> None:
+    """Four ranks on two nodes, replicated and drained: the metadata's spread to every node
+    and the file list are the nodes' first ranks' (ranks 0 and 2); ranks 1 and 3 decode
+    nothing (each used to decode every step's manifest twice)."""
+    from mp import run_multiprocess
+
+    root, local = str(tmp_path / "root"), str(tmp_path / "{node}")
+    assert run_multiprocess(4, _save_counting, root, local, 2) == [2, 0, 2, 0]
+    back = {"w": torch.zeros(16, 3), "step": 0}
+    objckpt.load(back, f"{root}/step-0000000002")
+    assert back["step"] == 2 and torch.equal(back["w"][12:], torch.full((4, 3), 5.0))
+    for node in ("n0", "n1"):  # each node's folder is whole (its own blobs, the peers' replicas) and listed
+        d = tmp_path / node / "step-0000000002"
+        listed = step_files.read(d, (d / "manifest.json").read_bytes())
+        assert listed is not None and all((d / f).is_file() for f in listed.needed)
