@@ -22,7 +22,8 @@ once the manifest is decoded into the collector's permanent generation (``gc.fre
 for the rest of the load, and back (``gc.unfreeze``) when the load ends: the collector
 still collects what the load makes, but never walks the manifest or the program's own
 objects meanwhile, and when the load ends its manifest is freed by reference counting,
-never having been pending for a full collection (the same load: 226-239 ms).  A program
+never having been pending for a full collection (the same load: 226-239 ms; CPython 3.13
+and older with the GIL only: :data:`FREEZE_PAYS`).  A program
 that froze objects itself (``gc.get_freeze_count()`` above zero, as before a fork) or
 switched the collector off is left alone.
 
@@ -37,6 +38,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
+import sysconfig
 import threading
 from typing import Iterator
 
@@ -69,6 +72,14 @@ _frozen_depth = 0
 _we_froze = False
 
 
+#: where :class:`FrozenOld` freezes: CPython 3.13 and older with the GIL, whose ``gc.freeze``
+#: and ``gc.unfreeze`` splice lists (constant time) and whose full collections walk the
+#: whole heap.  Python 3.14's collector is incremental (no full-heap walks to avoid), and
+#: its ``gc.freeze``, like a free-threaded build's, visits every object: there it would cost
+#: what it saves, so nothing is frozen.
+FREEZE_PAYS = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
+
+
 class FrozenOld:
     """One load's hold on :func:`gc.freeze` (see the module docstring): :meth:`now` once its
     manifest is decoded (again after a second manifest: it is frozen too), :meth:`close`
@@ -79,6 +90,8 @@ class FrozenOld:
 
     def now(self) -> None:
         global _frozen_depth, _we_froze
+        if not FREEZE_PAYS:
+            return
         with _lock:
             if _frozen_depth == 0:
                 _we_froze = gc.isenabled() and gc.get_freeze_count() == 0
