@@ -111,6 +111,31 @@ def test_crc_block_choice() -> None:
     assert max(crc_blocks.chunk_lengths(40 << 20, 16 << 20)) <= 16 << 20
 
 
+def test_crc_block_choice_is_the_rule_as_written() -> None:
+    """choose() evaluates its waste estimate from sorted lengths and prefix sums (a state of
+    thousands of chunks is chosen once per save); it must pick what the rule says: the
+    largest power of two in range whose sum(min(block, n)) over the chunks longer than
+    min_block is at most WASTE of their bytes."""
+    import random
+
+    def by_definition(lengths: list[int], max_block: int, min_block: int) -> int:
+        big = [n for n in lengths if n > min_block]
+        block = 1 << max(max_block, 1).bit_length() - 1
+        while block > min_block and sum(min(block, n) for n in big) > crc_blocks.WASTE * sum(big):
+            block >>= 1
+        return max(block, min(min_block, max_block))
+
+    rng = random.Random(7)
+    for _ in range(500):
+        lengths = [rng.choice([rng.randint(0, 5000), rng.randint(0, 1 << 22), 1 << rng.randint(0, 24)])
+                   for _ in range(rng.randint(0, 40))]
+        max_block = rng.choice([crc_blocks.MAX_BLOCK, 1, 3, 4096, 1 << 22])
+        min_block = rng.choice([crc_blocks.MIN_BLOCK, 0, 1, 512, 8192])
+        want = by_definition(lengths, max_block, min_block)
+        assert crc_blocks.choose(lengths, max_block=max_block, min_block=min_block) == want, (lengths, max_block,
+                                                                                             min_block)
+
+
 def test_explicit_crc_block_is_kept(tmp_path: Any) -> None:
     objckpt.save({"w": torch.zeros(64, 64)}, str(tmp_path / "a"), crc_block=4096)
     assert objckpt.inspect(str(tmp_path / "a")).crc_block == 4096

@@ -15,6 +15,8 @@ would cost more index than it saves.  The manifest records one block size
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Iterable, Optional
 
 MAX_BLOCK = 1 << 20
@@ -42,8 +44,14 @@ def choose(lengths: Iterable[int], *, max_block: int = MAX_BLOCK, min_block: int
     is; ``max_block`` when there are no such chunks)."""
     big = sorted(n for n in lengths if n > min_block)
     total = sum(big)
+    prefix = list(itertools.accumulate(big, initial=0))  # prefix[i]: the i shortest chunks' bytes
+
+    def cost(block: int) -> int:  # sum(min(block, n) for n in big), from the sorted lengths
+        short = bisect.bisect_left(big, block)  # chunks shorter than a block: read whole
+        return prefix[short] + block * (len(big) - short)
+
     block = 1 << max(max_block, 1).bit_length() - 1  # a power of two, not above max_block
-    while block > min_block and sum(min(block, n) for n in big) > waste * total:
+    while block > min_block and cost(block) > waste * total:
         block >>= 1
     return max(block, min(min_block, max_block))
 

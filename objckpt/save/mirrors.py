@@ -71,16 +71,16 @@ class MirrorSet:
             self._mirrors[ident] = host
             self.nbytes += host.numel() * host.element_size()
         self._used.add(ident)
-        with torch.no_grad():
-            if t.is_cuda:
-                if self._stream is None:
-                    self._device = t.device
-                    self._stream = side_stream(t.device)
-                    self._stream.wait_stream(torch.cuda.current_stream(t.device))  # values as of this call
-                with torch.cuda.stream(self._stream):
-                    host.copy_(t, non_blocking=True)
-            else:
-                host.copy_(t)
+        src = t.detach()  # never recorded by autograd (cheaper than a no_grad block per tensor)
+        if src.is_cuda:
+            if self._stream is None:
+                self._device = src.device
+                self._stream = side_stream(src.device)
+                self._stream.wait_stream(torch.cuda.current_stream(src.device))  # values as of this call
+            with torch.cuda.stream(self._stream):
+                host.copy_(src, non_blocking=True)
+        else:
+            host.copy_(src)
         return host
 
     def wait(self) -> None:
