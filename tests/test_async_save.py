@@ -232,3 +232,18 @@ def test_default_async_save_copies_while_describing(tmp_path: Any) -> None:
     objckpt.async_save(state, str(tmp_path / "m2")).result(timeout=60)
     assert mirror_set().nbytes == held  # reused, not grown
     assert torch.equal(objckpt.read(str(tmp_path / "m2"))["b"], torch.full((10,), 7.0))
+
+
+def test_staging_copies_of_parameters_record_no_autograd_graph(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Parameters (requires_grad) are copied into the host mirrors outside autograd: no mirror
+    requires grad or holds a graph back to the model, and the saved values are the model's."""
+    from objckpt.save.mirrors import mirror_set
+
+    model = torch.nn.Linear(7, 5)
+    extra = {"buf": torch.arange(4.0)}  # a plain tensor next to them
+    h = objckpt.async_save({"model": model.state_dict(keep_vars=True), **extra}, str(tmp_path / "ck"))
+    h.result()
+    mirrors = list(mirror_set()._mirrors.values())
+    assert mirrors and not any(m.requires_grad or m.grad_fn is not None for m in mirrors)
+    back = objckpt.read(str(tmp_path / "ck"))
+    assert torch.equal(back["model"]["weight"], model.weight.detach()) and torch.equal(back["buf"], extra["buf"])

@@ -71,7 +71,7 @@ class MirrorSet:
             self._mirrors[ident] = host
             self.nbytes += host.numel() * host.element_size()
         self._used.add(ident)
-        src = t.detach()  # never recorded by autograd (cheaper than a no_grad block per tensor)
+        src = t.detach() if t.requires_grad else t  # never recorded by autograd (no no_grad block per tensor)
         if src.is_cuda:
             if self._stream is None:
                 self._device = src.device
