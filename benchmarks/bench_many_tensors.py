@@ -21,7 +21,11 @@ once, by this tree, under a temporary folder on ``--dir`` (default /dev/shm):
 and the same state saved (``--saves``; every call into a new place under that folder):
 **save** (``objckpt.save``), **manager.save** (a tiered ``CheckpointManager.save``,
 synchronous: the local commit the training waits for; the work after it untimed),
-**dcp.save** and **torch.save**.
+**dcp.save** and **torch.save**; and the async saves, timed until they return (the
+training's stall; their completion untimed): **async_save** (``objckpt.async_save``),
+**manager.async_save** (tiered, ``async_save=True``) and **dcp.async_save**, each against
+a copy of the same tensors into touched host tensors in the same process (the issue's
+stall reference: 1.2x that copy).
 
 Each (variant, operation) runs in a new process per round, in alternating order: torch is
 imported untimed, the destination tensors are allocated fresh (``torch.empty``: no page
@@ -46,10 +50,13 @@ from typing import Any, Callable, Optional
 
 from . import harness as h
 
-OPS = ("plain", "manager", "latest_step", "dcp", "torch.load", "save", "manager.save", "dcp.save", "torch.save")
+OPS = ("plain", "manager", "latest_step", "dcp", "torch.load", "save", "manager.save", "dcp.save", "torch.save",
+       "async_save", "manager.async_save", "dcp.async_save")
 #: the operations that run objckpt (the baselines run them too)
-OBJCKPT_OPS = ("plain", "manager", "latest_step", "save", "manager.save")
-SAVES = ("save", "manager.save", "dcp.save", "torch.save")
+OBJCKPT_OPS = ("plain", "manager", "latest_step", "save", "manager.save", "async_save", "manager.async_save")
+SAVES = ("save", "manager.save", "dcp.save", "torch.save", "async_save", "manager.async_save", "dcp.async_save")
+#: saves timed until they return (the training's stall), their completion untimed
+ASYNC = ("async_save", "manager.async_save", "dcp.async_save")
 
 
 def shapes(tensors: int, kib: int) -> dict[str, int]:
@@ -136,40 +143,56 @@ def _save_child(args: argparse.Namespace, op: str, base: str, rss0: int, state_b
     state = make_state(args.tensors, args.kib)
     out = tempfile.mkdtemp(prefix="save-", dir=base)
     calls = iter(range(1, 100))
-    if op in ("save", "manager.save"):
+    m: Any = None
+    pending: list[Any] = []  # an async save's handle, completed untimed
+    if op in OBJCKPT_OPS:
         import objckpt
 
         if args.root and not objckpt.__file__.startswith(args.root):
             raise RuntimeError("the baseline objckpt was not the one imported")
-        m = (objckpt.CheckpointManager(os.path.join(out, "root"), local_dir=os.path.join(out, "local"), replicas=0,
-                                       persist_every=None, local_keep=2) if op == "manager.save" else None)
+        if op.startswith("manager."):
+            m = objckpt.CheckpointManager(os.path.join(out, "root"), local_dir=os.path.join(out, "local"),
+                                          replicas=0, persist_every=None, local_keep=2,
+                                          async_save=op == "manager.async_save")
 
         def fn() -> Any:
-            return objckpt.save(state, os.path.join(out, f"ck{next(calls)}"))
-    elif op == "dcp.save":
+            i = next(calls)
+            if m is not None:
+                return m.save(i, state)  # the stall: the local commit (or, async, the staging)
+            if op == "async_save":
+                return pending.append(objckpt.async_save(state, os.path.join(out, f"ck{i}")))
+            return objckpt.save(state, os.path.join(out, f"ck{i}"))
+    elif op in ("dcp.save", "dcp.async_save"):
         import torch.distributed.checkpoint as dcp
 
         def fn() -> Any:
-            dcp.save(state, checkpoint_id=os.path.join(out, f"dcp{next(calls)}"))
+            where = os.path.join(out, f"dcp{next(calls)}")
+            if op == "dcp.async_save":
+                return pending.append(dcp.async_save(state, checkpoint_id=where))
+            dcp.save(state, checkpoint_id=where)
     else:
         def fn() -> Any:
             torch.save(state, os.path.join(out, f"state{next(calls)}.pt"))
 
     def timed() -> tuple[float, float]:
-        if op != "manager.save" or m is None:
-            return _timed(fn)
-        c0, t0 = _cpu(), time.perf_counter()
-        m.save(next(calls), state)  # the stall: the local commit the training waits for
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
-        m.wait()  # untimed: the background work after the commit
-        return wall, cpu
+        got = _timed(fn)
+        if m is not None:
+            m.wait()  # untimed: the background work after the commit
+        while pending:
+            pending.pop().result()
+        return got
 
     cold, cold_cpu = timed()
     warm = [timed() for _ in range(3)]
     hwm = h.proc_status("VmHWM") or 0
+    # the reference of a stall: a copy of every tensor into host tensors allocated and touched before
+    into = {k: torch.empty_like(v).fill_(1) for k, v in state.items()}
+    copies = [_timed(lambda: [into[k].copy_(v) for k, v in state.items()])[0] for _ in range(4)]
+    if m is not None:
+        m.close()
     shutil.rmtree(out, ignore_errors=True)
     return {"cold_s": cold, "cold_cpu_s": cold_cpu, "warm_s": statistics.median(w for w, _ in warm),
-            "warm_cpu_s": statistics.median(c for _, c in warm),
+            "warm_cpu_s": statistics.median(c for _, c in warm), "copy_s": statistics.median(copies[1:]),
             "peak_rss_beyond_state_mib": max(0, hwm - rss0 - state_bytes) / h.MiB}
 
 
@@ -234,6 +257,13 @@ def drive(args: argparse.Namespace) -> int:
                      _fmt([r["peak_rss_beyond_state_mib"] for r in rs], "{:.0f}")])
     print(h.md_table(["operation", "cold s", "cold CPU s/GB", "warm s", "warm CPU s/GB",
                       "peak RSS beyond the state, MiB"], rows))
+    stalls = [[name, _fmt([r["warm_s"] for r in rs]), _fmt([r["copy_s"] for r in rs]),
+               _fmt([r["warm_s"] / r["copy_s"] for r in rs], "{:.2f}x")]
+              for name, rs in results.items() if rs and name.split(" [")[0] in ASYNC]
+    if stalls:
+        print("\nasync saves: the warm stall against a copy of the same tensors into touched host tensors "
+              "(same process):\n")
+        print(h.md_table(["operation", "warm stall s", "copy s", "stall / copy"], stalls))
     if args.name:
         path = h.write_results(h.result_path(args.name), {"name": args.name, "config": vars(args),
                                                           "state_bytes": nbytes, "results": results,
