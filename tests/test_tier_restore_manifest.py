@@ -187,7 +187,7 @@ def test_a_file_list_that_cannot_be_written_loses_nothing(tmp_path: Path, monkey
             raise OSError(28, "No space left on device")
         real(src, dst)
 
-    monkeypatch.setattr(step_files.os, "replace", refuse)
+    monkeypatch.setattr(_os, "replace", refuse)
     with caplog.at_level(logging.WARNING, logger="objckpt.manager"):
         m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
                                       persist_every=None)

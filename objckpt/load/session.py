@@ -100,13 +100,19 @@ async def _fetch(store: ObjectStore, prefix: str, uri: str, stats: Optional[IOSt
     """The manifest's stored bytes (a copy writes them unchanged) and the manifest they decode to."""
     t0 = time.perf_counter()
     data = await manifest_bytes(store, prefix, uri)
+    return data, _decoded(data, prefix, uri, stats, t0)
+
+
+def _decoded(data: bytes, prefix: str, uri: str, stats: Optional[IOStats], t0: float) -> Manifest:
+    """The manifest ``data`` decodes to, checked against this checkpoint's namespace; its bytes
+    and the time since ``t0`` counted in ``stats``."""
     m = decode(data, f"{uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
     if stats is not None:
         stats.add(len(data))
         stats.timings.add("manifest", time.perf_counter() - t0)
     if m.spread_up:
         m.object_keys(prefix)  # a spread entry that places outside this checkpoint's namespace: corrupt, now
-    return data, m
+    return m
 
 
 def stored_key(m: Manifest, key: str) -> str:
@@ -204,12 +210,9 @@ class ReadSession:
         self.manifest_raw, m = self._held
         self._held = None
         if m is None:  # read, not decoded yet: decoded here, as a fetch would
-            t0 = time.perf_counter()
-            m = decode(self.manifest_raw, f"{self.uri.rstrip('/')}/{objkeys.MANIFEST_NAME}")
-            st = self.stats if stats is None else stats
-            st.add(len(self.manifest_raw))
-            st.timings.add("manifest", time.perf_counter() - t0)
-        if m.spread_up:
+            m = _decoded(self.manifest_raw, self.prefix, self.uri, self.stats if stats is None else stats,
+                         time.perf_counter())
+        elif m.spread_up:
             m.object_keys(self.prefix)  # as _fetch: spread entries must place inside this namespace
         self._manifest, self._resolver = m, None
         return m

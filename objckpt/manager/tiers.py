@@ -211,7 +211,7 @@ class TieredSaves:
         self._clock: Optional[RetryClock] = start_clock(comm, self._jobs, self._undrained, settings.drain_retry_s,
                                                         self._retry_round)
         self._last_handle: Optional[SaveHandle] = None  # the last async save's, to bound them to one
-        #: step -> (bytes, manifest) of the local steps the last restore plan decoded (see load)
+        #: step -> (bytes, manifest when decoded) of the local steps the last restore plan read (see load)
         self._scanned: dict[int, tuple[bytes, Optional[_manifest.Manifest]]] = {}
         pages = small_pages_hint(self.root) if self.first_on_node else None
         if pages:

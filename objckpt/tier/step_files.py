@@ -21,9 +21,7 @@ itself.  It is written to a temporary name and renamed, so a reader never sees h
 from __future__ import annotations
 
 import logging
-import os
 import re
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -31,9 +29,12 @@ from typing import Optional
 from typing_extensions import TypeGuard
 
 from ..checksum import crc32c
+from ..errors import ObjckptError
 from ..format import keys
 from ..format import manifest as _manifest
 from ..format.sealed_json import load_json, seal, verify
+from ..runtime import loop as _runtime
+from ..storage.local import LocalStore
 
 log = logging.getLogger("objckpt.manager")
 
@@ -83,24 +84,18 @@ class _Bad(ValueError):
 
 def write(step_dir: Path, manifest_bytes: bytes, files: StepFiles) -> bool:
     """Write ``step_dir``'s list (taken from the manifest whose stored bytes are
-    ``manifest_bytes``); False, logged, when it cannot be written (the readers then decode
-    the manifest: nothing is lost but time)."""
+    ``manifest_bytes``) through the local store's one writer (a temporary, then a rename);
+    False, logged, when it cannot be written (the readers then decode the manifest:
+    nothing is lost but time)."""
     body = {"format": _FORMAT, "version": _VERSION, "manifest_size": len(manifest_bytes),
             "manifest_crc32c": crc32c(manifest_bytes), "needed": list(files.needed),
             "by_rank": {str(r): list(names) for r, names in sorted(files.by_rank.items())}}
-    tmp = step_dir / f".{FILES_NAME}.{secrets.token_hex(4)}.tmp"
     try:
-        with open(tmp, "wb") as f:
-            f.write(seal(body))
-        os.replace(tmp, step_dir / FILES_NAME)
+        _runtime.run(LocalStore(str(step_dir)).put(FILES_NAME, seal(body)))
         return True
-    except OSError as e:
+    except (OSError, ObjckptError) as e:
         log.warning("objckpt: cannot write the file list of %s (%s); restores will decode its manifest instead",
                     step_dir, e)
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
         return False
 
 
