@@ -7,6 +7,9 @@ a markdown table per kind and one JSON file of every trial.
     python -m benchmarks.fault_campaign --disk 200 --op-kills 90 --rank-kills 20 \\
         --out benchmarks/results/campaign-disk-ops.json   # local disk faults, kills in cp/rm/prune and 2-rank saves
 
+    python -m benchmarks.fault_campaign --commit-kills 40 \\
+        --out benchmarks/results/campaign-commit.json   # a rank killed at each point of the commit window
+
 The S3 targets run in their own processes (``harness.Server``): the in-memory server for
 kills and races, a second one for faults (reset before each fault trial), and moto for
 every tenth kill.  Outcomes: ok (bit-exact), detected (an ObjckptError, nothing committed
@@ -93,6 +96,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--disk", type=int, default=0, help="local disk faults (full, read-only, file/dir in the way)")
     ap.add_argument("--op-kills", type=int, default=0, help="SIGKILL during cp / rm / prune (local and S3)")
     ap.add_argument("--rank-kills", type=int, default=0, help="SIGKILL of one rank during a 2-rank gloo save")
+    ap.add_argument("--commit-kills", type=int, default=0,
+                    help="SIGKILL of one rank at each point of rank 0's commit in a 2-rank save (local and S3)")
     ap.add_argument("--hostile-http", action="store_true",
                     help="objckpt's S3 client against trickling, 1xx, huge-chunk, wrong-range answers")
     ap.add_argument("--dead-limit", type=float, default=120.0, help="seconds before a dead-endpoint trial counts as hung")
@@ -119,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             start = len(trials)
             _run("disk", a.disk, lambda i: disk_trial(a.seed + i), trials)
             tables["disk"] = _table(trials[start:], lambda t: f"{t.params['fault']} / {t.params['filesystem']}")
-        if a.kills or a.races or a.op_kills or a.rank_kills:
+        if a.kills or a.races or a.op_kills or a.rank_kills or a.commit_kills:
             fast = harness.Server("fast")
             servers.append(fast)
             moto = harness.Server("moto") if a.kills >= 10 else None
@@ -154,6 +159,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             if a.rank_kills:
                 tables["kill one rank of a 2-rank save"] = _table(
                     trials[start:], lambda t: f"{t.params['target']}, rank {t.params['kill_rank']} killed")
+            from testkit.campaign_commit import commit_kill_cases, commit_kill_trial
+
+            start = len(trials)
+            cases = commit_kill_cases(a.commit_kills, a.seed)
+            _run("commit kill", a.commit_kills,
+                 lambda i: commit_kill_trial(targets[(i // 20) % 2], a.seed + i, *cases[i][:2], overwrite=cases[i][2]),
+                 trials)
+            if a.commit_kills:
+                tables["kill a rank in the commit window of a 2-rank save"] = _table(
+                    trials[start:], lambda t: f"{t.params['point']}, rank {t.params['victim']} killed, "
+                                              f"{'overwrite' if t.params['overwrite'] else 'first save'}")
+                tables["commit window by target"] = _table(trials[start:], lambda t: t.params["target"])
         if a.faults:
             fsrv = harness.Server("fast")
             servers.append(fsrv)

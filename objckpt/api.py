@@ -61,6 +61,15 @@ def save(state_dict: Any, uri: str, **kwargs: Unpack[SaveArgs]) -> SaveResult:
     (bytes per block crc; by default chosen from the chunk sizes, at most 1 MiB), ``store`` (an ObjectStore replacing the backend the URI would
     open; the URI's path is then the prefix).
 
+    ``single_writer=True``: you guarantee that one writer saves under this root (one
+    job, never a second one beside it).  Without it a save that may not replace a
+    checkpoint first asks whether the store honours the conditional commit (a
+    create-only PUT repeated on a probe key, once per store per process; local files
+    are never probed) and, on a store that accepts ``If-None-Match: *`` and ignores
+    it, raises :class:`~objckpt.errors.ConditionalWriteIgnoredError` on every rank
+    before writing anything: there two writers could both be told they committed.
+    With it the save goes on (logged once per store).
+
     ``key_layout="spread"`` (for jobs of thousands of ranks on S3): each rank's
     blobs and rank index go under a hashed prefix below ``spread_root`` (a URI
     or path of an ancestor of ``uri``; default its parent) instead of under
@@ -241,7 +250,7 @@ def load_session(
     # a bad option on one rank must still reach the others' first exchange: parse inside the guard
     strategy = read_strategy if read_strategy in tuple(ReadStrategy) else ReadStrategy.AUTO
     reader = CollectiveReader(comm, ReadStrategy(strategy), Budget(max(collective_bytes, 1)))
-    with reader.failing_together():
+    with reader.failing_together(uri):
         opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes,  # type: ignore[arg-type]
                            no_dist, collective_timeout, cast, memory_bytes)
         reader.memory = load_budget(opts.memory_bytes, opts.collective_bytes)  # the load's one budget

@@ -117,6 +117,12 @@ class SaveOptions:
     spread_root: Optional[str] = None
     #: spread layout: hex digits of the hashed prefix (1 to 4: 16 to 65,536 prefixes)
     spread_digits: int = 2
+    #: the caller guarantees one writer per root (one job, never a second one beside it): a store
+    #: that accepts ``If-None-Match: *`` and ignores it (probed once per store) is then used, with
+    #: one log line, instead of refused with ConditionalWriteIgnoredError.  objckpt still reads
+    #: each commit back, but two writers there could both be told they committed
+    #: (docs/reliability.md, "What objckpt requires of a store")
+    single_writer: bool = False
 
     def checked(self) -> "SaveOptions":
         """These options, checked (metadata made a JSON object).  The save calls it
@@ -181,6 +187,7 @@ class SaveArgs(TypedDict, total=False):
     key_layout: "str | KeyScheme"
     spread_root: Optional[str]
     spread_digits: int
+    single_writer: bool
     store: Any  # an objckpt.storage.ObjectStore
 
 

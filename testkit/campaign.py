@@ -381,7 +381,9 @@ def refused_url() -> str:
 def dead_endpoint_trial(mode: str, *, limit: float = 60.0, storage_options: Optional[dict[str, Any]] = None) -> Trial:
     """Time for ``objckpt.read`` (default settings unless ``storage_options``) to fail against
     a refused or a silent endpoint, in a subprocess killed after ``limit`` seconds.
-    ``detected`` within the limit with an ObjckptError; FAILED on a hang or a built-in error."""
+    ``detected`` within the limit with an ObjckptError; FAILED on a hang or a built-in error.
+    ``extra``: ``detect_s`` (the read's seconds) and, for the silent endpoint, ``connections``
+    (how many it accepted: the attempts the read made)."""
     params = {"mode": mode, "limit_s": limit}
 
     def body() -> Trial:
@@ -395,11 +397,12 @@ def dead_endpoint_trial(mode: str, *, limit: float = 60.0, storage_options: Opti
         finally:
             if silent:
                 silent.close()
+        conns = {"connections": len(silent.conns)} if silent else {}
         if code is None:
-            return Trial("dead", params, FAILED, f"no answer within {limit:.0f} s", extra={"detect_s": None})
+            return Trial("dead", params, FAILED, f"no answer within {limit:.0f} s", extra={"detect_s": None, **conns})
         r = last_json(out) or {}
         ok = r.get("objckpt_error", False)
         return Trial("dead", params, DETECTED if ok else FAILED, r.get("error", out[-500:]),
-                     extra={"detect_s": round(r.get("seconds", took), 2)})
+                     extra={"detect_s": round(r.get("seconds", took), 2), **conns})
 
     return timed("dead", params, body)

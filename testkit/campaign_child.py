@@ -10,7 +10,9 @@ A subprocess because a trial must be able to SIGKILL a save, cap a hostile read'
 * ``hostile``: run read / load / inspect / verify on a (hostile) checkpoint under a memory cap;
 * ``op``: ``cp``, ``rm`` or ``prune`` (the library calls behind the commands) with the
   same ``kill_at`` (:mod:`testkit.campaign_ops`);
-* ``rank_save``: one rank of a gloo group saving sharded state, ``kill_at`` on ``kill_rank``.
+* ``rank_save``: one rank of a gloo group saving sharded state, ``kill_at`` on ``kill_rank``;
+* ``commit_rank``: the same, with a rank killed at a point of rank 0's commit
+  (:mod:`testkit.campaign_commit`).
 """
 from __future__ import annotations
 
@@ -133,10 +135,15 @@ def cmd_read(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_hostile(a: dict[str, Any]) -> dict[str, Any]:
-    """Each of read / inspect / verify / load on the checkpoint: the error (or none) it gave."""
+    """Each of read / inspect / verify / load on the checkpoint: the error (or none) it gave,
+    and the CPU seconds it used (the work it did, whatever else runs on the machine).
+    ``cpu_limit``: the CPU seconds this process may use in all (``RLIMIT_CPU``: SIGXCPU beyond)."""
     cap = int(a.get("memory_cap", 0))
     if cap:
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    cpu = int(a.get("cpu_limit", 0))
+    if cpu:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
     import torch
 
     import objckpt
@@ -151,13 +158,14 @@ def cmd_hostile(a: dict[str, Any]) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for name in a.get("ops", list(ops)):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             ops[name]()
             r: dict[str, Any] = {"ok": True}
         except BaseException as e:  # noqa: BLE001 - MemoryError and RecursionError included
             r = _error(e)
         r["seconds"] = round(time.perf_counter() - t0, 3)
+        r["cpu_s"] = round(time.process_time() - c0, 3)
         out[name] = r
     return {"ops": out, "peak_rss": _peak_rss()}
 
@@ -219,8 +227,10 @@ def cmd_rank_save(a: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: Sequence[str]) -> None:
     command, args = argv[0], json.loads(argv[1])
+    from .campaign_commit import commit_rank
+
     fn = {"save": cmd_save, "read": cmd_read, "hostile": cmd_hostile, "op": cmd_op,
-          "rank_save": cmd_rank_save}[command]
+          "rank_save": cmd_rank_save, "commit_rank": commit_rank}[command]
     print(json.dumps(fn(args), default=repr), flush=True)
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown: a hostile input may have left threads behind

@@ -2,21 +2,31 @@
 
 Each case edits a valid manifest (format v1, or v2 for the layout cases) the way a
 malicious or broken writer could, and runs read / inspect / verify / load on it in a
-subprocess under a memory cap (``RLIMIT_AS``) and a time limit.  Expected: every op
-raises an ObjckptError (or, for a harmless edit, succeeds), within bounded time and
-memory; a built-in exception, MemoryError, a kill or a hang is FAILED.
+subprocess under a memory cap (``RLIMIT_AS``) and a CPU-time cap (``RLIMIT_CPU``): the
+work it may do, the same on a busy machine as on an idle one.  Expected: every op
+raises an ObjckptError (or, for a harmless edit, succeeds), within bounded work and
+memory; a built-in exception, MemoryError, a kill (the CPU cap included) is FAILED.  A
+wall-clock limit remains only as a guard against a hang that uses no CPU (a wait that
+never ends): generous, so a loaded machine never trips it.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from typing import Any, Callable, Optional
 
 from objckpt.format.manifest import reseal
 from .campaign import DETECTED, FAILED, Trial, last_json, run_child, timed
+
+#: CPU seconds a hostile trial's subprocess may use in all: imports (~3 s) and four ops that
+#: each refuse the manifest after reading it once; a loop over a hostile count runs out of it
+HOSTILE_CPU_S = 60
+#: wall seconds before a trial's subprocess counts as hung (a wait that uses no CPU)
+HOSTILE_HANG_S = 240.0
 
 Edit = Callable[[dict[str, Any]], Any]  # edits the manifest dict in place, or returns raw bytes
 
@@ -108,12 +118,14 @@ def write_case(base: str, name: str, dest: str) -> None:
         f.write(data)
 
 
-def hostile_trial(name: str, bases: dict[str, str], *, memory_cap: int = 3 << 30, timeout: float = 120.0,
-                  ops: Optional[list[str]] = None) -> Trial:
+def hostile_trial(name: str, bases: dict[str, str], *, memory_cap: int = 3 << 30, cpu_limit: int = HOSTILE_CPU_S,
+                  timeout: float = HOSTILE_HANG_S, ops: Optional[list[str]] = None) -> Trial:
     """Case ``name`` on a copy of ``bases[v1|v2]`` through read/inspect/verify/load in a
-    subprocess (``RLIMIT_AS`` = ``memory_cap``): peak RSS and the worst op's seconds in ``extra``.
-    ``detected`` needs every op to raise an ObjckptError or succeed, and ``read`` to refuse."""
-    params: dict[str, Any] = {"case": name, "memory_cap": memory_cap}
+    subprocess (``RLIMIT_AS`` = ``memory_cap``, ``RLIMIT_CPU`` = ``cpu_limit`` seconds; ``timeout``
+    wall seconds: a hang guard only): peak RSS, the worst op's CPU seconds (``max_op_cpu_s``)
+    and wall seconds in ``extra``.  ``detected`` needs every op to raise an ObjckptError or
+    succeed, and ``read`` to refuse."""
+    params: dict[str, Any] = {"case": name, "memory_cap": memory_cap, "cpu_limit": cpu_limit}
 
     def body() -> Trial:
         tmp = tempfile.mkdtemp(prefix="objckpt-hostile-")
@@ -121,14 +133,17 @@ def hostile_trial(name: str, bases: dict[str, str], *, memory_cap: int = 3 << 30
             ck = os.path.join(tmp, "ck")
             write_case(bases[CASES[name][0]], name, ck)
             t0 = time.perf_counter()
-            code, out = run_child("hostile", {"uri": ck, "memory_cap": memory_cap,
+            code, out = run_child("hostile", {"uri": ck, "memory_cap": memory_cap, "cpu_limit": cpu_limit,
                                               **({"ops": ops} if ops else {})}, timeout)
             took = time.perf_counter() - t0
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if code is None:
-            return Trial("hostile", params, FAILED, f"hung: no result within {timeout:.0f} s",
+            return Trial("hostile", params, FAILED, f"hung: no result within {timeout:.0f} s (wall clock)",
                          extra={"max_op_s": took, "peak_rss": None})
+        if code in (-signal.SIGXCPU, -signal.SIGKILL) and last_json(out) is None:
+            return Trial("hostile", params, FAILED, f"used more than its {cpu_limit} CPU seconds (exit {code}): "
+                         "work that grows with a number in the manifest", extra={"max_op_s": took, "peak_rss": None})
         r = last_json(out)
         if r is None:
             return Trial("hostile", params, FAILED, f"the process died (exit {code}): {out[-600:]}",
@@ -136,7 +151,7 @@ def hostile_trial(name: str, bases: dict[str, str], *, memory_cap: int = 3 << 30
         bad = {op: v["error"] for op, v in r["ops"].items() if not v.get("ok") and not v.get("objckpt_error")}
         seen = {op: v.get("error", "ok") for op, v in r["ops"].items()}
         extra = {"peak_rss": r.get("peak_rss"), "max_op_s": max(v["seconds"] for v in r["ops"].values()),
-                 "ops": seen}
+                 "max_op_cpu_s": max(v["cpu_s"] for v in r["ops"].values()), "ops": seen}
         if bad:
             return Trial("hostile", params, FAILED, "; ".join(f"{k}: {v}" for k, v in bad.items()), extra=extra)
         if r["ops"].get("read", {}).get("ok"):  # every case is invalid: reading it whole must refuse

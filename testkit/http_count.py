@@ -124,3 +124,21 @@ class CountingProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
         return Handler
+
+
+class DropsIfNoneMatch(CountingProxy):
+    """An S3-compatible endpoint that accepts ``If-None-Match`` and ignores it, as some do:
+    the upstream (moto) behind a proxy that drops the header, so every request still
+    reaches a real S3 server over HTTP, and is counted."""
+
+    def _handler_class(self) -> type:
+        base = super()._handler_class()
+
+        class Handler(base):  # type: ignore[valid-type, misc]
+            def _forward(self) -> None:
+                del self.headers["If-None-Match"]
+                super()._forward()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        return Handler

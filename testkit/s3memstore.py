@@ -13,12 +13,24 @@ testkit/s3server.py`` loads it as a plain sibling module, without importing torc
 from __future__ import annotations
 
 import bisect
+import calendar
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Union
 
 Buffer = Union[bytes, bytearray]
 _DEFAULT_MIN_PART = 5 << 20  # S3's minimum for every part but the last
+_MAX_SKEW_S = 15 * 60  # how far S3 lets a request's signing time be from its clock
+#: S3's refusals of credentials: code -> (status, message)
+_CREDENTIAL_REFUSALS = {
+    "ExpiredToken": (400, "The provided token has expired."),
+    "InvalidToken": (400, "The provided token is malformed or otherwise invalid."),
+    "SignatureDoesNotMatch": (403, "The request signature we calculated does not match the signature you provided. "
+                                   "Check your key and signing method."),
+    "InvalidAccessKeyId": (403, "The AWS Access Key Id you provided does not exist in our records."),
+    "AccessDenied": (403, "Access Denied"),
+}
 
 
 class S3Error(Exception):
@@ -100,8 +112,11 @@ class _State:
         self.faults: List[List[Any]] = []  # [op, remaining, status, code]
         self.throttle_above = 0  # > 0: answer 503 SlowDown to requests beyond this many in flight
         self.corrupt_bodies = 0  # > 0: flip a byte of the next uploaded bodies (damage in flight)
+        self.lost_replies: List[List[Any]] = []  # [op, remaining]: done, then the connection dropped unanswered
+        self.widen_ranges = 0  # > 0: answer ranged GETs with the range widened to this alignment (as CDNs do)
         self.in_flight = 0
         self._etags = itertools.count(1)
+        self._reset_quirks()
         self.reset_stats()
 
     # ---- control (in-process via S3Server, or over HTTP) ------------------------------------
@@ -115,6 +130,9 @@ class _State:
         self.faults.clear()
         self.throttle_above = 0
         self.corrupt_bodies = 0
+        self.lost_replies.clear()
+        self.widen_ranges = 0
+        self._reset_quirks()
         self.reset_stats()
 
     def stats(self) -> Dict[str, Any]:
@@ -125,6 +143,80 @@ class _State:
         if count > 0:
             code = code or {500: "InternalError", 503: "SlowDown"}.get(status, "InjectedFault")
             self.faults.append([op, count, status, code])
+
+    def add_lost_reply(self, op: str = "*", count: int = 1) -> None:
+        """The next ``count`` ``op`` operations are carried out, then their connection is
+        closed before any answer: the client cannot tell whether they happened (a reply
+        lost on the network)."""
+        if count > 0:
+            self.lost_replies.append([op, count])
+
+    def take_lost_reply(self, op: str) -> bool:
+        """Whether the answer to this ``op``, just carried out, is to be lost."""
+        for f in self.lost_replies:
+            if f[0] in (op, "*"):
+                f[1] -= 1
+                if f[1] <= 0:
+                    self.lost_replies.remove(f)
+                return True
+        return False
+
+    def set_widen_ranges(self, align: int) -> None:
+        """Answer a ranged GET with a 206 of the range widened outwards to multiples of
+        ``align`` bytes (within the object), as a CDN or cache that aligns ranges does;
+        0: the range asked for."""
+        self.widen_ranges = max(0, int(align))
+
+    def widened(self, start: int, end: int, size: int) -> "tuple[int, int]":
+        """[start, end) as answered: widened when :meth:`set_widen_ranges` says so."""
+        a = self.widen_ranges
+        if a <= 0:
+            return start, end
+        return start - start % a, min(size, -(-end // a) * a)
+
+    # ---- a store's clock, credentials and checksums ------------------------------------------
+    def _reset_quirks(self) -> None:
+        self.clock_offset = 0.0  # seconds the server's clock runs ahead of the host's (negative: behind)
+        self.refused_code = ""  # an S3 code of refused credentials: every request is answered so
+        self.checks_checksums = True  # False: x-amz-checksum-* accepted unchecked, none stored or echoed (Ceph RGW)
+
+    def set_clock(self, offset_s: float) -> None:
+        """Run the server's clock ``offset_s`` seconds off the host's: a request whose
+        ``x-amz-date`` is more than 15 minutes off it is refused (403
+        RequestTimeTooSkewed), as S3 does, and error answers carry its ``Date``."""
+        self.clock_offset = float(offset_s)
+
+    def refuse_credentials(self, code: str) -> None:
+        """Refuse every request with S3's ``code`` for bad credentials (ExpiredToken,
+        InvalidToken: 400; SignatureDoesNotMatch, InvalidAccessKeyId, AccessDenied: 403),
+        as S3 refuses keys it does not accept; "": accept them again."""
+        if code and code not in _CREDENTIAL_REFUSALS:
+            raise ValueError(f"refuse_credentials: {code!r} is none of {sorted(_CREDENTIAL_REFUSALS)}")
+        self.refused_code = code
+
+    def set_checksums_checked(self, on: bool) -> None:
+        """False: behave as a store that ignores ``x-amz-checksum-crc32c`` (Ceph RGW): a
+        part or object whose bytes do not match it is accepted, and no checksum is stored
+        or reported back."""
+        self.checks_checksums = bool(on)
+
+    def now(self) -> float:
+        """The server's clock."""
+        return time.time() + self.clock_offset
+
+    def check_credentials(self, amz_date: str) -> None:
+        """Refuse the request as S3 refuses credentials (see :meth:`refuse_credentials`,
+        :meth:`set_clock`); ``amz_date``: its ``x-amz-date`` (``YYYYMMDDTHHMMSSZ``)."""
+        if self.refused_code:
+            status, message = _CREDENTIAL_REFUSALS[self.refused_code]
+            raise S3Error(status, self.refused_code, message)
+        try:
+            signed = calendar.timegm(time.strptime(amz_date, "%Y%m%dT%H%M%SZ"))
+        except ValueError:
+            return  # unsigned, or signed without x-amz-date: nothing to compare
+        if abs(self.now() - signed) > _MAX_SKEW_S:
+            raise S3Error(403, "RequestTimeTooSkewed",
+                          "The difference between the request time and the current time is too large.")
 
     def set_throttle(self, max_in_flight: int) -> None:
         """Emulate a throttling bucket: requests beyond ``max_in_flight`` at once get 503 SlowDown (0: off)."""

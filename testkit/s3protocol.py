@@ -140,6 +140,16 @@ class _S3App(_State):
             self.add_fault(q.get("op", "*"), int(q.get("count", "1")), int(q.get("status", "500")), q.get("code", ""))
         elif name == "corrupt":
             self.set_corrupt(int(q.get("count", "1")))
+        elif name == "clock":
+            self.set_clock(float(q.get("offset", "0")))
+        elif name == "refuse_credentials":
+            self.refuse_credentials(q.get("code", ""))
+        elif name == "checksums":
+            self.set_checksums_checked(q.get("checked", "true").lower() != "false")
+        elif name == "lose_reply":
+            self.add_lost_reply(q.get("op", "*"), int(q.get("count", "1")))
+        elif name == "widen_ranges":
+            self.set_widen_ranges(int(q.get("align", "0")))
         else:
             raise S3Error(404, "NoSuchControl", name)
         return web.json_response({"ok": True})
@@ -222,12 +232,20 @@ class _S3App(_State):
             try:
                 if self.latency_s:
                     await asyncio.sleep(self.latency_s)
+                self.check_credentials(request.headers.get("x-amz-date", ""))
                 self._check_fault(op)
-                return await getattr(self, "op_" + op)(r)
+                resp = await getattr(self, "op_" + op)(r)
+                if self.take_lost_reply(op):  # done, and the client never hears of it
+                    if request.transport is not None:
+                        request.transport.abort()
+                return resp
             finally:
                 self.in_flight -= 1
         except S3Error as e:
-            return self._error(request, e)
+            resp = self._error(request, e)
+            if self.clock_offset:  # S3's answers carry its clock: how a client tells a skew
+                resp.headers["Date"] = email.utils.formatdate(self.now(), usegmt=True)
+            return resp
 
     # ---- buckets ----------------------------------------------------------------------------
     async def op_ListBuckets(self, r: _Ctx) -> web.Response:
@@ -347,6 +365,8 @@ class _S3App(_State):
         """The body (damaged first when a corruption is pending) and its verified
         ``x-amz-checksum-crc32c``: a body that does not match it is refused (BadDigest)."""
         body = self.take_corruption(r.body)
+        if not self.checks_checksums:  # accepted as it came, whatever the header says; nothing kept
+            return body, ""
         want = r.headers.get("x-amz-checksum-crc32c", "")
         if want:
             crc = 0
@@ -391,7 +411,12 @@ class _S3App(_State):
             return resp
         start, end = rng or (0, size)
         if rng is not None:
+            start, end = self.widened(start, end, size)
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        elif o.crc32c and r.headers.get("x-amz-checksum-mode", "").upper() == "ENABLED":
+            # the checksum the object was stored with (a multipart one's composite ends "-<parts>")
+            headers["x-amz-checksum-crc32c"] = o.crc32c
+            headers["x-amz-checksum-type"] = "COMPOSITE" if "-" in o.crc32c else "FULL_OBJECT"
         resp = web.StreamResponse(status=206 if rng else 200, headers=headers)
         resp.content_length = end - start
         await resp.prepare(r.request)
@@ -410,7 +435,7 @@ class _S3App(_State):
     async def op_CreateMultipartUpload(self, r: _Ctx) -> web.Response:
         up = _Upload(r.key, uuid.uuid4().hex, time.time(), r.headers.get("Content-Type", "binary/octet-stream"),
                      _meta_of(r))
-        up.checksum_algorithm = r.headers.get("x-amz-checksum-algorithm", "").upper()
+        up.checksum_algorithm = r.headers.get("x-amz-checksum-algorithm", "").upper() if self.checks_checksums else ""
         self._bucket(r).uploads[up.upload_id] = up
         return _xml("InitiateMultipartUploadResult",
                     _el("Bucket", r.bucket) + _el("Key", r.key) + _el("UploadId", up.upload_id))

@@ -1,8 +1,10 @@
 """In-memory S3-compatible HTTP server: a BENCHMARK AND TEST TARGET ONLY, not a store.
 
-Nothing is persisted or authenticated (SigV4 headers are ignored); ETags are a
-counter, NOT MD5 digests; Content-MD5 / x-amz-checksum-* are not verified;
-aws-chunked bodies get 501; no versioning, ACLs, encryption or lifecycle.
+Nothing is persisted or authenticated (SigV4 signatures are not checked: only
+``x-amz-date`` against the server's clock, and credentials are refused on demand);
+ETags are a counter, NOT MD5 digests; Content-MD5 is not verified, of
+x-amz-checksum-* only crc32c (unless told not to); aws-chunked bodies get 501; no
+versioning, ACLs, encryption or lifecycle.
 
 Why: moto ingests multipart parts at ~50 MB/s and reads whole objects per
 ranged GET, so behind moto every client looks equally slow.  Here object bytes
@@ -19,7 +21,19 @@ Control endpoints, never counted in the stats:
 ``POST /_objckpt/reset_stats``; ``POST /_objckpt/reset`` (drop everything, zero stats);
 ``POST /_objckpt/fail?op=UploadPart&count=N&status=500``: the next N such operations
 (``op=*``: any) fail after reading their body, with an S3 XML error (500 InternalError,
-503 SlowDown, else ``&code=`` or InjectedFault).
+503 SlowDown, else ``&code=`` or InjectedFault);
+``POST /_objckpt/lose_reply?op=CompleteMultipartUpload&count=N``: the next N such operations
+are carried out, then their connection is closed unanswered (a reply lost on the network);
+``POST /_objckpt/widen_ranges?align=N``: ranged GETs are answered with the range widened to
+multiples of N bytes (a valid 206 that starts before the asked offset, as aligning CDNs send;
+0: off).  A HEAD (or whole GET) with ``x-amz-checksum-mode: ENABLED`` returns the object's
+stored ``x-amz-checksum-crc32c``, as S3 does.
+
+``POST /_objckpt/clock?offset=S``: the server's clock runs S seconds off (requests signed more
+than 15 minutes off it: 403 RequestTimeTooSkewed, error answers carry its ``Date``);
+``POST /_objckpt/refuse_credentials?code=ExpiredToken``: every request refused with that code
+(``code=``: off); ``POST /_objckpt/checksums?checked=false``: checksums accepted unchecked and
+none reported back, as Ceph RGW does.
 
 Three modules: ``s3memstore`` (buckets, objects, uploads, stats, faults), ``s3protocol``
 (the S3 REST operations over aiohttp) and this one (running it: :class:`S3Server` on a
@@ -132,6 +146,31 @@ class S3Server:
     def corrupt(self, count: int = 1) -> None:
         """Flip one byte of each of the next ``count`` uploaded bodies (damage in flight)."""
         self._call(self.state.set_corrupt, count)
+
+    def set_clock(self, offset_s: float) -> None:
+        """Run the server's clock ``offset_s`` seconds off the host's: requests signed more
+        than 15 minutes off it get 403 RequestTimeTooSkewed (bare to a HEAD), as on S3."""
+        self._call(self.state.set_clock, offset_s)
+
+    def refuse_credentials(self, code: str) -> None:
+        """Refuse every request as S3 refuses bad credentials, with ``code`` (ExpiredToken,
+        InvalidToken, SignatureDoesNotMatch, InvalidAccessKeyId, AccessDenied; bare to a
+        HEAD); "": accept them again."""
+        self._call(self.state.refuse_credentials, code)
+
+    def check_checksums(self, on: bool) -> None:
+        """False: accept any ``x-amz-checksum-crc32c`` unchecked and report none back, as
+        Ceph RGW does; True (the default): refuse a body that does not match it."""
+        self._call(self.state.set_checksums_checked, on)
+
+    def lose_reply(self, op: str = "*", count: int = 1) -> None:
+        """The next ``count`` ``op`` operations are carried out, then their connection is
+        closed before any answer (a reply lost on the network)."""
+        self._call(self.state.add_lost_reply, op, count)
+
+    def widen_ranges(self, align: int) -> None:
+        """Answer ranged GETs with the range widened to multiples of ``align`` bytes (0: off)."""
+        self._call(self.state.set_widen_ranges, align)
 
     def stop(self) -> None:
         loop, thread, runner = self._loop, self._thread, self._runner

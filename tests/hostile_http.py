@@ -13,6 +13,8 @@ whole GET all of them, a HEAD their size, a PUT or POST is read and answered
 - ``huge_chunk``: a 206 whose chunked body announces a 1 GiB chunk, then sends
   ``flood`` zero bytes of it as fast as it can and stalls;
 - ``wrong_range``: a 206 that holds the bytes one past those asked for, and says so;
+- ``widen_range``: a valid 206 of the asked range widened to multiples of ``WIDEN``
+  bytes (within the object), as a CDN or cache aligning ranges sends, and says so;
 - ``huge_length``: every answer announces a Content-Length of 1 TiB, sends a few
   bytes and stalls;
 - ``slow_reader``: request bodies are read 64 KiB per ``interval`` seconds.
@@ -26,6 +28,7 @@ import threading
 from typing import Callable, Optional
 
 HUGE = 1 << 30
+WIDEN = 64 << 10  #: the alignment of ``widen_range`` answers
 
 
 class HostileServer:
@@ -122,6 +125,8 @@ class HostileServer:
             status = b"206 Partial Content"
             if self.mode == "wrong_range":
                 lo, hi = lo + 1, min(hi + 1, len(d) - 1)
+            elif self.mode == "widen_range":
+                lo, hi = lo - lo % WIDEN, min(len(d) - 1, hi - hi % WIDEN + WIDEN - 1)
             extra = b"Content-Range: bytes %d-%d/%d\r\n" % (lo, hi, len(d))
         body = d[lo:hi + 1]
         common = b"HTTP/1.1 " + status + b"\r\nx-amz-request-id: r\r\nETag: \"e\"\r\n" + extra

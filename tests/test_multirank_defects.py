@@ -206,7 +206,8 @@ def test_refusal_class_unit() -> None:
     e2 = refusal_class("StateDictMismatchError", CollectiveLoadError)("m", {1: "x"})
     assert isinstance(e2, StateDictMismatchError) and e2.failures == {1: "x"}
     assert refusal_class("KeyError", RemoteError) is RemoteError  # only objckpt's own classes
-    assert refusal_class("CollectiveLoadError", RemoteError) is RemoteError  # needs more than a message
+    e3 = refusal_class("CollectiveLoadError", RemoteError)("CollectiveLoadError", "m")  # more than a message
+    assert isinstance(e3, CollectiveLoadError) and isinstance(e3, RemoteError) and e3.failures == {}
     assert refusal_class("UnsupportedValueError", RemoteError) is type(e)  # made once
 
 

@@ -170,8 +170,11 @@ def test_endpoint_that_refuses_direct_requests_is_a_clear_error(code: str, statu
         state = {"x": torch.randn(1000)}
         objckpt.save(state, "s3://b/ck", storage_options=opts)
         srv.fail("GetObject", count=1, status=status, code=code)
-        hint = "redirects" if status == 302 else "signature or credentials were refused.*direct_http=False"
-        with pytest.raises(objckpt.StorageError, match=rf"HTTP {status}.*1 attempt.*{code}.*{hint}"):
+        hint = {"Found": "redirects", "SignatureDoesNotMatch": "secret access key.*direct_http=False"}.get(
+            code, "signature or credentials were refused.*direct_http=False")
+        said = (rf"{code} .HTTP {status}, not retried" if code == "SignatureDoesNotMatch"  # see test_s3_credentials.py
+                else rf"HTTP {status}.*1 attempt.*{code}")
+        with pytest.raises(objckpt.StorageError, match=rf"{said}.*{hint}"):
             objckpt.load({"x": torch.empty(1000)}, "s3://b/ck", storage_options=opts)
         into = {"x": torch.empty(1000)}
         objckpt.load(into, "s3://b/ck", storage_options=opts)
@@ -310,10 +313,10 @@ def test_a_silent_sender_still_times_out_mid_body(reader_for: Any) -> None:
     data = os.urandom(1 << 20)
     reader, srv = reader_for(data, "stall", read_timeout=0.5)
     sink = Sink([memoryview(bytearray(40_000))])
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
+    # the stall trips read_timeout (named in the error), not the request's 2 s deadline
+    with pytest.raises(TimeoutError, match=r"sent nothing for 0\.5 s mid-body \(read_timeout\)"):
         reader.read_range("k", 0, sink, 2.0)
-    assert sink.got == 10_000 and time.monotonic() - t0 < 2.5
+    assert sink.got == 10_000
     assert bytes(sink.views[0][:10_000]) == data[:10_000]
 
 
@@ -416,12 +419,14 @@ def test_a_body_nobody_reads_times_out(splice: str, monkeypatch: pytest.MonkeyPa
     srv.listen(1)
     port = srv.getsockname()[1]
     target = Target("http", "127.0.0.1", port, f"127.0.0.1:{port}", "/b", "us-east-1")
-    client = DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2, read_timeout=5)
+    # read_timeout far beyond the bound below: the send must stop on the 0.5 s it was given; the
+    # bound is 120 times that (a loaded machine never reaches it), a tenth of the wrong timeout
+    client = DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2, read_timeout=600)
     t0 = time.monotonic()
     try:
         with pytest.raises(TimeoutError):
             client.put("k", [memoryview(bytearray(256 << 20))], {}, 0.5)
-        assert time.monotonic() - t0 < 3 and client._idle == []
+        assert time.monotonic() - t0 < 60 and client._idle == []
     finally:
         srv.close()
 

@@ -142,7 +142,7 @@ def test_a_bare_400_to_head_in_the_right_region_is_an_error_not_a_loop(moto_endp
     with RegionProxy(moto_endpoint, mode="400", bucket_region="us-east-1") as p:
         p.always_refuse_head_object = True
         opts: dict[str, Any] = {**s3_options(p.endpoint_url), "error_attempts": 1}
-        with pytest.raises(StorageError, match=r"HEAD s3://.*manifest\.json.*wrong region"):
+        with pytest.raises(StorageError, match=r"HEAD s3://.*manifest\.json.*bare HTTP 400.*not a region problem"):
             objckpt.save({"x": __import__("torch").ones(3)}, f"s3://{bucket}/ck", storage_options=opts)
         assert p.refused["HEAD"] == 2  # the first, and the one resend after HeadBucket said us-east-1
         assert not p.refused["PUT"]

@@ -1,8 +1,10 @@
 """S3 failures users hit first are reported in bounded time, as ObjckptErrors that
 name the endpoint, the key and the HTTP status; bodies that break mid-stream are
 fetched again.  Real servers only: the in-memory S3 server (with fault injection)
-behind a loopback fault proxy, and a TCP port that never answers.  Only generous
-"fails within N s" bounds are asserted."""
+behind a loopback fault proxy, and a TCP port that never answers.  Bounded by work,
+not measured time: the attempts each request made and the timeout each waited, as the
+error reports them (one generous wall bound remains: a server's stop that must not
+wait for a stalled client)."""
 from __future__ import annotations
 
 import time
@@ -15,6 +17,7 @@ import torch
 import objckpt
 from objckpt.runtime import loop as _runtime
 from objckpt.errors import StorageError
+from objckpt.storage.s3.retry import RetryPolicy
 from testkit.campaign import SilentEndpoint, make_state, same
 from testkit.campaign_io import FaultProxy
 from testkit.s3server import S3Server
@@ -43,7 +46,6 @@ def test_permanent_500_names_endpoint_status_and_key(server: S3Server, op: str, 
     if op == "read":
         objckpt.save({"w": torch.ones(4)}, uri, storage_options=opts)
     server.fail(fault, count=1000, status=500)
-    t0 = time.monotonic()
     try:
         with pytest.raises(StorageError) as info:
             if op == "save":
@@ -54,7 +56,6 @@ def test_permanent_500_names_endpoint_status_and_key(server: S3Server, op: str, 
         server.reset()  # faults and buckets: every test makes its own bucket
     msg = str(info.value)
     assert server.endpoint_url in msg and "HTTP 500" in msg and "2 attempts" in msg and bucket in msg, msg
-    assert time.monotonic() - t0 < 15
 
 
 @pytest.mark.parametrize("op", ["save", "read"])
@@ -63,7 +64,6 @@ def test_silent_endpoint_with_default_settings_is_reported_in_seconds(op: str) -
     silent = SilentEndpoint()
     url = silent.url
     opts = {"endpoint_url": url, **_KEYS}
-    t0 = time.monotonic()
     try:
         with pytest.raises(StorageError) as info:
             if op == "save":
@@ -72,8 +72,10 @@ def test_silent_endpoint_with_default_settings_is_reported_in_seconds(op: str) -
                 objckpt.read("s3://b/run", storage_options=opts)
     finally:
         silent.close()
-    assert url in str(info.value) and "first_answer_timeout" in str(info.value), str(info.value)
-    assert time.monotonic() - t0 < 20
+    policy, msg = RetryPolicy(), str(info.value)
+    assert url in msg and f"(timeout, {policy.timeout_attempts} attempts)" in msg, msg
+    assert f"within {policy.first_answer_timeout:g} s (storage option first_answer_timeout)" in msg, msg
+    assert len(silent.conns) == policy.timeout_attempts  # the attempts it made: one connection each
 
 
 def _read_manifest_through(proxy: FaultProxy, bucket: str, **options: Any) -> bytes:

@@ -1,5 +1,6 @@
 """Two writers of one checkpoint: exactly one commits, the other is told so, and a store that
-ignores ``If-None-Match`` is named instead of trusted (docs/reliability.md, "Two writers")."""
+ignores ``If-None-Match`` is named instead of trusted (docs/reliability.md, "Two writers").
+That such a store is refused unless ``single_writer=True`` is tests/test_conditional_ignored.py's."""
 from __future__ import annotations
 
 import logging
@@ -10,12 +11,12 @@ import torch
 
 import objckpt
 from objckpt.runtime import loop as _runtime
-from objckpt.errors import CheckpointExistsError, ConditionalWriteIgnoredError
+from objckpt.errors import CheckpointExistsError, CommitReplacedError, ConditionalWriteIgnoredError
 from objckpt.format import keys
 from objckpt.manager.index import StepEntry, StepIndex
-from objckpt.manager.store_check import ConditionalWriteCheck
+from objckpt.save.store_check import PROBE_DIR, ConditionalWriteCheck
 from objckpt.storage import ObjectStore, open_store
-from testkit.http_count import CountingProxy
+from testkit.http_count import DropsIfNoneMatch
 from objckpt.testing.stores import CountingStore
 from conftest import assert_same
 from mp import run_multiprocess
@@ -85,6 +86,7 @@ class IgnoresIfAbsent(CountingStore):
 
     def __init__(self, inner: ObjectStore, after_put: Any = None) -> None:
         super().__init__(inner)
+        self.if_absent_enforced = False  # whatever the inner store does, this wrapper drops the condition
         self.after_put = after_put
         self.ignored = 0
 
@@ -99,8 +101,9 @@ class IgnoresIfAbsent(CountingStore):
 def test_save_on_a_store_ignoring_if_none_match_is_not_told_it_committed(
         local_or_s3: tuple[str, dict[str, Any]]) -> None:
     """Writer B's conditional create lands right after writer A's on a store that ignores
-    the condition: A (whose manifest was replaced) gets ConditionalWriteIgnoredError naming
-    the store's behaviour and its blobs are deleted; the checkpoint is B's, whole."""
+    the condition, A having said single_writer=True (wrongly): A, whose manifest was replaced,
+    gets CommitReplacedError naming the store's behaviour and its blobs are deleted; the
+    checkpoint is B's, whole.  The read-back behind single_writer."""
     uri, opts = local_or_s3
     inner, prefix = open_store(uri, opts)
     objckpt.save(_state(1, 2), uri, storage_options=opts)  # writer B's save...
@@ -115,8 +118,9 @@ def test_save_on_a_store_ignoring_if_none_match_is_not_told_it_committed(
 
     store = IgnoresIfAbsent(inner, b_commits)
     with pytest.raises(ConditionalWriteIgnoredError, match="If-None-Match.*did NOT commit") as ei:
-        objckpt.save(_state(1, 1), uri, store=store)
-    assert isinstance(ei.value, CheckpointExistsError) and store.ignored == 1
+        objckpt.save(_state(1, 1), uri, store=store, single_writer=True)
+    assert isinstance(ei.value, CommitReplacedError) and isinstance(ei.value, CheckpointExistsError)
+    assert store.ignored == 3  # the probe's two creates, then the manifest's
     assert "does not honour conditional writes" in str(ei.value)
     st = _blank()
     objckpt.load(st, uri, storage_options=opts)
@@ -142,37 +146,26 @@ def test_index_on_a_store_ignoring_if_none_match_names_it(tmp_path: Any) -> None
     assert _runtime.run(honest.read()).step_numbers() == [7, 9]
 
 
-class DropsIfNoneMatch(CountingProxy):
-    """A real S3-compatible endpoint that ignores ``If-None-Match``: moto behind a proxy
-    that drops the header (the request still reaches a real S3 server over HTTP)."""
-
-    def _handler_class(self) -> type:
-        base = super()._handler_class()
-
-        class Handler(base):  # type: ignore[valid-type, misc]
-            def _forward(self) -> None:
-                del self.headers["If-None-Match"]
-                super()._forward()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
-
-        return Handler
-
-
-def test_manager_warns_about_a_store_that_ignores_if_none_match(
+def test_manager_with_single_writer_on_a_store_that_ignores_if_none_match(
         moto_s3: tuple[str, dict[str, Any]], moto_endpoint: str, caplog: pytest.LogCaptureFixture) -> None:
+    """single_writer=True: the manager saves on a store that ignores the condition, probed once
+    (two creates of one probe key) and said once in the log; an honest store is probed and
+    trusted without a word."""
     bucket, opts = moto_s3
-    with DropsIfNoneMatch(moto_endpoint) as proxy, caplog.at_level(logging.WARNING, logger="objckpt.manager"):
-        m = objckpt.CheckpointManager(f"s3://{bucket}/lax", storage_options={**opts, "endpoint_url": proxy.url})
+    with DropsIfNoneMatch(moto_endpoint) as proxy, caplog.at_level(logging.WARNING, logger="objckpt"):
+        m = objckpt.CheckpointManager(f"s3://{bucket}/lax", storage_options={**opts, "endpoint_url": proxy.url},
+                                      single_writer=True)
         m.save(1, _state(1, 0))
-        m.save(2, _state(2, 0))  # probed once per manager
+        m.save(2, _state(2, 0))  # probed once per store
         assert m._worker is not None and m._worker.conditional is not None
         assert not m._worker.conditional.honoured
         m.close()
-    warnings = [r.getMessage() for r in caplog.records if "ignores the condition" in r.getMessage()]
-    assert len(warnings) == 1 and proxy.url in warnings[0] and "one writer per root" in warnings[0], warnings
+    probes = [r for r in proxy.requests if r.method == "PUT" and f"/{PROBE_DIR}/" in r.path]
+    assert len(probes) == 2, probes
+    said = [r.getMessage() for r in caplog.records if "ignores the condition" in r.getMessage()]
+    assert len(said) == 1 and proxy.url in said[0] and "single_writer=True" in said[0], said
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="objckpt.manager"):
+    with caplog.at_level(logging.WARNING, logger="objckpt"):
         honest = objckpt.CheckpointManager(f"s3://{bucket}/strict", storage_options=opts)
         honest.save(1, _state(1, 0))
         assert honest._worker is not None and honest._worker.conditional == ConditionalWriteCheck(True)

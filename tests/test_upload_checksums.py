@@ -5,6 +5,7 @@ whose bytes changed in flight, and the checksums it reports are compared with ou
 from __future__ import annotations
 
 import base64
+import logging
 import os
 from typing import Any, Iterator
 
@@ -102,3 +103,50 @@ def test_moto_accepts_the_checksummed_upload(moto_s3: tuple[str, dict[str, Any]]
     sd = _state()
     objckpt.save(sd, uri, storage_options=opts)
     assert _same(sd, objckpt.read(uri, storage_options=opts))
+
+
+_UNCHECKED = "does not check part checksums"
+
+
+def _unchecked_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and r.name.startswith("objckpt") and _UNCHECKED in r.getMessage()]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "botocore"])
+def test_a_store_that_ignores_part_checksums_is_named_once(server: S3Server, direct: bool,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Ceph RGW accepts a wrong x-amz-checksum-crc32c on UploadPart and reports none back,
+    so nothing refuses a part damaged in flight.  A store answering so is named once (two
+    saves, one warning), from the answers the upload gets anyway (no request of its own); the
+    damage is then caught by objckpt's crc32c when the checkpoint is read.  A store that
+    checks them (the same server, checking) is never named."""
+    url = server.endpoint_url
+    checked = {**_opts(url, direct_http=direct)}
+    with caplog.at_level(logging.WARNING, logger="objckpt"):
+        objckpt.save(_state(), f"s3://{_bucket(url, 'checks')}/ck", storage_options=checked)
+        assert _unchecked_warnings(caplog) == []
+        server.check_checksums(False)
+        opts = _opts(url, direct_http=direct, throttle_attempts=1)  # another store: the bucket below
+        uri = f"s3://{_bucket(url, 'rgw')}/ck"
+        objckpt.save(_state(), uri, storage_options=opts)
+        server.corrupt(1)  # damaged in flight, and nothing refuses it
+        objckpt.save(_state(), uri, storage_options=opts, overwrite=True)
+    warned = _unchecked_warnings(caplog)
+    assert len(warned) == 1, warned
+    assert f"s3://rgw at {url}" in warned[0] and "UploadPart" in warned[0] and "objckpt verify" in warned[0]
+    assert server.state.corrupt_bodies == 0  # the damage was stored
+    with pytest.raises(objckpt.CorruptCheckpointError):
+        objckpt.read(uri, storage_options=opts)
+
+
+def test_moto_reports_no_part_checksum_and_is_named_once(moto_s3: tuple[str, dict[str, Any]],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """moto (5.x) takes x-amz-checksum-crc32c on PutObject and UploadPart without checking it
+    and reports none back, as Ceph RGW does: it is named once, across two saves."""
+    bucket, opts = moto_s3
+    with caplog.at_level(logging.WARNING, logger="objckpt"):
+        for step in range(2):
+            objckpt.save(_state(), f"s3://{bucket}/ck-{step}", storage_options=opts)
+    warned = _unchecked_warnings(caplog)
+    assert len(warned) == 1 and f"s3://{bucket} at" in warned[0], warned

@@ -18,7 +18,9 @@ coordination:
 * :class:`TensorGroup`: the tensor collectives of a replica group (collective loads).
 * :func:`join`: every rank of the group has entered the same objckpt operation,
   or :class:`RanksDidNotJoinError` within the collective timeout, never a hang.
-* :func:`refusal_class`: the error class to raise for another rank's refusal.
+* :func:`refusal_class`: the error class to raise for another rank's refusal, found in
+  the registry of :mod:`objckpt.errors` (every ObjckptError subclass, wherever defined);
+  :class:`RankError`: one rank's error as it crosses ranks (class name and text).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar
 import torch
 
 from .. import errors as _errors
-from ..errors import ObjckptError
+from ..errors import ObjckptError, error_class, error_name
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -215,36 +217,83 @@ class RemoteError(ObjckptError):
         self.kind = kind
         self.message = message
 
+    @classmethod
+    def from_message(cls, message: str) -> "RemoteError":
+        """(The kind is in the text only: ``kind`` is empty.)"""
+        made = cls("", message)
+        made.args = (message,)
+        return made
 
-_refusal_classes: dict[tuple[str, type], type] = {}
+
+@dataclass(frozen=True)
+class RankError:
+    """One rank's error as it crosses ranks: never the exception itself (never pickled),
+    but the registered name of its class (:func:`objckpt.errors.error_name`), which picks
+    the class every rank raises, and the text that describes it."""
+
+    kind: str
+    text: str
+
+    @classmethod
+    def of(cls, e: BaseException, doing: str = "") -> "RankError":
+        """``e`` as it crosses ranks; its text is ``doing`` then ``"ClassName: message"``."""
+        return cls(error_name(e), f"{doing}{type(e).__name__}: {e}")
+
+    def __str__(self) -> str:
+        return self.text
+
+
+_refusal_classes: dict[tuple[type, type], type] = {}
+
+
+def _takes_message(cls: type) -> bool:
+    """Whether ``cls(message)`` builds it: no objckpt class in its MRO has an ``__init__`` of its own."""
+    return not any("__init__" in vars(c) for c in cls.__mro__ if issubclass(c, ObjckptError))
 
 
 def refusal_class(kind: str, base: "type[E]") -> "type[E]":
-    """The class to raise on this rank for an error of type ``kind`` (a class
-    name) that another rank raised: a subclass of both ``base`` and the objckpt
-    error class named ``kind`` (``except UnsupportedValueError`` catches it on
-    every rank alike), or ``base`` itself when ``kind`` names no objckpt error.
-    Exceptions cross ranks as (class name, text), never pickled: the name is
-    only looked up in :mod:`objckpt.errors`."""
-    cls = getattr(_errors, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, ObjckptError)) or issubclass(base, cls):
+    """The class to raise on this rank for an error of type ``kind`` (a registered
+    name, :func:`objckpt.errors.error_name`) that another rank raised: built as ``base``
+    is built (``base(message)``; ``RemoteError(kind, message)``; ``CollectiveLoadError(
+    message, failures)``), an instance of both ``base`` and the class named ``kind``
+    (``except TierSettingsError`` catches it on every rank alike), or ``base`` itself
+    when ``kind`` names no ObjckptError class.  Exceptions cross ranks as (class name,
+    text), never pickled: the name is only looked up in the registry.
+
+    When ``kind``'s class is built from a message alone and is a ``base``, it is
+    returned as it is; otherwise a subclass of it (same name, module and doc) is made
+    once, whose ``__init__`` is ``base``'s, and whose attributes beyond ``base``'s take
+    the values the class's :meth:`~objckpt.errors.ObjckptError.from_message` gives."""
+    cls = error_class(kind)
+    if cls is None or issubclass(base, cls):
         return base
-    if any("__init__" in vars(c) for c in cls.__mro__ if issubclass(c, ObjckptError)):
-        return base  # e.g. CollectiveLoadError(message, failures): not made from a message alone
-    if issubclass(cls, base):
-        return cls
+    if issubclass(cls, base) and _takes_message(cls) and _takes_message(base):
+        return cls  # type: ignore[return-value]
     with _lock:
-        made = _refusal_classes.get((kind, base))
+        made = _refusal_classes.get((cls, base))
         if made is None:
-            made = type(kind, (cls, base), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                            "__doc__": cls.__doc__})
-            _refusal_classes[(kind, base)] = made
+            made = _made_class(cls, base)
+            _refusal_classes[(cls, base)] = made
     return made  # type: ignore[return-value]
 
 
+def _made_class(cls: type[ObjckptError], base: type) -> type:
+    """A subclass of ``cls`` (and of ``base``) built as ``base`` is: see :func:`refusal_class`."""
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        for name, value in vars(cls.from_message(str(self))).items():  # cls's own attributes, at their defaults
+            self.__dict__.setdefault(name, value)
+
+    bases = (cls,) if issubclass(cls, base) else (cls, base)
+    return type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                      "__doc__": cls.__doc__, "__init__": __init__, "_objckpt_stands_for": cls})
+
+
 def refusal(kind: str, message: str) -> ObjckptError:
-    """An exception of the objckpt class named ``kind`` (else ObjckptError) with ``message``."""
-    return refusal_class(kind, ObjckptError)(message)
+    """An exception of exactly the ObjckptError class registered as ``kind`` (else
+    ObjckptError) whose text is ``message``."""
+    cls = error_class(kind)
+    return cls.from_message(message) if cls is not None else ObjckptError(message)
 
 
 @dataclass(frozen=True)
@@ -254,22 +303,51 @@ class _Verdict:
     message: str = ""
 
 
+class DecisionNotShared(_errors.CollectiveError):
+    """A collective of :func:`decide_on_root` failed (a rank died or the network did):
+    this rank did not learn rank 0's decision, or rank 0 could not share it.
+
+    ``decided`` is true on rank 0 when it had decided (``value`` is then its
+    decision, ``failure`` the exception its decision raised, if any) before the
+    sharing failed; on every other rank it is false.  The caller must not assume
+    what rank 0 did: a save, for one, learns the fate of its commit from storage
+    (:mod:`objckpt.save.decision`)."""
+
+    def __init__(self, message: str, *, phase: str = "", decided: bool = False, value: Any = None,
+                 failure: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.decided = decided
+        self.value = value
+        self.failure = failure
+
+
 def decide_on_root(comm: Comm, mine: T, decide: Callable[[list[T]], R]) -> R:
     """Gather ``mine`` from every rank; rank 0 computes ``decide(everyone)``;
     every rank returns that value.  If ``decide`` raises, rank 0 re-raises its
     own exception and every other rank raises :class:`RemoteError` (of the same
     objckpt error class as rank 0's, see :func:`refusal_class`), so no rank
-    is left waiting in a collective the others will never join."""
-    everyone = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
+    is left waiting in a collective the others will never join.  A failed
+    collective raises :class:`DecisionNotShared` (a ``CollectiveError``) saying
+    whether rank 0 had decided."""
+    try:
+        everyone = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
+    except _errors.CollectiveError as e:
+        raise DecisionNotShared(str(e), phase="gathering every rank's report") from e
     verdict = _Verdict()
     failure: Optional[BaseException] = None
     if comm.rank == 0:
         try:
             verdict = _Verdict(decide(everyone))
         except Exception as e:  # noqa: BLE001 - shared with every rank, then re-raised
-            failure, verdict = e, _Verdict(None, type(e).__name__, str(e))
+            failure, verdict = e, _Verdict(None, error_name(e), str(e))
     if comm.world_size > 1:
-        verdict = comm.broadcast_object(verdict)
+        mine_verdict = verdict
+        try:
+            verdict = comm.broadcast_object(verdict)
+        except _errors.CollectiveError as e:
+            raise DecisionNotShared(str(e), phase="sharing rank 0's decision", decided=comm.rank == 0,
+                                    value=mine_verdict.value, failure=failure) from e
     if failure is not None:
         raise failure
     if verdict.kind:

@@ -104,3 +104,32 @@ def join(comm: Comm, what: str, timeout: Optional[float]) -> None:
         "To save or load from this rank alone (e.g. rank 0 only), pass no_dist=True; to wait longer, "
         f"pass collective_timeout=... or set {TIMEOUT_ENV}."
     )
+
+
+#: how long survivors of a failed collective wait for each other's roll call (seconds)
+ROLL_CALL_SECONDS = 2.0
+
+
+def unanswered_ranks(comm: Comm, tag: str, seconds: float = ROLL_CALL_SECONDS) -> Optional[tuple[int, ...]]:
+    """After a collective failed: the ranks of ``comm`` that did not answer a roll call
+    on the rendezvous store within ``seconds`` (dead, or stuck elsewhere), for an error
+    that names them.  Each survivor sets its own key and waits for the others' (no
+    collective: the group itself may be broken).  None when it cannot be told (no
+    process group or store, or the store itself is gone with the rank that hosted it).
+    ``tag`` must name the failed operation the same way on every rank."""
+    if not isinstance(comm, TorchComm) or comm.world_size <= 1:
+        return None
+    store = _default_store()
+    if store is None:
+        return None
+    base = f"objckpt/roll/{tag}"
+    names = [f"{base}/{r}" for r in range(comm.world_size)]
+    try:
+        store.set(names[comm.rank], b"1")
+        try:
+            store.wait(names, datetime.timedelta(seconds=seconds))
+            return ()
+        except RuntimeError:  # someone did not answer in time: who
+            return tuple(r for r, k in enumerate(names) if not store.check([k]))
+    except Exception:  # noqa: BLE001 - the store is unreachable (its host died): cannot tell
+        return None

@@ -42,6 +42,15 @@ def index_name(attempt: str, rank: int, directory: str = BLOB_DIR) -> str:
     return f"{directory}/{attempt}/r{rank:05d}.index.json"
 
 
+#: a multi-rank save's decision record under ``blobs/<attempt>/`` (objckpt.save.decision)
+DECISION_FILE = "decision.json"
+
+
+def decision_name(attempt: str) -> str:
+    """The decision record of ``attempt``, relative to the checkpoint prefix."""
+    return f"{BLOB_DIR}/{attempt}/{DECISION_FILE}"
+
+
 def attempt_of(blob_rel: str) -> str:
     """The attempt id in a blob or index name (``blobs/<attempt>/...``, ``spread/<attempt>/...``)."""
     parts = blob_rel.split("/")

@@ -54,7 +54,9 @@ the packed collective), so a failed read stops its group before the data is
 used; a last exchange over the whole process group then makes every rank
 raise :class:`CollectiveLoadError` naming the failed rank(s) and objects.  A
 rank that fails before the first exchange (no manifest, template mismatch)
-still joins it with its error, so no rank is left waiting in a collective.
+still joins it with its error, so no rank is left waiting in a collective; a
+direct load of several ranks ends with that exchange (one all-reduce), so a rank
+that failed (a Stateful value's ``state_dict()`` raised) makes every rank raise.
 
 All ranks of the process group must call ``load`` with the same
 ``read_strategy`` (the collectives pair up across ranks).  Collectives are
@@ -65,14 +67,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..distributed.comm import Comm, TensorGroup, TorchComm, refusal_class, subgroup
+from ..distributed.comm import Comm, RankError, TensorGroup, TorchComm, refusal_class, subgroup
 from ..distributed.placements import Ranks, mesh_group, replica_group
 from ..errors import CollectiveLoadError, MemoryBudgetError
 from ..format.manifest import Manifest
@@ -126,10 +127,6 @@ def _digest(items: Sequence[_Item]) -> str:
     return h.hexdigest()
 
 
-def _error_text(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
 # --------------------------------------------------------------------------- the load
 
 
@@ -162,7 +159,7 @@ class GroupSummary:
 class Hello:
     """A rank's first message in a collective load: its error, or its groups."""
 
-    error: Optional[str]
+    error: Optional[RankError]
     groups: dict[Ranks, GroupSummary]
     #: bytes left of this rank's load budget (a budget the caller gave; None: the defaults)
     room: Optional[int] = None
@@ -222,8 +219,9 @@ class GroupPlan:
 class CollectiveReader:
     """One ``load``'s read path: direct, or collective over replica groups.
 
-    Inactive (plain :func:`fill_boxes`, no collectives at all) without a
-    process group of more than one rank or with ``ReadStrategy.DIRECT``."""
+    Inactive (plain :func:`fill_boxes`) without a process group of more than one
+    rank or with ``ReadStrategy.DIRECT``; the latter still ends with one outcome
+    exchange (:meth:`failing_together`)."""
 
     def __init__(self, comm: Comm, read_strategy: ReadStrategy = ReadStrategy.AUTO,
                  budget: Budget = Budget(COLLECTIVE_BYTES), cost_model: Optional[CostModel] = None,
@@ -237,33 +235,49 @@ class CollectiveReader:
         self.batch_bytes = budget.nbytes
         self.model = cost_model or COST_MODEL
         self.active = isinstance(comm, TorchComm) and comm.world_size > 1 and read_strategy != ReadStrategy.DIRECT
+        #: a direct load of several ranks: its ranks still learn each other's outcome (see failing_together)
+        self.settles = isinstance(comm, TorchComm) and comm.world_size > 1 and not self.active
         self.exchanged = False
         #: bytes this rank received from other ranks over the interconnect
         self.received_bytes = 0
         #: how this rank's replicated bytes were read: "direct", "broadcast", "allgather" or "+"-joined
         self.strategy = "direct"
-        self._error: Optional[str] = None
+        self._error: Optional[RankError] = None
         self._cause: Optional[BaseException] = None
 
     # ----------------------------------------------------------------- failure handling
 
     @contextmanager
-    def failing_together(self) -> Iterator[None]:
-        """Run a load; a failure on this rank before the first exchange still joins it.
+    def failing_together(self, uri: str = "") -> Iterator[None]:
+        """Run a load of ``uri``; a failure on this rank before the first exchange still joins it.
 
         The other ranks are (or will be) waiting in that exchange; joining it
         with the error makes them raise too instead of waiting for the process
-        group's timeout.  This rank re-raises its own error."""
+        group's timeout; every rank, this one too, then raises the same error, of
+        the first failed rank's class, naming each failed rank (chained from this
+        rank's own error).  A direct load of several ranks has no exchange of its
+        own: it ends with that one exchange (one all-reduce when every rank loaded),
+        so no rank returns while another raises, e.g. when a Stateful value's
+        ``state_dict()`` failed on one rank."""
         try:
             yield
         except Exception as e:
-            if self.active and not self.exchanged:
+            if (self.active or self.settles) and not self.exchanged:
                 self.exchanged = True
                 try:
-                    self._first_exchange(Hello(_error_text(e), {}))
+                    everyone: Optional[list[Hello]] = self._first_exchange(Hello(RankError.of(e), {}))
                 except Exception:  # noqa: BLE001 - the original error is the one to report
-                    pass
+                    everyone = None
+                if everyone is not None:
+                    self._cause = e
+                    self._raise_for({r: h.error for r, h in enumerate(everyone) if h.error}, uri,
+                                    "before reading" if self.active else "")
             raise
+        if self.settles and not self.exchanged:
+            self.exchanged = True
+            errors = {r: h.error for r, h in enumerate(self._first_exchange(Hello(None, {}))) if h.error}
+            if errors:
+                self._raise_for(errors, uri, "")
 
     def _first_exchange(self, hello: Hello) -> list[Hello]:
         """Every rank's :class:`Hello`; just one all-reduce when nobody has an error or a group."""
@@ -271,12 +285,15 @@ class CollectiveReader:
             return [Hello(None, {})] * self.comm.world_size
         return self.comm.all_gather_object(hello)
 
-    def _raise_for(self, errors: dict[int, str], uri: str, when: str) -> None:
-        detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(errors.items()))
-        msg = f"collective load of {uri!r} failed {when} on rank(s) {sorted(errors)}: {detail}"
+    def _raise_for(self, errors: dict[int, RankError], uri: str, when: str) -> None:
+        detail = "; ".join(f"rank {r}: {e.text}" for r, e in sorted(errors.items()))
+        msg = f"collective load of {uri!r} failed {when + ' ' if when else ''}on rank(s) {sorted(errors)}: {detail}"
         # the class of the first rank's error too (e.g. StateDictMismatchError), so every rank raises alike
-        kind = re.match(r"(\w+): ", errors[min(errors)])
-        raise refusal_class(kind.group(1) if kind else "", CollectiveLoadError)(msg, dict(errors)) from self._cause
+        failures = {r: e.text for r, e in errors.items()}
+        exc = refusal_class(errors[min(errors)].kind, CollectiveLoadError)(msg, failures)
+        if when == "before reading":
+            exc.template_modified = False  # type: ignore[attr-defined]  # no byte was read (see load.pipeline)
+        raise exc from self._cause
 
     # ----------------------------------------------------------------- the read path
 
@@ -442,7 +459,7 @@ class CollectiveReader:
             return
         obj = f" (object {store.failed!r})" if store.failed else ""
         shown = ", ".join(map(repr, keys[:5])) + (" ..." if len(keys) > 5 else "")
-        self._error = f"reading tensor(s) {shown}{obj}: {_error_text(e)}"
+        self._error = RankError.of(e, f"reading tensor(s) {shown}{obj}: ")
         self._cause = e
 
     def _run_group(self, plan: GroupPlan, store: NamingStore, prefix: str, m: Manifest, stats: IOStats) -> None:

@@ -44,7 +44,7 @@ from ..api import load as _load
 from ..api import save as _save
 from ..ops.delete import DeleteReport, delete_checkpoint
 from ..distributed.comm import Comm, LocalComm, decide_on_root, get_comm
-from ..errors import CheckpointExistsError, ConditionalWriteIgnoredError, NotFoundError
+from ..errors import CheckpointExistsError, CommitReplacedError, NotFoundError
 from ..format import keys
 from ..results import LoadResult
 from ..save.background import SaveHandle
@@ -76,7 +76,8 @@ class CheckpointManager:
                  persist_every: Optional[int] = 10, persist_every_seconds: Optional[float] = None,
                  local_keep: int = 2, drain_bandwidth: Optional[float] = None, direct: bool = False,
                  node_override: Optional[str] = None, failure_rate: Optional[float] = None,
-                 tier_backend: str = "auto", drain_retry_s: Optional[float] = DRAIN_RETRY_S) -> None:
+                 tier_backend: str = "auto", drain_retry_s: Optional[float] = DRAIN_RETRY_S,
+                 single_writer: bool = False) -> None:
         """``root``: where the run's steps go (``s3://bucket/run``, a path, ...).
         Retention (see :mod:`objckpt.manager.retention`): ``keep_last``, ``keep_every``,
         ``keep_best`` ranked by ``metadata[best_key]`` (``best_mode="max"``: higher is
@@ -90,7 +91,10 @@ class CheckpointManager:
         that retention deletes is removed with it (the rule and default of ``objckpt
         gc``; see :mod:`objckpt.manager.leftovers`).  ``clock``: the save times the
         index records (``time.time``; tests pass their own to exercise
-        ``keep_every_seconds`` without waiting).
+        ``keep_every_seconds`` without waiting).  ``single_writer=True``: you guarantee one
+        writer (this job) under ``root``; a store that ignores ``If-None-Match: *`` is then
+        used instead of refused with :class:`~objckpt.errors.ConditionalWriteIgnoredError`
+        (see :func:`objckpt.save`).
 
         Tiered checkpoints (docs/tiering.md; without ``local_dir`` none of this applies):
         ``local_dir`` (a node-local directory, ``{node}`` replaced by the node's name)
@@ -118,6 +122,7 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.process_group = process_group
         self.no_dist = no_dist
+        self.single_writer = single_writer
         self._comm: Comm = LocalComm() if no_dist else get_comm(process_group)
         store, prefix = open_store(self.root, storage_options)
         self.index = StepIndex(store, prefix, self.naming)
@@ -126,8 +131,8 @@ class CheckpointManager:
         self._known: Optional[dict[int, Candidate]] = None
         self._jobs: list[CommitJob] = []  # rank 0: submitted, maybe not indexed yet
         self.leftover_grace = float(leftover_grace)
-        self._worker: Optional[Worker] = (Worker(self.index, self.policy, self.root, self.leftover_grace)
-                                          if self.is_root else None)
+        self._worker: Optional[Worker] = (Worker(self.index, self.policy, self.root, self.leftover_grace,
+                                                 single_writer) if self.is_root else None)
         self._tiers: Optional[TieredSaves] = None
         if local_dir is not None:
             self._tiers = TieredSaves(self, TierSettings(local_dir, replicas, persist_every, persist_every_seconds,
@@ -264,8 +269,9 @@ class CheckpointManager:
     def _start(self, state: Any, uri: str, md: dict[str, Any]) -> Optional[SaveHandle]:
         """The async save's handle, or None once a synchronous save committed (never an overwrite)."""
         if self.async_save:
-            return _async_save(state, uri, metadata=md, max_in_flight=1, overwrite=False, **self._dist_kwargs())
-        _save(state, uri, metadata=md, overwrite=False, **self._dist_kwargs())
+            return _async_save(state, uri, metadata=md, max_in_flight=1, overwrite=False,
+                               single_writer=self.single_writer, **self._dist_kwargs())
+        _save(state, uri, metadata=md, overwrite=False, single_writer=self.single_writer, **self._dist_kwargs())
         return None
 
     def _exists_error(self, step: int, uri: str, cause: CheckpointExistsError) -> CheckpointExistsError:
@@ -290,8 +296,8 @@ class CheckpointManager:
         why = "" if not outcome else (
             " It was not in the index: another job is saving under this root, or a save was killed after its "
             "commit and before its index update" + outcome)
-        cls = ConditionalWriteIgnoredError if isinstance(cause, ConditionalWriteIgnoredError) else CheckpointExistsError
-        detail = f" ({cause})" if cls is ConditionalWriteIgnoredError else ""
+        cls = CommitReplacedError if isinstance(cause, CommitReplacedError) else CheckpointExistsError
+        detail = f" ({cause})" if cls is CommitReplacedError else ""
         return cls(f"step {step} is already committed under {self.root!r} ({uri}); it was not replaced.{why} "
                    f"Delete it first (CheckpointManager.delete) to save it again{detail}")
 

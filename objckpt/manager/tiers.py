@@ -22,9 +22,9 @@ from ..api import async_save as _async_save
 from ..api import load as _load
 from ..api import load_session
 from ..api import save as _save
-from ..distributed.comm import Comm, background_comm
+from ..distributed.comm import Comm, RankError, background_comm, refusal_class
 from ..distributed.join import collective_timeout
-from ..errors import CollectiveError, ObjckptError
+from ..errors import CollectiveError, ObjckptError, error_name
 from ..format import manifest as _manifest
 from ..format import keys
 from ..load.session import ReadSession
@@ -240,7 +240,7 @@ class TieredSaves:
                 raise
             failed, share = e, _space.Share()
         problem = (Problem(ProblemKind.STATE, f"its state could not be read ({type(failed).__name__}: {failed})",
-                           type(failed).__name__) if failed is not None else self._check(step, d, share))
+                           error_name(failed)) if failed is not None else self._check(step, d, share))
         known = self._known()
         if problem is None and known is not None and step in known:  # drained before: never replaced
             problem = Problem(ProblemKind.EXISTS, f"step {step} is already committed under {self.m.root!r}")
@@ -543,14 +543,15 @@ class TieredSaves:
             failed = e
         finally:
             got.segments = {}  # the received bytes go with the load
-        outcomes = (self.comm.all_gather_object(f"{type(failed).__name__}: {failed}" if failed else "")
-                    if self.comm.world_size > 1 else [""])
+        mine = RankError.of(failed) if failed is not None else None
+        outcomes = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
         if failed is not None:
             raise failed
-        bad = {r: o for r, o in enumerate(outcomes) if o}
-        if bad:
-            raise TierRestoreError(f"restoring step {plan.step}: the load failed on rank(s) {sorted(bad)}: "
-                                   + "; ".join(f"rank {r}: {o}" for r, o in sorted(bad.items())[:4]))
+        bad = {r: o for r, o in enumerate(outcomes) if o is not None}
+        if bad:  # the first failed rank's class (a TierRestoreError too), on every rank alike
+            raise refusal_class(bad[min(bad)].kind, TierRestoreError)(
+                f"restoring step {plan.step}: the load failed on rank(s) {sorted(bad)}: "
+                + "; ".join(f"rank {r}: {o.text}" for r, o in sorted(bad.items())[:4]))
         self.last_restore = _restore.RestoreReport(plan.step, tuple(sources), dict(got.sources),
                                                    dict(got.bytes_by_rank), got.rounds,
                                                    fetch_seconds=got.seconds, in_place_bytes=got.in_place_bytes)

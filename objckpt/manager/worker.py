@@ -38,9 +38,9 @@ from ..runtime import loop as _runtime
 from ..ops.delete import delete_checkpoint
 from ..errors import NotFoundError
 from ..save.background import SaveHandle
+from ..save.store_check import ConditionalWriteCheck, conditional_writes, save_refusal
 from .index import IndexDoc, StepIndex
 from .leftovers import LEFTOVER_GRACE, sweep_step
-from .store_check import ConditionalWriteCheck, check_conditional_writes
 from .retention import Candidate, RetentionPolicy, retention_verdicts
 
 log = logging.getLogger("objckpt.manager")
@@ -164,8 +164,9 @@ class Worker:
     """One thread that runs :class:`CommitJob` s in order."""
 
     def __init__(self, index: StepIndex, policy: RetentionPolicy, root_uri: str,
-                 grace: float = LEFTOVER_GRACE) -> None:
+                 grace: float = LEFTOVER_GRACE, single_writer: bool = False) -> None:
         self.index = index
+        self.single_writer = single_writer
         self.policy = policy
         self.root_uri = root_uri
         self.grace = grace
@@ -248,20 +249,26 @@ class Worker:
                 self._errors.append(e)
 
     def _check_store_once(self) -> None:
-        """Probe the store's create-only writes once (:mod:`~objckpt.manager.store_check`);
-        a store that ignores them gets a warning: two writers on this root are unsafe there."""
+        """Whether the store honours create-only writes (:mod:`~objckpt.save.store_check`): the
+        verdict the save's own probe left on this store, at no request; probed here only after
+        a tiered save's drain, which reaches the store without that probe.  A store that
+        ignores them gets a warning, unless ``single_writer``: the index's compare-and-swap
+        and two writers on this root are unsafe there."""
         if self.conditional is not None:
             return
         try:
-            self.conditional = _runtime.run(check_conditional_writes(self.index.store, self.index.root))
+            self.conditional = _runtime.run(conditional_writes(self.index.store, self.index.root))
         except Exception as e:  # noqa: BLE001 - the probe must not fail a save; tried again next time
             log.debug("objckpt: conditional-write probe under %s failed: %s: %s", self.root_uri, type(e).__name__, e)
             return
-        if not self.conditional.honoured:
+        if not self.conditional.honoured and self.single_writer:
+            save_refusal(self.index.store, self.conditional, self.root_uri, True)  # logged once per store
+        elif not self.conditional.honoured:
             log.warning("objckpt: checkpoint manager under %s: %s.  Two writers of this root (two jobs, or a "
                         "restarted job beside the old one) can then both be told a step committed; objckpt "
                         "reads each commit back, which catches most such races but not all.  Use one writer "
-                        "per root, or a store that honours If-None-Match (docs/reliability.md).",
+                        "per root (and say so: single_writer=True), or a store that honours If-None-Match "
+                        "(docs/reliability.md).",
                         self.root_uri, self.conditional.detail)
 
     def _sweep_due(self, report: RetentionReport, just_deleted: "set[int]") -> None:

@@ -42,6 +42,8 @@ async def delete_checkpoint(store: ObjectStore, prefix: str, uri: str = "") -> D
         # decode checked every name; object_keys refuses a spread entry that would
         # place outside this checkpoint's namespace (then nothing but the manifest goes)
         doomed = sorted(set(m.object_keys(prefix)))
+        if keys.is_safe_object_name(keys.decision_name(m.attempt)):  # a decision record left by a failure
+            doomed.append(keys.join(prefix, keys.decision_name(m.attempt)))
     except CorruptCheckpointError:
         doomed, report.manifest_unreadable = [], True
     await store.delete([mkey])

@@ -6,8 +6,9 @@ local ``manifest.json.tmp-*`` files stay behind.  ``collect_garbage`` removes
 them following the rules of docs/format.md §8:
 
 * only objects under a checkpoint's ``blobs/`` that its manifest does not
-  name (all of them when there is no manifest), unfinished multipart uploads
-  and stray manifest temporaries;
+  name (all of them when there is no manifest), unfinished multipart uploads,
+  stray manifest temporaries and the store probe objects (``_objckpt_probe/``)
+  of saves killed while probing;
 * only once older than ``grace`` seconds, judged by the attempt id's
   timestamp (else the object's modification time; unknown age = young), so a
   save in progress or an overwrite about to commit is never touched;
@@ -34,6 +35,7 @@ from typing import Optional
 
 from ..format import keys, spread
 from ..format.manifest import Manifest, decode
+from ..save.store_check import is_probe_key
 from ..storage import ObjectStore
 from ..storage.base import ObjectInfo, UploadInfo
 
@@ -58,9 +60,9 @@ def attempt_time(attempt: str) -> Optional[float]:
         return None
 
 
-#: the file names a save writes under ``blobs/<attempt>/``: blobs and v2 rank index objects,
-#: and the local store's temporaries of them (``<name>.tmp-<hex>``, left by a killed save)
-_BLOB_FILE = re.compile(r"r\d+(-\d+\.bin|\.index\.json)(\.tmp-[0-9a-f]+)?")
+#: the file names a save writes under ``blobs/<attempt>/``: blobs, v2 rank index objects, the
+#: decision record of a multi-rank save (keys.DECISION_FILE), and the local store's temporaries of them (``<name>.tmp-<hex>``, left by a killed save)
+_BLOB_FILE = re.compile(r"(r\d+(-\d+\.bin|\.index\.json)|decision\.json)(\.tmp-[0-9a-f]+)?")
 
 
 def _split(key: str) -> Optional[tuple[str, str]]:
@@ -154,8 +156,8 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
 
     doomed: list[ObjectInfo] = []
     for o in listing:
-        if TMP_MARK in o.key.rsplit("/", 1)[-1]:
-            rel = ""
+        if TMP_MARK in o.key.rsplit("/", 1)[-1] or is_probe_key(o.key):
+            rel = ""  # a stray temporary, or a store probe of a killed save (save.store_check): aged by its time
         else:
             where = _owner(o.key)
             if where is None:

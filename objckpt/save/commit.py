@@ -9,11 +9,11 @@ A conditional create that reports success is confirmed with one GET: the
 manifest now at the key must be this attempt's.  Some S3-compatible stores
 accept ``If-None-Match: *`` and ignore it; there a second writer's PUT replaces
 ours and both would be told "committed".  The GET turns that into
-:class:`ConditionalWriteIgnoredError` for the writer whose manifest was replaced
+:class:`CommitReplacedError` for the writer whose manifest was replaced
 (its blobs are deleted; the stored checkpoint is the other writer's).  It cannot
 catch every interleaving on such a store (a replacement landing after our GET),
-which is why docs/reliability.md lists honoured conditional writes among what
-objckpt requires of a store.
+which is why a save refuses such a store before writing anything unless told
+``single_writer=True`` (:mod:`.store_check`).
 """
 from __future__ import annotations
 
@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..runtime import loop as _runtime
-from ..errors import (ConditionalWriteIgnoredError, CorruptCheckpointError, NotFoundError, PreconditionFailed,
+from ..errors import (CommitReplacedError, CorruptCheckpointError, NotFoundError, PreconditionFailed,
                       StorageError)
 from ..format import keys
 from ..format.manifest import Manifest, decode, encode
 from ..logs import get_logger
 from ..results import IOStats
 from ..storage import ObjectStore
+from .decision import Decision, claim, decision_key
 
 log = get_logger("objckpt.save")
 
@@ -53,9 +54,15 @@ class CommitStatus:
 
 
 def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
-           written: list[str], stats: IOStats, errors: list[BaseException]) -> CommitStatus:
+           written: list[str], stats: IOStats, errors: list[BaseException], *,
+           decided_by_record: bool = False) -> CommitStatus:
     """Write the manifest (rank 0); ``written``: every object of this attempt
-    rank 0 wrote.  The exception behind a failure is appended to ``errors``."""
+    rank 0 wrote.  The exception behind a failure is appended to ``errors``.
+
+    ``decided_by_record`` (saves of more than one rank): the manifest is PUT only
+    after rank 0 has won the attempt's decision record (:mod:`.decision`), so that a
+    rank that loses contact during the commit can tell, from storage, whether it
+    may delete its blobs."""
     data = encode(m)
     mkey = keys.manifest_key(prefix)
 
@@ -66,6 +73,13 @@ def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
                 old = decode(await st.get(mkey), mkey)
             except Exception:
                 old = None  # absent or unreadable: nothing of it to clean up
+        if decided_by_record:
+            decided = await claim(st, decision_key(prefix, m.attempt), Decision.COMMIT, 0)
+            if decided != Decision.COMMIT:  # a rank that lost contact aborted it, or nothing is known:
+                await _delete_async(st, written)  # rank 0 will not PUT, so nothing can name these
+                why = ("a rank that lost contact with the others aborted it first" if decided == Decision.ABORT
+                       else "its decision record could not be written")
+                return CommitStatus(CommitState.FAILED_CLEAN, f"committing {uri!r} did not happen: {why}")
         try:
             await st.put(mkey, data, if_absent=not overwrite)
         except BaseException as e:
@@ -89,7 +103,10 @@ def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
                     return CommitStatus(CommitState.FAILED, str(unseen))
         stats.add(len(data))
         if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
-            await _delete_async(st, replaced_keys(prefix, old, m))
+            doomed = replaced_keys(prefix, old, m)
+            if _plain_segment(old.attempt):  # and its decision record, if one was left behind
+                doomed.append(decision_key(prefix, old.attempt))
+            await _delete_async(st, doomed)
         return CommitStatus(CommitState.OK, "", len(data))
 
     return _runtime.run(go())
@@ -154,7 +171,7 @@ async def _confirm_ours(st: ObjectStore, mkey: str, attempt: str, uri: str,
                         written: list[str], data: bytes = b"") -> Optional[BaseException]:
     """After a conditional create reported success: check that the manifest at ``mkey`` is
     ``attempt``'s.  Another attempt's there: the store ignored ``If-None-Match`` (this
-    attempt's objects are deleted, :class:`ConditionalWriteIgnoredError` raised).  None
+    attempt's objects are deleted, :class:`CommitReplacedError` raised).  None
     there: the store does not read back what it just acknowledged; the error is returned
     (nothing is deleted: the manifest may still appear).  A GET that fails outright
     cannot tell, and the store did acknowledge the create: a warning, and the commit stands.
@@ -179,7 +196,7 @@ async def _confirm_ours(st: ObjectStore, mkey: str, attempt: str, uri: str,
     if found == attempt:
         return None
     await _delete_async(st, written)
-    raise ConditionalWriteIgnoredError(
+    raise CommitReplacedError(
         f"committing {uri!r}: {st.describe()} reported the create-only write (If-None-Match: *) of {mkey!r} as "
         f"successful, but the manifest there now belongs to save attempt {found!r}, not this one ({attempt!r}): "
         "the store does not honour conditional writes, so two writers of one checkpoint can both be told they "

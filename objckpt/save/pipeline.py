@@ -24,10 +24,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..runtime import loop as _runtime
-from ..distributed.comm import Comm, decide_on_root, refusal_class
-from ..distributed.join import join
-from ..errors import (CheckpointExistsError, ObjckptError, StateDictMismatchError, TensorChangedError,
-                      UnsupportedValueError)
+from ..distributed.comm import Comm, DecisionNotShared, decide_on_root, refusal_class
+from ..distributed.join import join, unanswered_ranks
+from ..errors import (CheckpointExistsError, ObjckptError, RankLostError, StateDictMismatchError,
+                      TensorChangedError, UnsupportedValueError)
 from ..format import keys
 from ..format.spread import Placement, up_for
 from ..logs import get_logger
@@ -41,11 +41,13 @@ from ..results import IOStats, SaveResult
 from ..storage import ObjectStore, split_uri
 from ..storage.shape import save_sizes, shape_for
 from .commit import CommitState, CommitStatus, commit, delete_quietly
+from .decision import Fate, decision_key, learn_fate
 from .describe import LocalState, Mirror, describe_local
 from .fingerprint import differing
 from .fingerprint import digest as prints_digest
 from .records import Piece, chunk_records, rank_blobs
 from .upload import refuse_unstageable, staged_parts, write_plan
+from .store_check import ask_before_save, overwrite_check, refuse_if, save_refusal
 
 log = get_logger("objckpt.save")
 
@@ -67,6 +69,11 @@ class Hello:
     spread_up: int = 0
     #: the crc block this rank would choose for its chunks; the save uses the smallest
     crc_block: int = 0
+    #: rank 0: why the save is refused on this store (it ignores If-None-Match, no single_writer); "": go on
+    store_refused: str = ""
+    #: rank 0: the store honours create-only writes, so a decision record can settle a commit
+    #: that the ranks could not share (save.decision); on another store a survivor never deletes
+    records_trusted: bool = True
 
 
 @dataclass
@@ -91,6 +98,9 @@ class Prepared:
     place: Placement
     #: bytes per block crc, the same on every rank (the manifest records one)
     crc_block: int
+    #: the store honours create-only writes (rank 0's verdict): a survivor of a lost rank may
+    #: settle the commit by the decision record and delete; otherwise it never deletes
+    records_trusted: bool = True
     stats: IOStats = field(default_factory=IOStats)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -192,6 +202,8 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     local_exc: Optional[BaseException] = None
     err: Optional[str] = None
     exists = False
+    refused = ""
+    trusted = True  # rank 0: the store honours create-only writes (a decision record can settle a commit)
     join(comm, f"save to {uri!r}", opts.collective_timeout)
     try:
         opts = opts.checked()
@@ -199,13 +211,23 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         # only a save that may not replace a checkpoint asks whether one is there (an
         # overwrite reads the old manifest once, at its commit, for the cleanup); asked on
         # the I/O thread while the state is described and copied, not after: an async
-        # save's caller would wait for the round trip
-        asked = (_runtime.submit(st.head(keys.manifest_key(prefix)))
-                 if comm.rank == 0 and not opts.overwrite else None)
+        # save's caller would wait for the round trip; when none is, whether the store honours
+        # the conditional commit (store_check: probed once per store)
+        ask_stats = IOStats()  # its own counters: it runs on the I/O thread meanwhile
+        # (an overwrite of more than one rank asks the latter alone: its decision record,
+        # save.decision, is a create-only write too)
+        asked = None
+        if comm.rank == 0 and not opts.overwrite:
+            asked = _runtime.submit(ask_before_save(st, prefix, ask_stats))
+        elif comm.rank == 0 and world > 1:
+            asked = _runtime.submit(overwrite_check(st, prefix, ask_stats))
         local = describe_local(state, opts.allow_pickle, comm, mirror)
         if asked is not None:
-            exists = asked.result() is not None
-            stats.add(0)
+            before = asked.result()
+            exists = before.exists
+            stats.add(0, ask_stats.requests)
+            refused = "" if opts.overwrite else save_refusal(st, before.check, uri, opts.single_writer)
+            trusted = before.check is not None and before.check.honoured
         stats.timings.add("describe", time.perf_counter() - t0)
     except Exception as e:
         if world == 1:
@@ -217,7 +239,8 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
         tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
         exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err, spread_up=up,
-        crc_block=_crc_block_wanted(local, opts) if local is not None else 0,
+        crc_block=_crc_block_wanted(local, opts) if local is not None else 0, store_refused=refused,
+        records_trusted=trusted,
     )
     hellos: list[Hello] = comm.all_gather_object(hello) if world > 1 else [hello]
     failed = [(r, h.error) for r, h in enumerate(hellos) if h.error]
@@ -228,6 +251,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         ) from local_exc
     if local is None:  # unreachable: a failed describe is in ``failed``
         raise ObjckptError(f"save to {uri!r}: rank {comm.rank} has no description of its state")
+    refuse_if(hellos[0].store_refused)  # ConditionalWriteIgnoredError on every rank, before anything is written
     if hellos[0].exists and not opts.overwrite:
         raise CheckpointExistsError(f"a checkpoint already exists at {uri!r}; pass overwrite=True to replace it")
     attempt = hellos[0].attempt
@@ -252,7 +276,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     stats.timings.add("plan", time.perf_counter() - t0 - stats.timings["describe"])
     crc_block = min(h.crc_block for h in hellos)  # every rank computes the same
     return Prepared(uri, st, prefix, comm.rank, world, opts, attempt, local, layout, writes.plan, tensors, pieces,
-                    names, place, crc_block, stats=stats, t0=t0)
+                    names, place, crc_block, hellos[0].records_trusted, stats=stats, t0=t0)
 
 
 def _crc_block_wanted(local: LocalState, opts: SaveOptions) -> int:
@@ -346,14 +370,18 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         m = prep.layout.manifest(outcomes, ManifestCommon(prep.attempt, prep.opts.metadata, prep.crc_block))
         m.spread_up = prep.place.up
         return commit(st, prep.prefix, m, prep.opts.overwrite, prep.uri, prep.written_keys, prep.stats,
-                      commit_errors), errors
+                      commit_errors, decided_by_record=prep.world_size > 1), errors
 
     t_commit = time.perf_counter()
     try:
         status, errors = decide_on_root(comm, outcome.shared, decide)
+    except DecisionNotShared as lost:  # a rank died in the commit window: learn the outcome, then act on it
+        raise _after_lost_rank(prep, comm, lost) from lost
     except Exception:  # building or committing the manifest failed on rank 0: raised on every rank
         delete_quietly(st, prep.written_keys)
         raise
+    if prep.world_size > 1 and prep.rank == 0:  # every rank knows the outcome: the record is not needed
+        _runtime.submit(_delete_record(st, decision_key(prep.prefix, prep.attempt)))
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         delete_quietly(st, prep.written_keys)
@@ -380,6 +408,59 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
              prep.rank, prep.world_size, res.tensors, res.bytes, res.blobs, res.requests, res.seconds,
              res.timings.describe())
     return res
+
+
+async def _delete_record(st: ObjectStore, key: str) -> None:
+    try:
+        await st.delete([key])
+    except Exception:  # noqa: BLE001 - a leftover of its attempt: gc removes it
+        pass
+
+
+def _after_lost_rank(prep: Prepared, comm: Comm, lost: DecisionNotShared) -> RankLostError:
+    """The error this rank raises when the commit's collectives failed, after acting
+    on the outcome.  Nothing that the manifest could name is deleted unless this
+    rank knows the manifest was not and will not be written: rank 0 knows what it
+    did; another rank learns it from storage (:func:`.decision.learn_fate`)."""
+    st = prep.store
+    if prep.rank == 0:
+        fate, how = _root_fate(lost)
+    else:
+        learned = _runtime.run(learn_fate(st, prep.prefix, prep.attempt, prep.rank, trusted=prep.records_trusted))
+        fate, how = learned.fate, learned.how
+    if fate == Fate.NOT_COMMITTED:
+        delete_quietly(st, prep.written_keys)
+    lost_ranks = unanswered_ranks(comm, f"{prep.attempt}/commit")
+    who = (f"rank(s) {', '.join(map(str, lost_ranks))} did not answer afterwards" if lost_ranks
+           else "another rank died or the network between ranks failed")
+    what = {
+        Fate.COMMITTED: "the new checkpoint WAS committed and is whole; this rank kept its objects",
+        Fate.NOT_COMMITTED: ("the save was NOT committed: the checkpoint at the URI is as it was before "
+                             "this save, and this rank deleted its objects of the attempt"),
+        Fate.UNKNOWN: ("whether the save was committed is unknown; this rank's objects of the attempt are "
+                       "left in place (`objckpt gc` removes them once no manifest names them)"),
+    }[fate]
+    log.warning("save to %s: rank %d lost contact during the commit (%s): %s", prep.uri, prep.rank, how, what)
+    return RankLostError(
+        f"save to {prep.uri!r} (attempt {prep.attempt}): the ranks lost contact while {lost.phase or 'committing'} "
+        f"({who}); {what} ({how}). Cause on rank {prep.rank}: {lost}",
+        committed={Fate.COMMITTED: True, Fate.NOT_COMMITTED: False}.get(fate), lost_ranks=lost_ranks or ())
+
+
+def _root_fate(lost: DecisionNotShared) -> tuple[Fate, str]:
+    """Rank 0's own view: it knows whether it wrote the manifest."""
+    if not lost.decided:
+        return Fate.NOT_COMMITTED, "rank 0 never had every rank's report, so it did not commit"
+    if lost.failure is not None:
+        return Fate.NOT_COMMITTED, f"rank 0's commit failed ({type(lost.failure).__name__})"
+    status, errors = lost.value if lost.value is not None else (None, [])
+    if status is None:
+        return Fate.NOT_COMMITTED, "a rank reported a failure, so rank 0 did not commit"
+    if status.state == CommitState.OK:
+        return Fate.COMMITTED, "rank 0 wrote the manifest"
+    if status.state == CommitState.FAILED:
+        return Fate.UNKNOWN, status.message
+    return Fate.NOT_COMMITTED, status.message  # FAILED_CLEAN / EXISTS: commit() already deleted rank 0's objects
 
 
 def save_now(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts: SaveOptions,

@@ -5,6 +5,12 @@ local files, ``memory://name/prefix`` -> in-process (tests), any other
 ``proto://`` -> fsspec.  Stores are cached per (URI root, options) so a
 training job reuses one connection pool across saves.
 
+A URI is not parsed as a URL: everything after ``scheme://root/`` is the key
+prefix, character for character.  ``#``, ``?``, ``%``, ``+``, spaces and
+unicode are key characters (S3 keys may hold them, and the AWS CLI keeps them),
+never a fragment, a query or an escape, so two different URIs never name one
+checkpoint.  Control characters (C0, DEL) are refused (:func:`check_uri`).
+
 An S3 store's settings are resolved from the environment and the AWS config
 files when it is built, so the cache key of an S3 store also holds what those
 settings were read from (``s3.env_state.environment_state``), read on every call: a
@@ -17,16 +23,17 @@ import asyncio
 import atexit
 import json
 import os
+import re
 import threading
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
+from ..errors import InvalidURIError
 from ..runtime import loop as _runtime
 from .base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo
 from .local import LocalStore
 from .memory import MemoryStore, namespace
 
-__all__ = ["ObjectStore", "ObjectInfo", "UploadInfo", "BlobWriter", "open_store", "split_uri"]
+__all__ = ["ObjectStore", "ObjectInfo", "UploadInfo", "BlobWriter", "check_uri", "open_store", "split_uri"]
 
 _cache: dict[str, ObjectStore] = {}
 # (scheme, root, options) -> the cache key now holding that store, so a store
@@ -46,15 +53,40 @@ def env_fingerprint(scheme: str) -> Any:
     return environment_state()
 
 
+#: a URI scheme (RFC 3986: a letter, then letters, digits, ``+``, ``-``, ``.``)
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
+
+
+def check_uri(uri: str) -> None:
+    """Refuse a URI or path holding a control character (C0 or DEL): ``urlsplit`` and
+    browsers silently drop TAB, CR and LF, the OS refuses NUL, and a newline would split
+    the one-URI-a-line listings; kept or dropped, it would let two spellings name one
+    checkpoint or hide which one is meant."""
+    bad = next((i for i, ch in enumerate(uri) if ord(ch) < 0x20 or ord(ch) == 0x7F), None)
+    if bad is not None:
+        raise InvalidURIError(
+            f"{uri!r}: control character {uri[bad]!r} at position {bad}; a checkpoint URI or path may not "
+            "hold tabs, newlines, NUL or other control characters (C0, DEL): choose a name without them")
+
+
 def split_uri(uri: str) -> tuple[str, str, str]:
-    """(scheme, root, prefix): root names the store (bucket, directory), prefix the checkpoint."""
+    """(scheme, root, prefix): root names the store (bucket, directory), prefix the checkpoint.
+
+    Not a URL parse (see the module docstring): the prefix is everything after the root,
+    ``#`` and ``?`` included, undecoded; :class:`InvalidURIError` for a control character
+    or a malformed scheme."""
+    check_uri(uri)
     if "://" not in uri:
         return "file", "/", os.path.abspath(os.path.expanduser(uri)).lstrip("/")
-    parts = urlsplit(uri)
-    scheme = parts.scheme  # "fsspec+PROTO" forces the fsspec backend
+    scheme, rest = uri.split("://", 1)
+    if not _SCHEME.fullmatch(scheme):
+        raise InvalidURIError(f"{uri!r}: {scheme!r} is not a URI scheme (write s3://bucket/path, "
+                              "file:///dir, or a plain path without '://')")
+    scheme = scheme.lower()  # "fsspec+PROTO" forces the fsspec backend
     if scheme == "file":
-        return "file", "/", (parts.netloc + parts.path).lstrip("/")
-    return scheme, parts.netloc, parts.path.lstrip("/")
+        return "file", "/", rest.lstrip("/")
+    root, _, path = rest.partition("/")
+    return scheme, root, path.lstrip("/")
 
 
 def open_store(uri: str, storage_options: Optional[dict[str, Any]] = None) -> tuple[ObjectStore, str]:
@@ -63,7 +95,7 @@ def open_store(uri: str, storage_options: Optional[dict[str, Any]] = None) -> tu
     scheme, root, prefix = split_uri(uri)
     prefix = prefix.strip("/")
     if scheme in ("s3", "s3a") and not root:
-        raise ValueError(f"{uri!r}: an S3 URI needs a bucket (s3://bucket/path)")
+        raise InvalidURIError(f"{uri!r}: an S3 URI needs a bucket (s3://bucket/path)")
     base_key = json.dumps([scheme, root, opts], sort_keys=True, default=str)
     cache_key = json.dumps([base_key, env_fingerprint(scheme)])
     stale: Optional[ObjectStore] = None

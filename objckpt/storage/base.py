@@ -107,6 +107,12 @@ class ObjectStore(abc.ABC):
     max_parts: int = 10_000
     #: how many requests this store likes in flight at once
     concurrency: int = 16
+    #: True where ``put(if_absent=True)`` refuses an existing key by construction (local
+    #: files: ``link()``; memory), so no save needs to ask.  False: whether the store
+    #: honours it is probed once per store per process (:mod:`objckpt.save.store_check`),
+    #: since some S3-compatible stores accept ``If-None-Match: *`` and ignore it.  A
+    #: wrapper that passes ``if_absent`` through unchanged may copy its inner store's value
+    if_absent_enforced: bool = False
 
     # -- the small calls every backend implements --------------------------
     @abc.abstractmethod

@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 
 from ..runtime import loop as _runtime
 from ..errors import ObjckptError, PreconditionFailed, StorageError
+from ..format import keys as _keys, spread as _spread
 from .base import BlobWriter, ObjectInfo, ObjectStore
 from .fs_errors import is_absent, missing, storage_error
 
@@ -351,6 +352,25 @@ class _LocalWriter(BlobWriter):
         await self._store.delete([self._key])  # also tidies the emptied attempt directory
 
 
+def _kept(key: str) -> int:
+    """How many leading segments of ``key`` name folders that deleting it must leave even
+    when emptied: the tidy after a delete removes only folders objckpt made for the object.
+    ``<ck>/blobs/<attempt>/<file>`` and ``<ck>/manifest.json`` (or its temporary): up to the
+    checkpoint folder ``<ck>``; ``<root>/.spread-<hh>/<rel>/spread/<attempt>/<file>``: up to
+    ``.spread-<hh>``; any other key: none.  Folders above the checkpoint are the caller's
+    (``/data/runs`` emptied of its last checkpoint stays; so does a manager's root)."""
+    parts = key.split("/")
+    name = parts[-1].split(".tmp-", 1)[0]
+    if name == _keys.MANIFEST_NAME:
+        return max(0, len(parts) - 2)
+    sp = _spread.parse_key(key, allow_tmp=True)
+    if sp is not None:
+        return len(parts) - 4 - sp.up
+    if len(parts) >= 3 and parts[-3] == _keys.BLOB_DIR and _spread.FILE_NAME.fullmatch(name):
+        return max(0, len(parts) - 4)
+    return len(parts) - 1
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -363,6 +383,7 @@ class LocalStore(ObjectStore):
     max_part_size = 1 << 40
     max_parts = 1 << 30
     concurrency = 8
+    if_absent_enforced = True  # a create-only write is a link(), refused by the OS when the name exists
 
     def __init__(self, root: str, *, direct: bool = False) -> None:
         """``direct``: write blobs with O_DIRECT (see the module docstring); reads and the
@@ -540,21 +561,22 @@ class LocalStore(ObjectStore):
 
     async def delete(self, keys: Sequence[str]) -> None:
         def rm() -> None:
-            dirs = set()
+            floors: dict[str, str] = {}  # an emptied folder -> the folder its tidy stops at (see _kept)
             failed: list[ObjckptError] = []
             for k in keys:
                 p = self._path(k)
                 try:
                     os.unlink(p)
-                    dirs.add(os.path.dirname(p))
+                    d, floor = os.path.dirname(p), os.path.join(self.root, *k.split("/")[:_kept(k)])
+                    floors[d] = min(floors.get(d, floor), floor, key=len)
                 except FileNotFoundError:
                     pass
                 except OSError as e:  # keep going: delete what can be deleted, then report
                     if e.errno == errno.ENOTDIR:
                         continue  # a file where a directory should be: the object cannot exist
                     failed.append(self._error("deleting", k, e))
-            for d in sorted(dirs, key=len, reverse=True):  # tidy now-empty blob dirs
-                while d.startswith(self.root) and d != self.root:
+            for d, floor in sorted(floors.items(), key=lambda f: len(f[0]), reverse=True):
+                while len(d) > len(floor):  # tidy the folders objckpt made, once empty
                     try:
                         os.rmdir(d)
                     except OSError:

@@ -21,6 +21,7 @@ def namespace(name: str) -> dict[str, bytes]:
 
 class MemoryStore(ObjectStore):
     min_part_size = 1  # no multipart protocol to satisfy
+    if_absent_enforced = True  # one process's dict: put(if_absent=True) checks and writes with no await between
 
     def __init__(self, objects: Optional[dict[str, bytes]] = None, name: str = "") -> None:
         self.objects: dict[str, bytes] = {} if objects is None else objects

@@ -23,6 +23,7 @@ class CountingStore(ObjectStore):
         self.max_part_size = inner.max_part_size
         self.max_parts = inner.max_parts
         self.concurrency = inner.concurrency
+        self.if_absent_enforced = inner.if_absent_enforced  # put passes if_absent through
         self.ops: Counter[str] = Counter()
         self.bytes_read = 0
         self.bytes_written = 0

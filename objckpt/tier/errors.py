@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..distributed.comm import refusal_class
+from ..distributed.comm import refusal
 from ..errors import CheckpointExistsError, ObjckptError, StorageError
 
 
@@ -63,8 +63,8 @@ class Problem:
 
     kind: ProblemKind
     text: str
-    #: the class name of the exception behind a :attr:`ProblemKind.STATE` problem (every rank
-    #: raises that objckpt error class, when it is one; see ``refusal_class``)
+    #: the registered name (``objckpt.errors.error_name``) of the exception behind a
+    #: :attr:`ProblemKind.STATE` problem: every rank raises that ObjckptError class, when it is one
     error: str = ""
 
 
@@ -86,7 +86,9 @@ def raise_problems(lead: str, problems: Sequence[Optional[Problem]], shown: int 
         text += f"; and {len(bad) - shown} more rank(s)"
     kinds = {p.kind for p in bad.values()}
     state = next((p.error for _, p in sorted(bad.items()) if p.kind is ProblemKind.STATE), None)
-    cls: type[ObjckptError] = (CheckpointExistsError if kinds == {ProblemKind.EXISTS} else
-                               LocalTierError if ProblemKind.LOCAL in kinds else
-                               refusal_class(state, ObjckptError) if state is not None else TierSettingsError)
-    raise cls(f"{lead} ({text})") from cause
+    message = f"{lead} ({text})"
+    if kinds == {ProblemKind.EXISTS}:
+        raise CheckpointExistsError(message) from cause
+    if ProblemKind.LOCAL in kinds:
+        raise LocalTierError(message) from cause
+    raise (refusal(state, message) if state is not None else TierSettingsError(message)) from cause

@@ -81,6 +81,11 @@ class PeerCopyError(ObjckptError, OSError):
         super().__init__(message)
         self.failures = failures
 
+    @classmethod
+    def from_message(cls, message: str) -> "PeerCopyError":
+        """(Each rank's failure is in the text only: ``failures`` is empty.)"""
+        return cls(message, {})
+
 
 def is_temp_name(name: str) -> bool:
     """Whether ``name`` (a file name) is a transfer's temp file, left only by a dead rank."""

@@ -95,14 +95,16 @@ def not_s3_error(endpoint: str, what: str, status: int, headers: Mapping[str, An
 def says_wrong_region(status: int, code: str, region: Optional[str], *, bare_head: bool) -> bool:
     """Whether an S3 refusal means "the bucket is in another region" (botocore's rules).
 
-    ``bare_head``: the answer is to a HEAD, so it has no body to say why."""
+    ``bare_head``: the answer is to a HEAD, so it has no body to say why.  A 400 that
+    carries another code (``ExpiredToken``, ``InvalidToken``, any refusal of the
+    credentials) is never one: see :mod:`.refusals`."""
     if code in REDIRECT_CODES:
         return True
     if code == "AuthorizationHeaderMalformed":
         return region is not None
     if status in (301, 302, 307) and region is not None:
         return True
-    return bare_head and status in (301, 400)
+    return bare_head and not code and status in (301, 400)
 
 
 def region_of(headers: Mapping[str, Any], body: str = "", error: Optional[Mapping[str, Any]] = None) -> Optional[str]:

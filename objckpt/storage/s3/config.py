@@ -68,6 +68,13 @@ class S3ConfigError(ObjckptError, ValueError):
         self.setting = setting
         self.source = source
 
+    @classmethod
+    def from_message(cls, message: str) -> "S3ConfigError":
+        """(The setting and its source are in the text only: both empty.)"""
+        made = cls("", "", "")
+        made.args = (message,)
+        return made
+
 
 class NoCredentialsError(ObjckptError, PermissionError):
     """No AWS credentials were found anywhere botocore looks for them."""

@@ -25,7 +25,9 @@ region is a :class:`~.answers.WrongRegion`, which the pipeline follows on
 this path (:mod:`.send`); an answer that is not S3's is a
 :class:`~objckpt.errors.NotS3EndpointError`; any other refusal is an
 :class:`S3HttpError` saying what S3 answered (with a hint for a redirect that
-is not about the region and for a signature complaint).  Integrity does not
+is not about the region and for a signature complaint).  A HEAD's refusal has
+no body: a bare 400 or 403 to an object's HEAD is followed by a one-byte GET of
+the key, whose refusal names the reason (:mod:`.refusals`).  Integrity does not
 depend on this layer: every chunk's crc32c is checked above.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ from urllib.parse import urlsplit
 from ...runtime import loop as _runtime
 from ...options import switch_word
 from .answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
-from . import config, request, tls
+from . import config, refusals, request, tls
 from .request import DeleteError, ListPage, MalformedAnswer, S3HttpError, UploadsPage, xml_field
 from .credentials import CredentialSource
 from .sigv4 import Signer, canonical_query, quote_path
@@ -60,9 +62,11 @@ _SMALL_BODY = 1 << 20
 _CHUNKED_WHOLE = 1 << 34
 #: the largest answer body to a listing or DeleteObjects (1000 keys of up to 1 KiB, URL-encoded: ~4 MiB)
 _XML_BODY = 16 << 20
-#: refusals of how a request was signed or authorized, and what to check (see :func:`_hint`)
-_SIGNING_CODES = {"SignatureDoesNotMatch", "AuthorizationHeaderMalformed", "InvalidRequest",
-                  "IllegalLocationConstraintException", "InvalidAccessKeyId"}
+#: the most of a widened 206's tail past the asked range that is read and dropped (Reader.body), so the deadline covers it
+_WIDE_TAIL = 4 << 20
+#: refusals of how a request was signed or authorized, and what to check (see :func:`_hint`); refusals of the
+#: credentials themselves (SignatureDoesNotMatch, InvalidAccessKeyId, ...) are named by .refusals
+_SIGNING_CODES = {"AuthorizationHeaderMalformed", "InvalidRequest", "IllegalLocationConstraintException"}
 
 
 # where a bucket's requests go: resolved once per store by .config (botocore's endpoint rules)
@@ -223,7 +227,11 @@ class DirectClient:
         if says_wrong_region(head.status, code, region, bare_head=not has_body):
             return WrongRegion(f"{what}: HTTP {head.status} {code} {message}".strip(), status=head.status, code=code,
                                region=region, signed_region=self.signer.region)
-        return S3HttpError(head.status, code, message, what, head.headers.get("server"), region, _hint(head, code))
+        err = S3HttpError(head.status, code, message, what, head.headers.get("server"), region, _hint(head, code))
+        meta = err.response["ResponseMetadata"]
+        if isinstance(meta, dict):
+            meta["HTTPHeaders"] = dict(head.headers)  # as botocore's: its Date tells a clock skew
+        return err
 
     def _deadline(self, sink: "Optional[Sink | Callable[[Head], Sink]]", body: Sequence[memoryview]) -> Deadline:
         """The deadline of one exchange: its body and the answer asked for into ``sink``
@@ -286,8 +294,9 @@ class DirectClient:
                      sink: "Optional[Sink | Callable[[Head], Sink]]", what: str) -> bool:
         """Receive a 2xx answer's body where it belongs; True when the connection can be reused.
 
-        A ranged GET's 206 must hold the range asked for; a 200 to it (a server that
-        ignores Range) is read from the range's start.  Bodies are bounded by what
+        A ranged GET's 206 must cover the range asked for, and one the server widened
+        gives the asked bytes out of it (:func:`~.http_answer.check_range`); a 200 to it
+        (a server that ignores Range) is read from the range's start.  Bodies are bounded by what
         was asked for: a ranged sink's size, a whole object's Content-Length, a
         write's answer :data:`_SMALL_BODY`."""
         out = sink(head) if callable(sink) else sink
@@ -297,15 +306,18 @@ class DirectClient:
             n = content_length(head, self.target.host_header)
             rd.dl.cover(rd.dl.size + (out.total if n is not None else min(out.total, _XML_BODY)))
         skip = 0
+        strict = True
         rng = extra.get("range")
         if rng is not None:
             lo, hi = (int(x) for x in rng[6:].split("-"))
-            if head.status == 206:
-                check_range(head, lo, hi, f"{what} from {self.target.host_header}")
+            if head.status == 206:  # the asked bytes out of it, should the server have widened the range
+                span = check_range(head, lo, hi, f"{what} from {self.target.host_header}")
+                skip, strict = span.before, span.before == span.after == 0
+                rd.dl.cover(rd.dl.size + span.before + min(span.after, _WIDE_TAIL))
             elif head.status == 200:  # the server ignored Range: skip to its start
-                skip = lo
+                skip, strict = lo, lo == 0
                 rd.dl.cover(rd.dl.size + skip)
-        return rd.body(head, out, skip, strict=skip == 0)
+        return rd.body(head, out, skip, strict=strict)
 
     # -- the calls --------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -339,22 +351,53 @@ class DirectClient:
             raise ShortBody(f"{what}: {got} of {total} bytes")
         return body.data()
 
-    def _head(self, key: Optional[str], first_byte: float) -> _Head:
+    def _head(self, key: Optional[str], first_byte: float, extra: Optional[dict[str, str]] = None) -> _Head:
         """HEAD of ``key`` (``None``: of the bucket, i.e. HeadBucket); a refusal raises."""
         if key is None:
             return self._exchange("HEAD", quote_path(self.target.prefix or "/"), {}, first_byte, None,
                                   f"HEAD s3://{self.bucket}")
-        return self._exchange("HEAD", self._path(key), {}, first_byte, None, f"HEAD s3://{self.bucket}/{key}")
+        return self._exchange("HEAD", self._path(key), extra or {}, first_byte, None,
+                              f"HEAD s3://{self.bucket}/{key}")
 
-    def _head_if_present(self, key: Optional[str], first_byte: float) -> Optional[_Head]:
+    def _head_if_present(self, key: Optional[str], first_byte: float,
+                         extra: Optional[dict[str, str]] = None) -> Optional[_Head]:
         """:meth:`_head`, ``None`` on 404: an answer to HEAD has no body, so its 404
         says only "absent" (which of key and bucket, the store asks separately)."""
         try:
-            return self._head(key, first_byte)
+            return self._head(key, first_byte, extra)
         except S3HttpError as e:
             if e.status == 404:
                 return None
+            if key is not None and refusals.is_bare(e):
+                self._why_refused(key, first_byte)
             raise
+        except WrongRegion as e:  # a bare 400: the wrong region, or another refusal a HEAD cannot say
+            if key is not None and refusals.is_bare(e):
+                self._why_refused(key, first_byte)
+            raise
+
+    def _why_refused(self, key: str, first_byte: float) -> None:
+        """After a bare 400/403 to a HEAD of ``key``: a one-byte GET of it, whose refusal
+        carries S3's reason; raised in the HEAD's place when it names one (see
+        :mod:`.refusals`), else this returns and the HEAD's own refusal stands."""
+        what = f"HEAD s3://{self.bucket}/{key} refused without a body; GET of it"
+        try:
+            self._exchange("GET", self._path(key), {"range": "bytes=0-0"}, first_byte,
+                           Sink([memoryview(bytearray(1))]), what)
+        except Exception as why:
+            if refusals.says_why(why):
+                raise refusals.mark_explains_head(why) from None
+
+    def stored(self, key: str, first_byte: float) -> Optional[request.Stored]:
+        """Size, ETag and stored crc32c of ``key`` (HEAD with ``x-amz-checksum-mode:
+        ENABLED``); ``None`` if absent."""
+        h = self._head_if_present(key, first_byte, {"x-amz-checksum-mode": "ENABLED"})
+        if h is None:
+            return None
+        what = f"HEAD s3://{self.bucket}/{key}"
+        self._check_s3(h, what)
+        return request.Stored(content_length(h, what) or 0, h.headers.get("etag"),
+                              h.headers.get("x-amz-checksum-crc32c"))
 
     def head(self, key: str, first_byte: float) -> Optional[tuple[int, Optional[str]]]:
         """(size, ETag) of ``key``; ``None`` if absent."""

@@ -10,7 +10,8 @@ as a client must when the server may be broken or hostile.
   buffered beyond one socket read, and a chunk announced larger than what was
   asked for is refused before any of it is read (it would otherwise be held
   whole, gigabytes for a few megabytes asked).
-- A ``206`` must carry the range that was asked for (``Content-Range``).
+- A ``206`` must cover the range that was asked for (``Content-Range``): a range
+  widened by the server (aligned by a CDN or cache) gives the asked bytes out of it.
 
 Malformed answers raise :class:`BadAnswer`, a ``ConnectionError``: the retry
 budget for broken connections applies, then the error is reported by name.
@@ -37,7 +38,16 @@ class BadAnswer(ConnectionError):
 
 
 class WrongRange(BadAnswer):
-    """A ``206`` whose ``Content-Range`` is not the range that was asked for."""
+    """A ``206`` whose ``Content-Range`` does not cover the range that was asked for."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where the asked bytes are in a ``206``'s body: after ``before`` bytes, followed by
+    ``after`` bytes nobody asked for (both 0 unless the server widened the range)."""
+
+    before: int = 0
+    after: int = 0
 
 
 @dataclass
@@ -217,22 +227,27 @@ def content_length(h: Head, host: str) -> Optional[int]:
     return int(text)
 
 
-def check_range(h: Head, lo: int, hi: int, what: str) -> None:
-    """A 206 to ``Range: bytes=lo-hi`` must hold bytes ``lo..b`` with ``b <= hi``
-    (fewer only where the object ends), as its ``Content-Range`` and
-    ``Content-Length`` say; anything else is :class:`WrongRange` (its bytes
-    would land at the wrong offsets, or be taken for a truncated object).
+def check_range(h: Head, lo: int, hi: int, what: str) -> Span:
+    """Where bytes ``lo..`` are in a 206 to ``Range: bytes=lo-hi``, whose
+    ``Content-Range`` ``a-b/total`` (and ``Content-Length``) must cover them:
+    ``a <= lo <= b``.  A server may widen a range (``a < lo``, ``b > hi``: a CDN
+    or cache aligning ranges; HTTP allows it) and may end it early (``b < hi``,
+    where the object ends; the rest is asked for again).  Anything else is
+    :class:`WrongRange` (its bytes would land at the wrong offsets, or be taken
+    for a truncated object), naming the range asked for and the one answered.
     A 206 without ``Content-Range`` (HTTP requires one; S3 always sends it) is
-    taken as the range asked for when its length fits it: botocore does not look."""
+    taken as the range asked for when its length fits it: botocore does not look.
+    Both S3 transports judge 206 answers here."""
     text = h.headers.get("content-range")
     n = content_length(h, what)
     if text is None and (n is None or n <= hi - lo + 1):
-        return
+        return Span()
     m = _CONTENT_RANGE.match(text or "")
     if m is None:
         raise WrongRange(f"{what}: asked for bytes {lo}-{hi}, the 206 answer has Content-Range {text!r}"
                          + (f" and Content-Length {n}" if n is not None else ""))
     a, b, total = int(m.group(1)), int(m.group(2)), m.group(3)
-    if a != lo or b < a or b > hi or (total != "*" and b >= int(total)) or (n is not None and n != b - a + 1):
+    if not a <= lo <= b or (total != "*" and b >= int(total)) or (n is not None and n != b - a + 1):
         raise WrongRange(f"{what}: asked for bytes {lo}-{hi}, the 206 answer holds {text!r}"
                          + (f" with Content-Length {n}" if n is not None else ""))
+    return Span(lo - a, max(0, b - hi))

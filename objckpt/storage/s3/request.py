@@ -50,6 +50,17 @@ class Upload:
 
 
 @dataclass(frozen=True)
+class Stored:
+    """What a HEAD with ``x-amz-checksum-mode: ENABLED`` says of an object: its size,
+    ETag (a multipart object's ends ``-<parts>``) and the crc32c it was stored with, if
+    the server keeps one (a multipart object's composite ends ``-<parts>`` too)."""
+
+    size: int
+    etag: Optional[str]
+    crc32c: Optional[str]
+
+
+@dataclass(frozen=True)
 class UploadsPage:
     """One ListMultipartUploads answer; the markers are None on the last page."""
 

@@ -27,8 +27,10 @@ from typing import Any
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
 # BadDigest / XAmzContentChecksumMismatch / IncompleteBody: the body arrived damaged or
-# short (it left objckpt intact: its checksum was computed here); sending it again may pass
-_SERVER_CODES = {"InternalError", "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed", "BadDigest",
+# short (it left objckpt intact: its checksum was computed here); sending it again may pass.
+# (RequestTimeTooSkewed is not here: requests are signed with this machine's clock, so sending
+# again cannot pass; .refusals names it at once.)
+_SERVER_CODES = {"InternalError", "ServiceUnavailable", "RequestTimeout", "BadDigest",
                  "XAmzContentChecksumMismatch", "IncompleteBody"}
 
 

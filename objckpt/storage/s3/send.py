@@ -19,7 +19,9 @@ its kind of failure has used up its budget (:class:`~.retry.RetryPolicy`):
   followed (the region S3 named, else HeadBucket's ``x-amz-bucket-region``), the
   transport re-targeted and the request sent again; a second refusal for the
   region S3 named is final;
-* **error mapping**: a missing bucket is :class:`BucketNotFoundError`; what
+* **error mapping**: a missing bucket is :class:`BucketNotFoundError`; refused
+  credentials (a skewed clock, an expired token, a wrong key) are
+  :class:`CredentialsRefusedError` at once, naming the fix (:mod:`.refusals`); what
   callers map (missing key, failed precondition, a range past the end) and an
   endpoint that is not S3 go up at once; anything else, when its budget is
   spent, is a StorageError naming the operation, the endpoint, the HTTP status,
@@ -37,6 +39,7 @@ from ..limiter import AimdLimiter
 from .retry import Failure, callers_map, classify, http_status, is_missing, is_no_bucket, no_answer
 from .answers import WrongRegion
 from .config import S3Config
+from .refusals import credentials_refused
 from .request import MalformedAnswer
 from .transport import S3Transport, open_transport
 
@@ -122,6 +125,10 @@ class Pipeline:
                     raise self.no_bucket() from None
                 if _passes(e):
                     raise
+                # (the endpoint's URL alone: its notes name the region, which is not what is wrong)
+                named = credentials_refused(e, f"S3 {what} at {self.config.client_endpoint}")
+                if named is not None:  # the clock or the keys: sending again cannot help
+                    raise named from e
                 kind = classify(e)
                 if kind is Failure.THROTTLE and self.limiter is not None:
                     self.limiter.throttled(sent_at)
@@ -165,6 +172,14 @@ class Pipeline:
             return region
 
     def _region_error(self, e: WrongRegion, what: str, region: Optional[str]) -> StorageError:
+        if not e.code and e.status == 400:  # a bare 400 to a HEAD that a GET of the key did not explain either
+            said = (f"again after it was signed for {region}, the bucket's region (x-amz-bucket-region): not a "
+                    "region problem" if region is not None else
+                    "and HeadBucket named no region (x-amz-bucket-region): if the bucket is in another region than "
+                    f"{e.signed_region}, pass storage option region_name (S3 refuses a HEAD signed for the wrong "
+                    "region so, but not only that)")
+            return StorageError(f"S3 {what} at {self.endpoint()} was refused with a bare HTTP 400 (an answer to a "
+                                f"HEAD has no body, and a GET of the key gave no reason either), {said}")
         if region is None:
             why = ("and HeadBucket did not say where (no x-amz-bucket-region); pass storage option region_name "
                    "(or set AWS_REGION) to the bucket's region")

@@ -9,25 +9,32 @@ for speed and safety:
 
 * payload signing off (``UNSIGNED-PAYLOAD``): hashing every byte costs ~0.7
   CPU-s/GB; integrity is ours, via crc32c per chunk in the manifest, checked
-  on every read, and per part by the server (``x-amz-checksum-crc32c``).
+  on every read, and per part by the server (``x-amz-checksum-crc32c``) where
+  it checks them (a store that does not is named once, at WARNING).
 * retries: ours (see :mod:`.send`): a budget per kind of failure, so a
   refused connection or a silent endpoint is reported in seconds while
   throttling is waited out; a ranged GET that breaks is asked again for the
   rest of its range only.
 * commit: ``PutObject`` with ``If-None-Match: *``; a 412 means someone else
   committed first.
+* writes: what the pipeline passes up for readers to map (a 404, 416, an
+  unasked-for 412/409) is never a bare S3 or botocore error on a write (a
+  missing bucket: BucketNotFoundError; else a StorageError naming the request,
+  the upload and the cause); a ``CompleteMultipartUpload`` answered
+  ``NoSuchUpload`` after an answer was lost is a success when the object at
+  the key is the upload's (see :mod:`.write_outcome`).
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 from ...runtime import loop as _runtime
 from ...checksum import CellCrcs, crc32c, crc_header
 from ...errors import BucketNotFoundError, CorruptCheckpointError, NotS3EndpointError, PreconditionFailed, StorageError
 from ...logs import get_logger
 from ..base import BlobWriter, ObjectInfo, ObjectStore, UploadInfo, not_found
-from .retry import Failure, classify, error_code, is_missing, is_past_end, is_precondition
+from .retry import Failure, callers_map, classify, error_code, is_missing, is_past_end, is_precondition
 from .answers import WrongRegion
 from .config import S3Config
 from .request import DeleteError, S3HttpError
@@ -35,8 +42,10 @@ from .send import Pipeline
 from .transport import S3Transport
 from .writer import S3Writer
 from .wire import Sink
+from .write_outcome import Expected, refusal, s3_answer, upload_gone
 
 log = get_logger("objckpt.storage")
+T = TypeVar("T")
 
 
 async def _delete_once(t: S3Transport, keys: list[str], first: float, what: str) -> list[DeleteError]:
@@ -78,6 +87,7 @@ class S3Store(ObjectStore):
         self.pipeline = Pipeline(cfg)
         self.limiter = self.pipeline.limiter
         self._bucket_seen = False  # a HeadBucket succeeded: 404s are about keys
+        self._unchecked_said = False  # the store answered a checksummed upload without its checksum (warned once)
         _runtime.on_reset(self.pipeline.forget)
 
     async def transport(self) -> S3Transport:
@@ -201,6 +211,20 @@ class S3Store(ObjectStore):
         return False, None
 
     # -- writes --------------------------------------------------------------------
+    def checksum_not_reported(self, op: str) -> None:
+        """The store answered ``op`` (PutObject, UploadPart), which carried
+        ``x-amz-checksum-crc32c``, without reporting it back: it neither refuses a body
+        damaged in flight nor lets objckpt compare (Ceph RGW accepts a wrong one).  Said
+        once per store, from answers the upload gets anyway; such damage is then caught
+        by the chunks' crc32c when the checkpoint is read, loaded or verified."""
+        if self._unchecked_said:
+            return
+        self._unchecked_said = True
+        log.warning("%s does not check part checksums: it answered %s, which carried x-amz-checksum-crc32c, "
+                    "without it (S3 reports the checksum it verified). A part damaged in flight is not refused "
+                    "there; objckpt's crc32c per chunk catches it when the checkpoint is read, loaded or verified "
+                    "(`objckpt verify`), not while saving", self.describe(), op)
+
     async def put_views(self, key: str, views: Sequence[memoryview], headers: dict[str, str],
                         part: Optional[tuple[str, int]] = None) -> dict[str, str]:
         """One PutObject (or, with ``part`` = (upload id, part number), UploadPart) of
@@ -208,7 +232,31 @@ class S3Store(ObjectStore):
         ETag and the checksum the server stored."""
         query = None if part is None else {"partNumber": str(part[1]), "uploadId": part[0]}
         what = f"PUT s3://{self.bucket}/{key}" + ("" if part is None else f" part {part[1]}")
-        return await self.pipeline.send(what, lambda t, f: t.put(key, views, headers, query, f), has_body=True)
+        return await self._write(what, lambda t, f: t.put(key, views, headers, query, f), has_body=True,
+                                 conditional="if-none-match" in headers, upload_id=None if part is None else part[0])
+
+    async def _write(self, what: str, op: Callable[[S3Transport, float], Awaitable[T]], *, has_body: bool = False,
+                     conditional: bool = False, upload_id: Optional[str] = None) -> T:
+        """A write through the pipeline, whose unretried answers that readers map (404,
+        416, and 412/409 unless the write is ``conditional``: its caller maps those)
+        never go up bare: see :meth:`_refused_write`."""
+        try:
+            return await self.pipeline.send(what, op, has_body=has_body)
+        except Exception as e:
+            if not callers_map(e) or (conditional and is_precondition(e)):
+                raise
+            raise await self._refused_write(what, e, upload_id) from None
+
+    async def _refused_write(self, what: str, e: BaseException, upload_id: Optional[str] = None) -> StorageError:
+        """The error for a write S3 refused with an answer readers map: a missing bucket
+        raises :class:`BucketNotFoundError` (one HeadBucket, asked afresh); anything else
+        is a StorageError naming the request, the upload, S3's answer and the cause."""
+        if is_missing(e) and error_code(e) != "NoSuchUpload":
+            self._bucket_seen = False  # it may have gone since it was seen
+            await self._check_bucket()
+        upload = f" (upload {upload_id})" if upload_id else ""
+        return StorageError(f"S3 {what}{upload} at {self.endpoint()}: S3 answered {s3_answer(e)}: "
+                            f"{refusal(e, upload_id)}")
 
     async def put(self, key: str, data: memoryview | bytes, *, if_absent: bool = False) -> None:
         headers: dict[str, str] = {}
@@ -226,13 +274,40 @@ class S3Store(ObjectStore):
     async def create_upload(self, key: str) -> str:
         """CreateMultipartUpload; the upload id."""
         headers = {"x-amz-checksum-algorithm": "CRC32C"} if self.checksums else {}
-        return await self.pipeline.send(f"CreateMultipartUpload s3://{self.bucket}/{key}",
-                                        lambda t, f: t.create_upload(key, headers, f))
+        return await self._write(f"CreateMultipartUpload s3://{self.bucket}/{key}",
+                                 lambda t, f: t.create_upload(key, headers, f))
 
-    async def complete_upload(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> dict[str, str]:
-        """CompleteMultipartUpload of ``parts`` (PartNumber, ETag[, ChecksumCRC32C])."""
-        return await self.pipeline.send(f"CompleteMultipartUpload s3://{self.bucket}/{key}",
-                                        lambda t, f: t.complete_upload(key, upload_id, parts, f))
+    async def complete_upload(self, key: str, upload_id: str, parts: list[dict[str, Any]],
+                              expect: Optional[Expected] = None) -> dict[str, str]:
+        """CompleteMultipartUpload of ``parts`` (PartNumber, ETag[, ChecksumCRC32C]).
+
+        An answer lost on the way (a reset, a timeout) is sent again; if the first one
+        completed, the upload is gone and S3 answers ``404 NoSuchUpload``.  Then the
+        object at ``key`` decides: the one ``expect`` describes is this upload, completed
+        (a success; nothing reported back); anything else is a StorageError naming the
+        key, the upload, what is there and the cause (see :mod:`.write_outcome`)."""
+        what = f"CompleteMultipartUpload s3://{self.bucket}/{key}"
+        try:
+            return await self.pipeline.send(what, lambda t, f: t.complete_upload(key, upload_id, parts, f))
+        except Exception as e:
+            if not callers_map(e):
+                raise
+            if not is_missing(e) or expect is None:
+                raise await self._refused_write(what, e, upload_id) from None
+            gone = e
+        found = await self.pipeline.send(f"HEAD s3://{self.bucket}/{key} (after {what} answered NoSuchUpload)",
+                                         lambda t, f: t.stored(key, f))
+        differs = expect.differs(found)
+        if differs is None:
+            log.info("S3 %s (upload %s) answered %s: an earlier attempt completed it (its answer was lost); the "
+                     "object at the key is the upload's (%d bytes, %d parts)", what, upload_id, s3_answer(gone),
+                     expect.size, expect.parts)
+            return {}
+        if found is None and error_code(gone) != "NoSuchUpload":  # a bare 404: the bucket may be what is gone
+            self._bucket_seen = False
+            await self._check_bucket()
+        raise StorageError(f"S3 {what} (upload {upload_id}) at {self.endpoint()}: S3 answered {s3_answer(gone)}, and "
+                           f"no attempt's completion is at the key ({differs}): {upload_gone(upload_id)}")
 
     def open_writer(self, key: str, size: int, num_parts: int = 1) -> BlobWriter:
         return S3Writer(self, key, size, num_parts)
@@ -243,7 +318,7 @@ class S3Store(ObjectStore):
         for i in range(0, len(keys), self.delete_batch):
             batch = keys[i : i + self.delete_batch]
             what = f"DeleteObjects s3://{self.bucket} ({len(batch)} keys from {batch[0]!r})"
-            self._raise_delete_errors(await self.pipeline.send(what, lambda t, f: _delete_once(t, batch, f, what)))
+            self._raise_delete_errors(await self._write(what, lambda t, f: _delete_once(t, batch, f, what)))
 
     def _raise_delete_errors(self, errs: list[DeleteError]) -> None:
         """The keys DeleteObjects refused (an already missing key is deleted), named."""
@@ -266,12 +341,15 @@ class S3Store(ObjectStore):
             markers = (page.next_key_marker, page.next_upload_id_marker)
 
     async def abort_upload(self, upload: UploadInfo) -> None:
+        what = f"AbortMultipartUpload s3://{self.bucket}/{upload.key}"
         try:
-            await self.pipeline.send(f"AbortMultipartUpload s3://{self.bucket}/{upload.key}",
-                                     lambda t, f: t.abort_upload(upload.key, upload.upload_id, f))
+            await self.pipeline.send(what, lambda t, f: t.abort_upload(upload.key, upload.upload_id, f))
         except Exception as e:
-            if error_code(e) != "NoSuchUpload" and not is_missing(e):
-                raise
+            if error_code(e) == "NoSuchUpload" or is_missing(e):
+                return  # gone already: what an abort is for
+            if callers_map(e):
+                raise await self._refused_write(what, e, upload.upload_id) from None
+            raise
 
     async def list(self, prefix: str) -> list[ObjectInfo]:  # last: "list" names this method below
         out: list[ObjectInfo] = []

@@ -8,6 +8,7 @@ from ...runtime import loop as _runtime
 from ...checksum import composite_header, crc_header, crc_of_views
 from ...errors import CorruptCheckpointError
 from ..base import BlobWriter, UploadInfo
+from .write_outcome import Expected
 
 if TYPE_CHECKING:
     from .store import S3Store
@@ -20,7 +21,9 @@ class S3Writer(BlobWriter):
     With ``checksums`` (the default) every part carries its crc32c
     (``x-amz-checksum-crc32c``): the server recomputes it and refuses a part
     whose bytes changed in flight, and the checksums it reports back (per part,
-    and the composite of the object) are compared with ours."""
+    and the composite of the object) are compared with ours.  A store that
+    reports none back does not check them (Ceph RGW): the store warns once
+    (:meth:`S3Store.checksum_not_reported`)."""
 
     def __init__(self, store: "S3Store", key: str, size: int, num_parts: int) -> None:
         self._s = store
@@ -30,6 +33,7 @@ class S3Writer(BlobWriter):
         self._create: Optional["asyncio.Future[str]"] = None
         self._etags: dict[int, str] = {}
         self._crcs: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}  # bytes per part: what the completed object must hold
 
     async def _ensure_upload(self) -> str:
         # The create runs as its own task, shielded: if the caller is cancelled
@@ -60,7 +64,10 @@ class S3Writer(BlobWriter):
             upload_id = await self._ensure_upload()
             r = await self._s.put_views(self._key, views, headers, part=(upload_id, index + 1))
             self._etags[index] = r["ETag"]
+            self._sizes[index] = sum(v.nbytes for v in views)
         self._check_reported(r, headers.get("x-amz-checksum-crc32c"), f"part {index + 1}")
+        if "x-amz-checksum-crc32c" in headers and not (isinstance(r, dict) and r.get("ChecksumCRC32C")):
+            self._s.checksum_not_reported("PutObject" if self._single else "UploadPart")
 
     def _check_reported(self, r: Any, ours: Optional[str], what: str) -> None:
         """The server reports the checksum of what it stored: it must be ours."""
@@ -77,12 +84,15 @@ class S3Writer(BlobWriter):
             await self._s.put(self._key, b"")
             return
         parts: list[dict[str, Any]] = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in sorted(self._etags)]
+        composite = None
         if self._s.checksums:
             for p in parts:
                 p["ChecksumCRC32C"] = crc_header(self._crcs[p["PartNumber"] - 1])
-        r = await self._s.complete_upload(self._key, self._upload_id, parts)
-        if self._s.checksums:
-            self._check_reported(r, composite_header([self._crcs[i] for i in sorted(self._etags)]), "the object")
+            composite = composite_header([self._crcs[i] for i in sorted(self._etags)])
+        # what the object is, should the answer be lost and the upload found gone (see S3Store.complete_upload)
+        expect = Expected(sum(self._sizes.values()), len(parts), composite)
+        r = await self._s.complete_upload(self._key, self._upload_id, parts, expect)
+        self._check_reported(r, composite, "the object")
 
     async def abort(self) -> None:
         if self._create is not None:
