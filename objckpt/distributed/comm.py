@@ -280,13 +280,25 @@ def refusal_class(kind: str, base: "type[E]") -> "type[E]":
 def _made_class(cls: type[ObjckptError], base: type) -> type:
     """A subclass of ``cls`` (and of ``base``) built as ``base`` is: see :func:`refusal_class`."""
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        base.__init__(self, *args, **kwargs)
+        base.__init__(self, *args, **kwargs)  # type: ignore[misc]  # base's constructor, on purpose
         for name, value in vars(cls.from_message(str(self))).items():  # cls's own attributes, at their defaults
             self.__dict__.setdefault(name, value)
+        self._objckpt_made_with = (args, kwargs)
+
+    def __reduce__(self: Any) -> tuple:  # pickled as (cls, base) and base's arguments, not by its name (cls's)
+        args, kwargs = self._objckpt_made_with
+        return _remade, (cls, base, args, kwargs), self.__dict__
 
     bases = (cls,) if issubclass(cls, base) else (cls, base)
     return type(cls.__name__, bases, {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                      "__doc__": cls.__doc__, "__init__": __init__, "_objckpt_stands_for": cls})
+                                      "__doc__": cls.__doc__, "__init__": __init__, "__reduce__": __reduce__,
+                                      "_objckpt_stands_for": cls})
+
+
+def _remade(cls: type[ObjckptError], base: type, args: tuple, kwargs: dict[str, Any]) -> BaseException:
+    """An unpickled instance of the class :func:`refusal_class` made for (``cls``, ``base``)."""
+    made: type[BaseException] = refusal_class(error_name(cls), base)
+    return made(*args, **kwargs)
 
 
 def refusal(kind: str, message: str) -> ObjckptError:

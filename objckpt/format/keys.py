@@ -51,6 +51,12 @@ def decision_name(attempt: str) -> str:
     return f"{BLOB_DIR}/{attempt}/{DECISION_FILE}"
 
 
+def plain_segment(name: str) -> bool:
+    """One ordinary path component: not empty, not ``.``/``..``, no separators or NUL
+    (an attempt id read from a possibly damaged manifest must be one before it names keys)."""
+    return name not in ("", ".", "..") and not any(ch in name for ch in "/\\\0")
+
+
 def attempt_of(blob_rel: str) -> str:
     """The attempt id in a blob or index name (``blobs/<attempt>/...``, ``spread/<attempt>/...``)."""
     parts = blob_rel.split("/")

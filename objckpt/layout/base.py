@@ -49,11 +49,14 @@ class RankOutcome:
     #: symbolic layout: this rank's index object holds its records
     index: Optional[RankIndexRef] = None
     error: Optional[str] = None
+    #: the registered name of the failure's class (objckpt.errors.error_name): every rank raises it
+    error_kind: str = ""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         i = self.index
         return (_unpack_outcome, (tuple((b.name, b.size, b.rank, b.spread) for b in self.blobs), self.records,
-                                  None if i is None else (i.name, i.size, i.crc32c, i.spread), self.error))
+                                  None if i is None else (i.name, i.size, i.crc32c, i.spread), self.error,
+                                  self.error_kind))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RankOutcome):
@@ -84,9 +87,10 @@ class _PackedOutcome(RankOutcome):
 
 
 def _unpack_outcome(blobs: tuple[tuple[str, int, int, str], ...], records: list[ChunkRecord],
-                    index: Optional[tuple[str, int, int, str]], error: Optional[str]) -> RankOutcome:
+                    index: Optional[tuple[str, int, int, str]], error: Optional[str],
+                    error_kind: str = "") -> RankOutcome:
     out = object.__new__(_PackedOutcome)
-    out.__dict__.update(_packed=(blobs, index), records=records, error=error)
+    out.__dict__.update(_packed=(blobs, index), records=records, error=error, error_kind=error_kind)
     return out
 
 

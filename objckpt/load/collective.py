@@ -75,7 +75,7 @@ import torch
 
 from ..distributed.comm import Comm, RankError, TensorGroup, TorchComm, refusal_class, subgroup
 from ..distributed.placements import Ranks, mesh_group, replica_group
-from ..errors import CollectiveLoadError, MemoryBudgetError
+from ..errors import CollectiveLoadError, MemoryBudgetError, ObjckptError
 from ..format.manifest import Manifest
 from ..runtime.memory import COLLECTIVE_BYTES, MIN_SLOT_BYTES, Budget, OperationBudget, load_budget
 from ..options import ReadStrategy
@@ -253,12 +253,13 @@ class CollectiveReader:
 
         The other ranks are (or will be) waiting in that exchange; joining it
         with the error makes them raise too instead of waiting for the process
-        group's timeout; every rank, this one too, then raises the same error, of
-        the first failed rank's class, naming each failed rank (chained from this
-        rank's own error).  A direct load of several ranks has no exchange of its
-        own: it ends with that one exchange (one all-reduce when every rank loaded),
-        so no rank returns while another raises, e.g. when a Stateful value's
-        ``state_dict()`` failed on one rank."""
+        group's timeout; every rank then raises the same error, of the first failed
+        rank's class, naming each failed rank: this one too (chained from its own
+        error) when its error is an ObjckptError, else it re-raises its own (a
+        ``ValueError`` stays one where it happened).  A direct load of several
+        ranks has no exchange of its own: it ends with that one exchange (one
+        all-reduce when every rank loaded), so no rank returns while another
+        raises, e.g. when a Stateful value's ``state_dict()`` failed on one rank."""
         try:
             yield
         except Exception as e:
@@ -268,7 +269,7 @@ class CollectiveReader:
                     everyone: Optional[list[Hello]] = self._first_exchange(Hello(RankError.of(e), {}))
                 except Exception:  # noqa: BLE001 - the original error is the one to report
                     everyone = None
-                if everyone is not None:
+                if everyone is not None and isinstance(e, ObjckptError):
                     self._cause = e
                     self._raise_for({r: h.error for r, h in enumerate(everyone) if h.error}, uri,
                                     "before reading" if self.active else "")

@@ -42,12 +42,13 @@ async def delete_checkpoint(store: ObjectStore, prefix: str, uri: str = "") -> D
         # decode checked every name; object_keys refuses a spread entry that would
         # place outside this checkpoint's namespace (then nothing but the manifest goes)
         doomed = sorted(set(m.object_keys(prefix)))
-        if keys.is_safe_object_name(keys.decision_name(m.attempt)):  # a decision record left by a failure
-            doomed.append(keys.join(prefix, keys.decision_name(m.attempt)))
+        # a decision record a failure may have left (objckpt.save.decision): no part of the
+        # checkpoint, so not reported, but gone with it in the same request
+        stray = [keys.join(prefix, keys.decision_name(m.attempt))] if keys.plain_segment(m.attempt) else []
     except CorruptCheckpointError:
-        doomed, report.manifest_unreadable = [], True
+        doomed, stray, report.manifest_unreadable = [], [], True
     await store.delete([mkey])
     if doomed:
-        await store.delete(doomed)
+        await store.delete(doomed + stray)
     report.deleted = doomed
     return report

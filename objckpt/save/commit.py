@@ -23,7 +23,7 @@ from typing import Optional
 
 from ..runtime import loop as _runtime
 from ..errors import (CommitReplacedError, CorruptCheckpointError, NotFoundError, PreconditionFailed,
-                      StorageError)
+                      StorageError, error_name)
 from ..format import keys
 from ..format.manifest import Manifest, decode, encode
 from ..logs import get_logger
@@ -51,6 +51,8 @@ class CommitStatus:
     state: CommitState
     message: str = ""
     manifest_bytes: int = 0
+    #: the registered name of the failure's class (objckpt.errors.error_name): every rank raises it
+    error_kind: str = ""
 
 
 def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
@@ -93,18 +95,19 @@ def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
                 if isinstance(e, PreconditionFailed):
                     return CommitStatus(CommitState.EXISTS, f"another writer committed a checkpoint at {uri!r} first")
                 state = CommitState.FAILED_CLEAN if committed != "?" else CommitState.FAILED
-                return CommitStatus(state, f"committing {uri!r} failed: {type(e).__name__}: {e}")
+                return CommitStatus(state, f"committing {uri!r} failed: {type(e).__name__}: {e}",
+                                    error_kind=error_name(e))
         else:
             if not overwrite:
                 unseen = await _confirm_ours(st, mkey, m.attempt, uri, written, data)
                 stats.add(0)  # the GET that confirmed it
                 if unseen is not None:
                     errors.append(unseen)
-                    return CommitStatus(CommitState.FAILED, str(unseen))
+                    return CommitStatus(CommitState.FAILED, str(unseen), error_kind=error_name(unseen))
         stats.add(len(data))
         if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
             doomed = replaced_keys(prefix, old, m)
-            if _plain_segment(old.attempt):  # and its decision record, if one was left behind
+            if keys.plain_segment(old.attempt):  # and its decision record, if one was left behind
                 doomed.append(decision_key(prefix, old.attempt))
             await _delete_async(st, doomed)
         return CommitStatus(CommitState.OK, "", len(data))
@@ -141,20 +144,15 @@ def replaced_objects(prefix: str, attempt: str, names: list[str]) -> list[str]:
     ``../other/x`` or another attempt's blob must not make a successful
     overwrite delete the new commit record or anything outside the old
     attempt's directory (what is skipped is left for gc)."""
-    if not _plain_segment(attempt):
+    if not keys.plain_segment(attempt):
         return []
     out = []
     for n in names:
         parts = n.split("/")
-        if (len(parts) == 3 and parts[0] == keys.BLOB_DIR and parts[1] == attempt and _plain_segment(parts[2])
+        if (len(parts) == 3 and parts[0] == keys.BLOB_DIR and parts[1] == attempt and keys.plain_segment(parts[2])
                 and not parts[2].startswith(keys.MANIFEST_NAME)):
             out.append(keys.join(prefix, n))
     return out
-
-
-def _plain_segment(name: str) -> bool:
-    """One ordinary path component: not empty, not ``.``/``..``, no separators or NUL."""
-    return name not in ("", ".", "..") and not any(ch in name for ch in "/\\\0")
 
 
 async def _committed_attempt(store: ObjectStore, mkey: str) -> Optional[str]:

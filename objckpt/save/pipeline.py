@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -24,10 +23,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..runtime import loop as _runtime
-from ..distributed.comm import Comm, DecisionNotShared, decide_on_root, refusal_class
+from ..distributed.comm import Comm, DecisionNotShared, decide_on_root, refusal, refusal_class
 from ..distributed.join import join, unanswered_ranks
 from ..errors import (CheckpointExistsError, ObjckptError, RankLostError, StateDictMismatchError,
-                      TensorChangedError, UnsupportedValueError)
+                      TensorChangedError, UnsupportedValueError, error_name)
 from ..format import keys
 from ..format.spread import Placement, up_for
 from ..logs import get_logger
@@ -234,7 +233,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
             raise
         local_exc, err = e, f"{type(e).__name__}: {e}"
     hello = Hello(
-        error_kind=type(local_exc).__name__ if local_exc is not None else "",
+        error_kind=error_name(local_exc) if local_exc is not None else "",
         prints_digest=prints_digest(local.fingerprints) if local is not None and world > 1 else b"",
         symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
         tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
@@ -297,7 +296,7 @@ class UploadOutcome:
 
     @classmethod
     def failed(cls, what: str, exc: BaseException) -> "UploadOutcome":
-        return cls(RankOutcome(error=f"{what}{type(exc).__name__}: {exc}"), exc)
+        return cls(RankOutcome(error=f"{what}{type(exc).__name__}: {exc}", error_kind=error_name(exc)), exc)
 
 
 async def upload(prep: Prepared, pool: HostPool, budget: AnyBudget, *, zero_copy: bool,
@@ -363,9 +362,9 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         raise outcome.exc
     commit_errors: list[BaseException] = []
 
-    def decide(outcomes: list[RankOutcome]) -> tuple[Optional[CommitStatus], list[Optional[str]]]:
-        errors = [o.error for o in outcomes]
-        if any(errors):
+    def decide(outcomes: list[RankOutcome]) -> tuple[Optional[CommitStatus], list[tuple[str, str]]]:
+        errors = [(o.error or "", o.error_kind) for o in outcomes]
+        if any(e for e, _ in errors):
             return None, errors  # every rank raises below, from the same list
         m = prep.layout.manifest(outcomes, ManifestCommon(prep.attempt, prep.opts.metadata, prep.crc_block))
         m.spread_up = prep.place.up
@@ -381,12 +380,12 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         delete_quietly(st, prep.written_keys)
         raise
     if prep.world_size > 1 and prep.rank == 0:  # every rank knows the outcome: the record is not needed
-        _runtime.submit(_delete_record(st, decision_key(prep.prefix, prep.attempt)))
-    failed = [(r, e) for r, e in enumerate(errors) if e]
+        _runtime.run(_delete_record(st, decision_key(prep.prefix, prep.attempt)))
+    failed = [(r, e) for r, (e, _) in enumerate(errors) if e]
     if failed:
         delete_quietly(st, prep.written_keys)
-        kind = re.match(r"(\w+): ", failed[0][1] or "")  # the class of the first failure, on every rank
-        raise refusal_class(kind.group(1) if kind else "", ObjckptError)(
+        kind = next(k for e, k in errors if e)  # the class of the first failure, on every rank
+        raise refusal_class(kind, ObjckptError)(
             f"save to {prep.uri!r} failed on {len(failed)} of {prep.world_size} rank(s), nothing committed: "
             + "; ".join(f"rank {r}: {m}" for r, m in failed)
         ) from outcome.exc
@@ -399,7 +398,7 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
             raise CheckpointExistsError(status.message)
         if commit_errors and prep.world_size == 1:
             raise commit_errors[0]
-        raise ObjckptError(status.message)
+        raise refusal(status.error_kind, status.message)  # the class of rank 0's failure, on every rank
     prep.stats.timings.add("commit", time.perf_counter() - t_commit)
     res = SaveResult(prep.uri, prep.nbytes, time.perf_counter() - prep.t0, prep.stats.requests,
                      len(prep.local.dtypes), len(prep.plan.blobs), status.manifest_bytes, prep.stats.timings,
