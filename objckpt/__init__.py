@@ -27,6 +27,7 @@ from .errors import (
     NotFoundError,
     NotS3EndpointError,
     ObjckptError,
+    RankLostError,
     RanksDidNotJoinError,
     StateDictMismatchError,
     StorageError,
@@ -87,5 +88,6 @@ __all__ = [
     "ConditionalWriteIgnoredError",
     "CommitReplacedError",
     "CollectiveError",
+    "RankLostError",
     "ForeignSaveError",
 ]
