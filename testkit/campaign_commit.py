@@ -27,11 +27,8 @@ the manifest names.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any, Optional, Sequence
@@ -39,8 +36,8 @@ from typing import Any, Optional, Sequence
 from objckpt.storage.base import ObjectStore
 from objckpt.testing.stores import CountingStore
 
-from .campaign import FAILED, OK, Target, Trial, _after_crash, child_env, last_json, timed
-from .campaign_ops import full_rank_state
+from .campaign import FAILED, OK, Target, Trial, _after_crash, last_json, timed
+from .campaign_ops import full_rank_state, run_ranks
 
 POINTS = ("before_record", "before_put", "during_put", "after_put", "cleanup")
 
@@ -160,19 +157,7 @@ def commit_kill_trial(target: Target, seed: int, point: str, victim: int, *, ove
             args = {"world": world, "rdzv": "file://" + os.path.join(rd, "store"), "dir": rd, "uri": uri,
                     "opts": target.storage_options, "seed": seed + 1, "victim": victim, "point": point,
                     "overwrite": overwrite}
-            procs = [subprocess.Popen([sys.executable, "-m", "testkit.campaign_child", "commit_rank",
-                                       json.dumps({**args, "rank": r})], env=child_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True) for r in range(world)]
-            outs: list[str] = []
-            hung: list[int] = []
-            deadline = time.monotonic() + timeout  # a hang guard only: nothing is judged by time
-            for r, p in enumerate(procs):
-                try:
-                    outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    outs.append(p.communicate()[0])
-                    hung.append(r)
+            procs, outs, hung = run_ranks("commit_rank", args, world, timeout)
         if hung:
             return Trial("commit", params, FAILED, f"rank(s) {hung} hung: {outs[hung[0]][-400:]}")
         if procs[victim].returncode != -signal.SIGKILL:

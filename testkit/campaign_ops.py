@@ -55,6 +55,27 @@ def sharded_rank_state(seed: int, world: int) -> dict[str, Any]:
     return {"grid": distribute_tensor(full["grid"], mesh, [Shard(0)]), "rep": full["rep"], "step": full["step"]}
 
 
+def run_ranks(command: str, args: dict[str, Any], world: int,
+              timeout: float) -> tuple[list[subprocess.Popen], list[str], list[int]]:
+    """``world`` ranks of ``python -m testkit.campaign_child <command>`` (``args`` plus each
+    one's ``rank``), waited for: (processes, outputs, ranks still running after ``timeout``
+    seconds, which are killed: a hang guard, nothing is judged by time)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "testkit.campaign_child", command,
+                               json.dumps({**args, "rank": r})], env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outs: list[str] = []
+    hung: list[int] = []
+    deadline = time.monotonic() + timeout
+    for r, p in enumerate(procs):
+        try:
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0])
+            hung.append(r)
+    return procs, outs, hung
+
+
 def rank_kill_trial(target: Target, seed: int, *, world: int = 2, max_ops: int = MAX_OPS["ranks"],
                     timeout: float = 120.0) -> Trial:
     """Overwrite version ``seed`` with ``seed + 1`` from ``world`` gloo ranks; SIGKILL one."""
@@ -72,18 +93,7 @@ def rank_kill_trial(target: Target, seed: int, *, world: int = 2, max_ops: int =
         with tempfile.TemporaryDirectory(prefix="objckpt-rdzv-") as rd:
             args = {"world": world, "rdzv": "file://" + os.path.join(rd, "store"), "uri": uri,
                     "opts": target.storage_options, "seed": seed + 1, "kill_rank": kill_rank, "kill_at": kill_at}
-            procs = [subprocess.Popen([sys.executable, "-m", "testkit.campaign_child", "rank_save",
-                                       json.dumps({**args, "rank": r})], env=child_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True) for r in range(world)]
-            outs, hung = [], []
-            deadline = time.monotonic() + timeout
-            for r, p in enumerate(procs):
-                try:
-                    outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    outs.append(p.communicate()[0])
-                    hung.append(r)
+            procs, outs, hung = run_ranks("rank_save", args, world, timeout)
         if hung:
             return Trial("ranks", params, FAILED, f"rank(s) {hung} hung after a peer was killed: {outs[hung[0]][-400:]}")
         killed = procs[kill_rank].returncode == -signal.SIGKILL
