@@ -50,6 +50,18 @@ def make_bucket(endpoint: str) -> str:
     return name
 
 
+@pytest.fixture(scope="module")
+def memory_s3() -> Iterator[Any]:
+    """A dedicated in-memory S3 server (testkit/s3server.py) for the test module: fault
+    injection, checksum and credential behaviours moto does not have."""
+    from testkit.s3server import S3Server
+
+    server = S3Server()
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def moto_s3(moto_endpoint: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """(bucket, storage_options) on a freshly reset moto server."""

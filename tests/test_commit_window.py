@@ -11,7 +11,7 @@ in-process store.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,14 +27,6 @@ from objckpt.storage.memory import MemoryStore
 from testkit.campaign import OK, Target, make_bucket, s3_options
 from testkit.campaign_commit import commit_kill_trial
 from testkit.s3server import S3Server
-
-
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[S3Server]:
-    srv = S3Server()
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def _saved(store: MemoryStore, prefix: str, seed: int) -> Any:
@@ -108,10 +100,10 @@ def test_rank_killed_in_the_commit_window_local(tmp_path: Any, point: str, victi
 
 
 @pytest.mark.parametrize("point,victim,overwrite", S3_CASES)
-def test_rank_killed_in_the_commit_window_s3(s3_server: S3Server, point: str, victim: int,
+def test_rank_killed_in_the_commit_window_s3(memory_s3: S3Server, point: str, victim: int,
                                              overwrite: bool) -> None:
-    bucket = make_bucket(s3_server.endpoint_url, f"window-{point.replace('_', '-')}-{victim}-{int(overwrite)}")
-    r = commit_kill_trial(Target("s3", bucket, s3_options(s3_server.endpoint_url)), 22, point, victim,
+    bucket = make_bucket(memory_s3.endpoint_url, f"window-{point.replace('_', '-')}-{victim}-{int(overwrite)}")
+    r = commit_kill_trial(Target("s3", bucket, s3_options(memory_s3.endpoint_url)), 22, point, victim,
                           overwrite=overwrite)
     assert r.outcome == OK, r.to_json()
 

@@ -6,7 +6,7 @@ of objckpt's S3 transports), on local files (paths and ``file://``) and in memor
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import boto3  # type: ignore[import-untyped]
 import pytest
@@ -18,7 +18,6 @@ from objckpt.errors import InvalidURIError, ObjckptError
 from objckpt.ops.gc import collect_garbage
 from objckpt.runtime import loop as _runtime
 from objckpt.storage import open_store, split_uri
-from testkit.s3server import S3Server
 
 from conftest import make_bucket, s3_options
 
@@ -82,14 +81,6 @@ def test_split_uri_refuses_a_malformed_scheme() -> None:
 
 
 # -- S3: moto and the in-memory server ------------------------------------------------------
-@pytest.fixture(scope="module")
-def memory_s3() -> Iterator[S3Server]:
-    server = S3Server()
-    server.start()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=["moto", "testkit"])
 def s3_bucket(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
     """(bucket, storage options) on moto, then on testkit's in-memory server."""
