@@ -164,13 +164,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             start = len(trials)
             cases = commit_kill_cases(a.commit_kills, a.seed)
             _run("commit kill", a.commit_kills,
-                 lambda i: commit_kill_trial(targets[(i // 20) % 2], a.seed + i, *cases[i][:2], overwrite=cases[i][2]),
+                 lambda i: commit_kill_trial(targets[(i // 40) % 2], a.seed + i, *cases[i][:2], overwrite=cases[i][2],
+                                             asynchronous=cases[i][3]),
                  trials)
             if a.commit_kills:
                 tables["kill a rank in the commit window of a 2-rank save"] = _table(
                     trials[start:], lambda t: f"{t.params['point']}, rank {t.params['victim']} killed, "
                                               f"{'overwrite' if t.params['overwrite'] else 'first save'}")
-                tables["commit window by target"] = _table(trials[start:], lambda t: t.params["target"])
+                tables["commit window by target and call"] = _table(
+                    trials[start:], lambda t: f"{t.params['target']}, "
+                                              f"{'async_save' if t.params['asynchronous'] else 'save'}")
         if a.faults:
             fsrv = harness.Server("fast")
             servers.append(fsrv)

@@ -17,6 +17,9 @@ rank 1):
 * ``cleanup``: at the first request after the PUT: the old version's delete on an
   overwrite, the read-back of a fresh save.
 
+The save is a ``save`` or an ``async_save`` (whose commit runs on its background thread,
+over objckpt's own gloo group).
+
 Rank 1 is killed and then waited for (gone or a zombie) before rank 0 goes on, except
 ``during_put``.  Afterwards (:func:`commit_kill_trial`) the URI must read as the old
 checkpoint whole or the new one whole (a fresh save: the new one or none), every
@@ -124,9 +127,14 @@ def commit_rank(a: dict[str, Any]) -> dict[str, Any]:
             pids = [int(open(os.path.join(a["dir"], f"pid{r}")).read()) for r in range(world)]
             st, _ = open_store(a["uri"], a.get("opts") or {})
             store = WindowStore(st, a["point"], pids[a["victim"]])
-        objckpt.save(sharded_rank_state(a["seed"], world), a["uri"], storage_options=a.get("opts") or {},
-                     store=store, overwrite=a["overwrite"], part_size=64 << 10, blob_size=96 << 10,
-                     collective_timeout=a.get("collective_timeout", 60.0))
+        kw: dict[str, Any] = dict(storage_options=a.get("opts") or {}, store=store, overwrite=a["overwrite"],
+                                  part_size=64 << 10, blob_size=96 << 10,
+                                  collective_timeout=a.get("collective_timeout", 60.0))
+        state = sharded_rank_state(a["seed"], world)
+        if a.get("asynchronous"):  # the commit runs on the save's background thread and gloo group
+            objckpt.async_save(state, a["uri"], **kw).result()
+        else:
+            objckpt.save(state, a["uri"], **kw)
     except Exception as e:  # noqa: BLE001 - the survivor reports what it raised
         from objckpt.errors import ObjckptError
 
@@ -142,11 +150,13 @@ def commit_rank(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def commit_kill_trial(target: Target, seed: int, point: str, victim: int, *, overwrite: bool = True,
-                      world: int = 2, timeout: float = 180.0) -> Trial:
-    """A ``world``-rank save (over version ``seed``, or fresh) with ``victim`` SIGKILLed at ``point``."""
+                      asynchronous: bool = False, world: int = 2, timeout: float = 180.0) -> Trial:
+    """A ``world``-rank save (over version ``seed``, or fresh; ``asynchronous``: an
+    ``async_save``) with ``victim`` SIGKILLed at ``point``."""
     import objckpt
 
-    params = {"target": target.kind, "seed": seed, "point": point, "victim": victim, "overwrite": overwrite}
+    params = {"target": target.kind, "seed": seed, "point": point, "victim": victim, "overwrite": overwrite,
+              "asynchronous": asynchronous}
 
     def body() -> Trial:
         uri = target.uri(f"commit-{seed}-{point}-{victim}-{os.getpid()}-{time.time_ns()}")
@@ -156,7 +166,7 @@ def commit_kill_trial(target: Target, seed: int, point: str, victim: int, *, ove
         with tempfile.TemporaryDirectory(prefix="objckpt-rdzv-") as rd:
             args = {"world": world, "rdzv": "file://" + os.path.join(rd, "store"), "dir": rd, "uri": uri,
                     "opts": target.storage_options, "seed": seed + 1, "victim": victim, "point": point,
-                    "overwrite": overwrite}
+                    "overwrite": overwrite, "asynchronous": asynchronous}
             procs, outs, hung = run_ranks("commit_rank", args, world, timeout)
         if hung:
             return Trial("commit", params, FAILED, f"rank(s) {hung} hung: {outs[hung[0]][-400:]}")
@@ -193,7 +203,7 @@ def commit_kill_trial(target: Target, seed: int, point: str, victim: int, *, ove
     return timed("commit", params, body)
 
 
-def commit_kill_cases(n: int, seed: int = 0) -> list[tuple[str, int, bool]]:
-    """``n`` (point, victim, overwrite) cases covering every combination in turn."""
-    combos = [(p, v, o) for o in (True, False) for v in (0, 1) for p in POINTS]
+def commit_kill_cases(n: int, seed: int = 0) -> list[tuple[str, int, bool, bool]]:
+    """``n`` (point, victim, overwrite, asynchronous) cases covering every combination in turn."""
+    combos = [(p, v, o, a) for a in (False, True) for o in (True, False) for v in (0, 1) for p in POINTS]
     return [combos[(seed + i) % len(combos)] for i in range(n)]

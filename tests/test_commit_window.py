@@ -93,6 +93,13 @@ LOCAL_CASES = [("after_put", 1, True), ("after_put", 0, True), ("before_put", 0,
 S3_CASES = [("before_record", 1, True), ("cleanup", 1, True), ("during_put", 0, True)]
 
 
+def test_rank_killed_in_the_commit_window_of_an_async_save(tmp_path: Any) -> None:
+    """The commit of an ``async_save`` runs on its background thread and gloo group; rank 1
+    killed after rank 0's manifest PUT of an overwrite: the new checkpoint stands, whole."""
+    r = commit_kill_trial(Target("local", str(tmp_path)), 23, "after_put", 1, overwrite=True, asynchronous=True)
+    assert r.outcome == OK and r.extra.get("said") == [True], r.to_json()
+
+
 @pytest.mark.parametrize("point,victim,overwrite", LOCAL_CASES)
 def test_rank_killed_in_the_commit_window_local(tmp_path: Any, point: str, victim: int, overwrite: bool) -> None:
     r = commit_kill_trial(Target("local", str(tmp_path)), 21, point, victim, overwrite=overwrite)
