@@ -200,28 +200,21 @@ def cmd_op(a: dict[str, Any]) -> dict[str, Any]:
 def cmd_rank_save(a: dict[str, Any]) -> dict[str, Any]:
     """Rank ``rank`` of ``world`` (gloo, file rendezvous ``rdzv``) saves its shards of
     ``rank_state(seed)`` over ``uri``; on ``kill_rank`` SIGKILLed before request ``kill_at``."""
-    import torch.distributed as dist
-
     import objckpt
     from objckpt.storage import open_store
 
-    from .campaign_ops import sharded_rank_state
+    from .campaign_ops import gloo_rank, sharded_rank_state
 
     rank, world = a["rank"], a["world"]
-    dist.init_process_group("gloo", init_method=a["rdzv"], rank=rank, world_size=world)
     try:
-        st, _ = open_store(a["uri"], a.get("opts") or {})
-        store = KillStore(st, a["kill_at"]) if rank == a["kill_rank"] else None
-        objckpt.save(sharded_rank_state(a["seed"], world), a["uri"], storage_options=a.get("opts") or {},
-                     store=store, overwrite=a.get("overwrite", True), part_size=64 << 10, blob_size=96 << 10,
-                     collective_timeout=a.get("collective_timeout", 30.0))
+        with gloo_rank(a):
+            st, _ = open_store(a["uri"], a.get("opts") or {})
+            store = KillStore(st, a["kill_at"]) if rank == a["kill_rank"] else None
+            objckpt.save(sharded_rank_state(a["seed"], world), a["uri"], storage_options=a.get("opts") or {},
+                         store=store, overwrite=a.get("overwrite", True), part_size=64 << 10, blob_size=96 << 10,
+                         collective_timeout=a.get("collective_timeout", 30.0))
     except Exception as e:  # noqa: BLE001 - the survivor of a killed peer reports its error
         return {"rank": rank, "saved": False, **_error(e)}
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
     return {"rank": rank, "saved": True}
 
 

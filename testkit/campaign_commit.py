@@ -110,42 +110,34 @@ class WindowStore(CountingStore):
 
 def commit_rank(a: dict[str, Any]) -> dict[str, Any]:
     """One rank of a :func:`commit_kill_trial` (run by ``testkit.campaign_child commit_rank``)."""
-    import torch.distributed as dist
-
     import objckpt
+    from objckpt.errors import ObjckptError
     from objckpt.storage import open_store
 
-    from .campaign_ops import sharded_rank_state
+    from .campaign_ops import gloo_rank, sharded_rank_state
 
     rank, world = a["rank"], a["world"]
     with open(os.path.join(a["dir"], f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
-    dist.init_process_group("gloo", init_method=a["rdzv"], rank=rank, world_size=world)
     try:
-        store = None
-        if rank == 0:
-            pids = [int(open(os.path.join(a["dir"], f"pid{r}")).read()) for r in range(world)]
-            st, _ = open_store(a["uri"], a.get("opts") or {})
-            store = WindowStore(st, a["point"], pids[a["victim"]])
-        kw: dict[str, Any] = dict(storage_options=a.get("opts") or {}, store=store, overwrite=a["overwrite"],
-                                  part_size=64 << 10, blob_size=96 << 10,
-                                  collective_timeout=a.get("collective_timeout", 60.0))
-        state = sharded_rank_state(a["seed"], world)
-        if a.get("asynchronous"):  # the commit runs on the save's background thread and gloo group
-            objckpt.async_save(state, a["uri"], **kw).result()
-        else:
-            objckpt.save(state, a["uri"], **kw)
+        with gloo_rank(a):
+            store = None
+            if rank == 0:  # the rendezvous is done: every rank's pid file is there
+                pids = [int(open(os.path.join(a["dir"], f"pid{r}")).read()) for r in range(world)]
+                st, _ = open_store(a["uri"], a.get("opts") or {})
+                store = WindowStore(st, a["point"], pids[a["victim"]])
+            kw: dict[str, Any] = dict(storage_options=a.get("opts") or {}, store=store, overwrite=a["overwrite"],
+                                      part_size=64 << 10, blob_size=96 << 10,
+                                      collective_timeout=a.get("collective_timeout", 60.0))
+            state = sharded_rank_state(a["seed"], world)
+            if a.get("asynchronous"):  # the commit runs on the save's background thread and gloo group
+                objckpt.async_save(state, a["uri"], **kw).result()
+            else:
+                objckpt.save(state, a["uri"], **kw)
     except Exception as e:  # noqa: BLE001 - the survivor reports what it raised
-        from objckpt.errors import ObjckptError
-
         return {"rank": rank, "saved": False, "error": f"{type(e).__name__}: {e}",
                 "objckpt_error": isinstance(e, ObjckptError), "committed": getattr(e, "committed", "n/a"),
                 "lost_ranks": list(getattr(e, "lost_ranks", ()))}
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
     return {"rank": rank, "saved": True}
 
 

@@ -18,6 +18,7 @@ is untouched; gc (grace 0) then leaves exactly what the manifests name.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -53,6 +54,22 @@ def sharded_rank_state(seed: int, world: int) -> dict[str, Any]:
     full = full_rank_state(seed)
     mesh = init_device_mesh("cpu", (world,))
     return {"grid": distribute_tensor(full["grid"], mesh, [Shard(0)]), "rep": full["rep"], "step": full["step"]}
+
+
+@contextlib.contextmanager
+def gloo_rank(a: dict[str, Any]) -> Iterator[None]:
+    """A trial rank's gloo process group (``a``: its ``rank``, ``world`` and file
+    rendezvous ``rdzv``), destroyed afterwards whatever happened (a peer may be dead)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=a["rdzv"], rank=a["rank"], world_size=a["world"])
+    try:
+        yield
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def run_ranks(command: str, args: dict[str, Any], world: int,
