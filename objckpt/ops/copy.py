@@ -22,28 +22,26 @@ a reader at DST can see a checkpoint whose blobs are still arriving.  Here:
 from __future__ import annotations
 
 import asyncio
-import bisect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..runtime import loop as _runtime
-from ..checksum import crc32c, crc32c_combine
 from ..errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
                      NotFoundError, ObjckptError, PreconditionFailed)
 from ..format import keys
-from ..format.manifest import Chunk, Manifest, RankIndexRef, decode
+from ..format.manifest import Manifest, RankIndexRef, decode
 from ..load.session import ReadSession, open_location
 from ..logs import get_logger
 from ..save.commit import replaced_keys
+from . import mover as _mover
 from ..storage import BlobWriter, ObjectStore
 from ..runtime.memory import COPY_MEMORY_BYTES
-from ..units import MiB
 
 log = get_logger("objckpt.copy")
 
 #: bytes of one ranged GET / one part written at DST (raised to the DST's minimum part size)
-PART_SIZE = 16 * MiB
+PART_SIZE = _mover.PART_SIZE
 #: parts held in memory at once, in bytes
 MEMORY_BYTES = COPY_MEMORY_BYTES
 
@@ -63,87 +61,27 @@ class CopyReport:
 
 
 @dataclass
-class _ChunkCheck:
-    """One chunk's crc, assembled from the crcs of the part-slices that cover it."""
-
-    key: str
-    chunk: Chunk
-    pieces: dict[int, tuple[int, int]] = field(default_factory=dict)  # start -> (length, crc)
-    covered: int = 0
-
-
-@dataclass
 class _BlobCopy:
-    """One blob: where it is, its parts, and the chunks to check in it."""
+    """One blob: where it is, its parts, and its chunk crcs (checked as the parts pass)."""
 
     name: str
     spread: str  # the blob's spread bucket ("" in the default key layout)
     size: int
-    checks: list[_ChunkCheck]
-    starts: list[int]  # chunk offsets in the blob, sorted (bisect)
+    check: _mover.BlobCheck
     parts: list[tuple[int, int]]  # (offset, length)
     writer: Optional[BlobWriter] = None
     left: int = 0
     completed: bool = False
 
 
-def _part_size(size: int, dst: ObjectStore, part_size: int) -> int:
-    n = max(part_size, dst.min_part_size, -(-size // dst.max_parts), 1)
-    return min(n, max(dst.max_part_size, 1))
-
-
-def _plan(m: Manifest, dst: ObjectStore, part_size: int) -> list[_BlobCopy]:
-    per_blob: list[list[_ChunkCheck]] = [[] for _ in m.blobs]
-    for key, e in m.tensors.items():
-        if e.alias_of is None:
-            for c in e.chunks:
-                per_blob[c.blob].append(_ChunkCheck(key, c))
+def _plan(m: Manifest, dst: ObjectStore, part_size: int, sprefix: str) -> list[_BlobCopy]:
+    checks = _mover.blob_checks(m, [m.object_key(sprefix, b.name, b.spread) for b in m.blobs])
     out = []
-    for b, checks in zip(m.blobs, per_blob):
-        checks.sort(key=lambda ch: ch.chunk.offset)
-        ps = _part_size(b.size, dst, part_size)
-        parts = [(o, min(ps, b.size - o)) for o in range(0, b.size, ps)] or [(0, 0)]
-        out.append(_BlobCopy(b.name, b.spread, b.size, checks, [ch.chunk.offset for ch in checks], parts, left=len(parts)))
+    for b, check in zip(m.blobs, checks):
+        ps = _mover.part_size(b.size, dst, part_size)
+        parts = _mover.parts(b.size, ps)
+        out.append(_BlobCopy(b.name, b.spread, b.size, check, parts, left=len(parts)))
     return out
-
-
-def _slice_crcs(bc: _BlobCopy, off: int, data: memoryview) -> list[tuple[int, int, int, int]]:
-    """(check index, start in its chunk, length, crc32c) of every chunk slice inside
-    ``data`` (bytes ``off``.. of the blob).  Pure: runs on a worker thread."""
-    end = off + len(data)
-    out = []
-    i = max(0, bisect.bisect_right(bc.starts, off) - 1)
-    while i < len(bc.checks) and bc.checks[i].chunk.offset < end:
-        c = bc.checks[i].chunk
-        a, b = max(off, c.offset), min(end, c.offset + c.length)
-        if b > a:
-            out.append((i, a - c.offset, b - a, crc32c(data[a - off : b - off])))
-        i += 1
-    return out
-
-
-def _record(bc: _BlobCopy, found: list[tuple[int, int, int, int]], where: str) -> int:
-    """Add slice crcs to their chunks (on the loop thread); check each chunk they complete.
-    Returns the number of chunks completed."""
-    done = 0
-    for i, start, n, piece in found:
-        ch = bc.checks[i]
-        ch.pieces[start] = (n, piece)
-        ch.covered += n
-        c = ch.chunk
-        if ch.covered != c.length:
-            continue
-        crc = 0
-        for s in sorted(ch.pieces):
-            length, part_crc = ch.pieces[s]
-            crc = crc32c_combine(crc, part_crc, length)
-        if crc != c.crc32c:
-            raise CorruptCheckpointError(
-                f"tensor {ch.key!r}: crc32c mismatch in blob {where!r} at offset {c.offset} (length {c.length}, "
-                f"chunk at {list(c.offsets)}): stored {c.crc32c:#010x}, read {crc:#010x}; nothing was committed "
-                "at the destination")
-        done += 1
-    return done
 
 
 async def _read_indexes(src: ObjectStore, sprefix: str, m: Manifest) -> dict[str, bytes]:
@@ -155,8 +93,7 @@ async def _read_indexes(src: ObjectStore, sprefix: str, m: Manifest) -> dict[str
             data = await src.get(key)
         except NotFoundError:
             raise BlobMissingError(f"rank index {key!r} is missing") from None
-        if len(data) != ref.size or crc32c(data) != ref.crc32c:
-            raise CorruptCheckpointError(f"rank index {key!r}: size or crc32c differs from the manifest")
+        _mover.check_index(data, ref, key)
         out[ref.name] = data
 
     await asyncio.gather(*(one(ref) for ref in m.rank_indexes))
@@ -187,7 +124,7 @@ async def copy_checkpoint(source: ReadSession, dst: ObjectStore, dprefix: str, d
             f"{dst_uri!r} already holds this checkpoint (attempt {m.attempt}); check it with `objckpt verify`, "
             "or delete it and copy again")
     indexes, _ = await asyncio.gather(_read_indexes(src, sprefix, m), source.resolver.resolve_all())
-    blobs = _plan(m, dst, part_size)
+    blobs = _plan(m, dst, part_size, sprefix)
     total = sum(b.size for b in m.blobs)
     slots = asyncio.Semaphore(max(1, memory_bytes // max(max((n for b in blobs for _, n in b.parts), default=1), 1)))
     requests = asyncio.Semaphore(max(1, min(src.concurrency, dst.concurrency)))
@@ -205,8 +142,11 @@ async def copy_checkpoint(source: ReadSession, dst: ObjectStore, dprefix: str, d
                     raise
                 except NotFoundError:
                     raise BlobMissingError(f"blob {src_key!r} of {src_uri!r} is missing") from None
-            found = await _runtime.in_thread(_slice_crcs, bc, off, buf)  # not inside ``+=``: it would race
-            verified[0] += _record(bc, found, src_key)
+            found = await _runtime.in_thread(bc.check.slices, off, buf)  # not inside ``+=``: it would race
+            try:
+                verified[0] += bc.check.record(found)
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"{e}; nothing was committed at the destination") from None
             if bc.writer is None:
                 bc.writer = dst.open_writer(m.object_key(dprefix, bc.name, bc.spread), bc.size, len(bc.parts))
             async with requests:
@@ -215,14 +155,7 @@ async def copy_checkpoint(source: ReadSession, dst: ObjectStore, dprefix: str, d
             progress(n, total)
         bc.left -= 1
         if bc.left == 0:
-            short = [ch for ch in bc.checks if ch.covered != ch.chunk.length and ch.chunk.length]
-            if short:
-                raise CorruptCheckpointError(f"blob {src_key!r}: chunk of tensor {short[0].key!r} not fully read")
-            verified[0] += sum(1 for ch in bc.checks if not ch.chunk.length and ch.chunk.crc32c == 0)
-            bad = [ch for ch in bc.checks if not ch.chunk.length and ch.chunk.crc32c != 0]
-            if bad:
-                raise CorruptCheckpointError(f"tensor {bad[0].key!r}: an empty chunk with crc32c "
-                                             f"{bad[0].chunk.crc32c:#010x} in blob {src_key!r}")
+            verified[0] += bc.check.finish()
             await bc.writer.complete()
             bc.completed = True
 

@@ -57,15 +57,20 @@ class CommitStatus:
 
 def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
            written: list[str], stats: IOStats, errors: list[BaseException], *,
-           decided_by_record: bool = False) -> CommitStatus:
+           decided_by_record: bool = False, data: Optional[bytes] = None) -> CommitStatus:
     """Write the manifest (rank 0); ``written``: every object of this attempt
     rank 0 wrote.  The exception behind a failure is appended to ``errors``.
+
+    ``data``: the manifest's exact bytes when they exist already (a drain commits the
+    local tier's manifest byte for byte, its own crc32c still sealing it); default
+    ``m`` encoded.  A manifest of the same attempt found at the key (an earlier try of
+    this commit landed, its answer lost) is this commit: OK.
 
     ``decided_by_record`` (saves of more than one rank): the manifest is PUT only
     after rank 0 has won the attempt's decision record (:mod:`.decision`), so that a
     rank that loses contact during the commit can tell, from storage, whether it
     may delete its blobs."""
-    data = encode(m)
+    data = encode(m) if data is None else data
     mkey = keys.manifest_key(prefix)
 
     async def go() -> CommitStatus:
