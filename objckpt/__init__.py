@@ -38,6 +38,7 @@ from .errors import (
 )
 from .results import LoadResult, SaveResult
 from .tier.errors import DrainError, LocalTierError, TierRestoreError, TierSettingsError
+from .tier.settings import TierSettings
 from .tier.topology import TopologyError
 from .tier.transfer import PeerCopyError
 from .save.background import SaveHandle
@@ -57,6 +58,7 @@ __all__ = [
     "CopyReport",
     "DiffReport",
     "CheckpointManager",
+    "TierSettings",
     "Shard",
     "SaveResult",
     "LoadResult",

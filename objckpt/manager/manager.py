@@ -33,15 +33,12 @@ manager just saved, the worker says so (a warning naming the step and why).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 from ..runtime import loop as _runtime
-from ..api import async_save as _async_save
-from ..api import load as _load
-from ..api import save as _save
 from ..ops.delete import DeleteReport, delete_checkpoint
 from ..distributed.comm import Comm, LocalComm, decide_on_root, get_comm
 from ..errors import CheckpointExistsError, CommitReplacedError, NotFoundError
@@ -54,12 +51,17 @@ from .leftovers import LEFTOVER_GRACE
 from .naming import (DEFAULT_STEP_FORMAT, InvalidStepError, StepNaming, SwappedArgumentsError, check_step, describe,
                      looks_like_step)
 from ..tier.advice import Advice
-from ..tier.retry_clock import DRAIN_RETRY_S
-from .tiers import TieredSaves, TierSettings
+from ..tier.settings import DEPRECATED_KEYWORDS, TierSettings
+from ..tier.settings import from_keywords as tier_from_keywords
+from .steps import PlainSteps, RootSteps, StepsHost
+from .tiers import TieredSaves
 from .retention import Candidate, RetentionPolicy, RetentionPolicyError, StepOrderError, best_step, steps_to_keep
 from .worker import CommitJob, RetentionReport, Worker, apply_retention, candidates, sweep_into
 
 log = logging.getLogger("objckpt.manager")
+
+#: a deprecated keyword the caller did not pass
+_UNSET: Any = object()
 
 
 class CheckpointManager:
@@ -71,13 +73,14 @@ class CheckpointManager:
                  step_format: str = DEFAULT_STEP_FORMAT, async_save: bool = False,
                  storage_options: Optional[dict[str, Any]] = None, process_group: Any = None,
                  no_dist: bool = False, leftover_grace: float = LEFTOVER_GRACE,
-                 clock: Callable[[], float] = time.time, local_dir: Optional[str] = None,
-                 replicas: Optional[int] = None,
-                 persist_every: Optional[int] = 10, persist_every_seconds: Optional[float] = None,
-                 local_keep: int = 2, drain_bandwidth: Optional[float] = None, direct: bool = False,
+                 clock: Callable[[], float] = time.time, tier: Optional[TierSettings] = None,
                  node_override: Optional[str] = None, failure_rate: Optional[float] = None,
-                 tier_backend: str = "auto", drain_retry_s: Optional[float] = DRAIN_RETRY_S,
-                 single_writer: bool = False) -> None:
+                 single_writer: bool = False,
+                 # deprecated: the fields of ``tier`` (one DeprecationWarning per manager that gets any)
+                 local_dir: Optional[str] = _UNSET, replicas: Optional[int] = _UNSET,
+                 persist_every: Optional[int] = _UNSET, persist_every_seconds: Optional[float] = _UNSET,
+                 local_keep: int = _UNSET, drain_bandwidth: Optional[float] = _UNSET, direct: bool = _UNSET,
+                 tier_backend: str = _UNSET, drain_retry_s: Optional[float] = _UNSET) -> None:
         """``root``: where the run's steps go (``s3://bucket/run``, a path, ...).
         Retention (see :mod:`objckpt.manager.retention`): ``keep_last``, ``keep_every``,
         ``keep_best`` ranked by ``metadata[best_key]`` (``best_mode="max"``: higher is
@@ -96,21 +99,19 @@ class CheckpointManager:
         used instead of refused with :class:`~objckpt.errors.ConditionalWriteIgnoredError`
         (see :func:`objckpt.save`).
 
-        Tiered checkpoints (docs/tiering.md; without ``local_dir`` none of this applies):
-        ``local_dir`` (a node-local directory, ``{node}`` replaced by the node's name)
-        receives every save, committed there; ``replicas`` peers on other nodes get a copy
-        in the background (default: 1 where the ranks span several nodes, else 0); every ``persist_every``-th save (or one every
-        ``persist_every_seconds``) drains to ``root`` in the background, at most
-        ``drain_bandwidth`` bytes/s per rank, and is indexed there; ``local_keep`` local
-        steps stay per node; ``direct``: local blobs written with O_DIRECT; ``node_override``:
-        this rank's node name (else ``$OBJCKPT_NODE``, else the hostname); ``failure_rate``
-        (failures per hour) for :meth:`advice`; ``tier_backend``: how copies move between
-        ranks, ``"auto"`` (NCCL, through device buffers, where the process group is NCCL and
-        CUDA is available; else gloo), ``"gloo"`` or ``"nccl"``; the same on every rank;
-        ``drain_retry_s``: a drain that failed (object storage down) is tried again that many
-        seconds later in the background, with no save or :meth:`wait` needed, the wait
-        doubling per failed retry up to 10 minutes (None: retried at the next save and at
-        :meth:`wait` only)."""
+        Tiered checkpoints (docs/tiering.md; without ``tier`` none of this applies):
+        ``tier=objckpt.TierSettings(local_dir=..., ...)``: ``local_dir`` (a node-local
+        directory, ``{node}`` replaced by the node's name) receives every save, committed
+        there; ``replicas`` peers on other nodes get a copy in the background; every
+        ``persist_every``-th save (or one every ``persist_every_seconds``) drains to ``root``
+        in the background and is indexed there; the fields and their defaults are
+        :class:`~objckpt.tier.settings.TierSettings`'s, the same on every rank.  Two options
+        stay keywords here: ``node_override``, this rank's node name (else
+        ``$OBJCKPT_NODE``, else the hostname; per rank by design), and ``failure_rate``
+        (failures per hour) for :meth:`advice`.  The keywords ``local_dir=``, ``replicas=``,
+        ``persist_every=``, ... (the fields of ``TierSettings``) still work for one release,
+        with a ``DeprecationWarning``; passing one of them with ``tier=`` is a
+        :class:`~objckpt.TierSettingsError`."""
         self.root = root.rstrip("/")
         self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_key, best_mode, keep_every_seconds)
         if save_every is not None and (not looks_like_step(save_every) or check_step(save_every) < 1):
@@ -126,19 +127,40 @@ class CheckpointManager:
         self._comm: Comm = LocalComm() if no_dist else get_comm(process_group)
         store, prefix = open_store(self.root, storage_options)
         self.index = StepIndex(store, prefix, self.naming)
-        self._handles: list[SaveHandle] = []
         #: the run's steps as this manager knows them (see the module docstring); None: not read yet
         self._known: Optional[dict[int, Candidate]] = None
         self._jobs: list[CommitJob] = []  # rank 0: submitted, maybe not indexed yet
         self.leftover_grace = float(leftover_grace)
         self._worker: Optional[Worker] = (Worker(self.index, self.policy, self.root, self.leftover_grace,
                                                  single_writer) if self.is_root else None)
-        self._tiers: Optional[TieredSaves] = None
-        if local_dir is not None:
-            self._tiers = TieredSaves(self, TierSettings(local_dir, replicas, persist_every, persist_every_seconds,
-                                                         local_keep, drain_bandwidth, direct, tier_backend,
-                                                         drain_retry_s),
-                                      node_override, failure_rate)
+        old = {k: v for k, v in zip(DEPRECATED_KEYWORDS, (local_dir, replicas, persist_every, persist_every_seconds,
+                                                          local_keep, drain_bandwidth, direct, tier_backend,
+                                                          drain_retry_s)) if v is not _UNSET}
+        settings, deprecated = tier_from_keywords(tier, old)
+        if deprecated:
+            warnings.warn(deprecated, DeprecationWarning, stacklevel=2)
+        host = self._host()
+        #: how this manager's steps are saved, found and loaded: the one seam (objckpt.manager.steps)
+        self._steps: RootSteps = (PlainSteps(host) if settings is None
+                                  else TieredSaves(host, settings, node_override, failure_rate))
+
+    def _host(self) -> StepsHost:
+        """What the steps implementation may use of this manager (late-bound: each callback
+        looks the method up when called)."""
+        return StepsHost(
+            root=self.root, naming=self.naming, clock=self.clock, async_save=self.async_save,
+            single_writer=self.single_writer, process_group=self.process_group, no_dist=self.no_dist,
+            storage_options=self.storage_options, comm=self._comm, store=self.index.store,
+            step_prefix=self.index.step_prefix, step_uri=self.step_uri, steps=lambda: self.steps(),
+            known_steps=lambda: self._known_steps(), drained=lambda *a: self._drained(*a),
+            check_order=lambda *a: self._check_order(*a), exists_error=lambda *a: self._exists_error(*a),
+            committed=lambda *a: self._record(*a), newest=lambda: self._on_root(self._newest_existing),
+            forget=self._forget)
+
+    @property
+    def _tiers(self) -> Optional[TieredSaves]:
+        """The tiered implementation, when this manager has a tier (diagnostics and tests)."""
+        return self._steps if isinstance(self._steps, TieredSaves) else None
 
     # -- naming -----------------------------------------------------------------------------
     @property
@@ -149,10 +171,6 @@ class CheckpointManager:
     def step_uri(self, step: int) -> str:
         """The checkpoint URI of ``step`` (``<root>/step-0000000100`` by default)."""
         return f"{self.root}/{self.naming.name(step)}"
-
-    def _dist_kwargs(self) -> dict[str, Any]:
-        return {"storage_options": self.storage_options, "process_group": self.process_group,
-                "no_dist": self.no_dist}
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, metadata: Optional[dict[str, Any]] = None,
@@ -170,33 +188,7 @@ class CheckpointManager:
         if self.save_every is not None and not force and step % self.save_every:
             log.debug("objckpt: step %d is off the save interval (save_every=%d): not saved", step, self.save_every)
             return None
-        if self._tiers is not None:
-            self._tiers.save(step, state, md)
-            return None
-        uri = self.step_uri(step)
-        self._check_order(step, md)
-        self._settle_handles()
-        saved_at = self.clock()
-        try:
-            handle = self._start(state, uri, md)
-        except CheckpointExistsError as e:
-            # Never replaced, indexed or not: a committed manifest the index does not list yet
-            # is another writer's checkpoint (a second job on this root, a restarted job beside
-            # the old one) or the commit of a save killed before its index update, and nothing
-            # stored can prove which.  A prefix with no manifest never gets here: the save just
-            # goes on beside the leftover (blob keys are unique per attempt).
-            raise self._exists_error(step, uri, e) from None
-        self._learn(step, md, saved_at)
-        if handle is not None:
-            self._handles.append(handle)
-            self._submit(CommitJob(step, md, handle, saved_at=saved_at))
-            return handle
-        job = self._submit(CommitJob(step, md, saved_at=saved_at))
-        if job is not None:
-            job.indexed.wait()
-            if job.error is not None:
-                raise job.error
-        return None
+        return self._steps.save(step, state, md)
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is one to save: on the ``save_every`` interval (any step without
@@ -215,6 +207,25 @@ class CheckpointManager:
         self._jobs.append(job)
         self._worker.submit(job)
         return job
+
+    def _record(self, step: int, md: dict[str, Any], saved_at: float,
+                handle: Optional[SaveHandle]) -> Optional[CommitJob]:
+        """A step saved under the root (or being saved: ``handle``): learnt, and handed to the
+        index worker (rank 0: its job, else None)."""
+        self._learn(step, md, saved_at)
+        return self._submit(CommitJob(step, md, handle, saved_at=saved_at))
+
+    def _drained(self, step: int, md: dict[str, Any], saved_at: float) -> None:
+        """The tier's background thread drained ``step`` to the root: learnt without a read (see
+        :meth:`_learn`), indexed (rank 0), returning once it is."""
+        self._learn(step, md, saved_at, read=False)
+        job = self._submit(CommitJob(step, md, saved_at=saved_at))
+        if job is not None:
+            job.indexed.wait()
+
+    def _forget(self) -> None:
+        """A save failed: the run's steps are read again when next needed."""
+        self._known = None
 
     # -- what the manager knows of the run's steps -------------------------------------------
     def _known_steps(self) -> dict[int, Candidate]:
@@ -266,14 +277,6 @@ class CheckpointManager:
             rules.append(f"best_key={p.best_key!r}, best_mode={p.best_mode!r}")
         return ", ".join(rules)
 
-    def _start(self, state: Any, uri: str, md: dict[str, Any]) -> Optional[SaveHandle]:
-        """The async save's handle, or None once a synchronous save committed (never an overwrite)."""
-        if self.async_save:
-            return _async_save(state, uri, metadata=md, max_in_flight=1, overwrite=False,
-                               single_writer=self.single_writer, **self._dist_kwargs())
-        _save(state, uri, metadata=md, overwrite=False, single_writer=self.single_writer, **self._dist_kwargs())
-        return None
-
     def _exists_error(self, step: int, uri: str, cause: CheckpointExistsError) -> CheckpointExistsError:
         """The error for a save that found ``step`` committed; rank 0 first adopts the step into
         the index when it is missing there (it is a checkpoint, whoever wrote it), so
@@ -301,23 +304,10 @@ class CheckpointManager:
         return cls(f"step {step} is already committed under {self.root!r} ({uri}); it was not replaced.{why} "
                    f"Delete it first (CheckpointManager.delete) to save it again{detail}")
 
-    def _settle_handles(self) -> None:
-        """Wait for the async save in flight (one at most) and raise its error, on every rank."""
-        handles, self._handles = self._handles, []
-        if handles:
-            concurrent.futures.wait(handles)
-        for h in handles:
-            err = h.exception()
-            if err is not None:
-                self._known = None  # that step does not exist: read the run's steps again when needed
-                raise err
-
     def wait(self) -> None:
         """Until every save issued so far has committed and been indexed (and retention ran);
         raises the first error (a failed save on every rank, index/retention errors on rank 0)."""
-        self._settle_handles()
-        if self._tiers is not None:
-            self._tiers.wait()
+        self._steps.wait()
         if self._worker is not None:
             errors = self._worker.join()
             if errors:
@@ -328,8 +318,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            if self._tiers is not None:
-                self._tiers.close()
+            self._steps.close()
             if self._worker is not None:
                 self._worker.stop()
                 self._worker = None
@@ -369,9 +358,7 @@ class CheckpointManager:
         newest step that exists is the answer.  With a local tier: the newest step every rank
         can restore from some tier (local, peers, object storage; see docs/tiering.md)."""
         self._known = None  # steps deleted by hand leave the index here: read it again at the next save
-        if self._tiers is not None:
-            return self._tiers.latest_step()
-        return self._on_root(self._newest_existing)
+        return self._steps.latest_step()
 
     def _newest_existing(self) -> Optional[int]:
         """Rank 0: the newest indexed step whose manifest exists; indexed steps above it
@@ -433,29 +420,18 @@ class CheckpointManager:
             raise SwappedArgumentsError(
                 f"CheckpointManager.load(state, step=None): got {describe(state)} as state, which looks like a "
                 "step; pass the state to fill and the step by keyword: load(state, step=N)")
-        if self._tiers is not None:
-            return self._tiers.load(state, step, load_kwargs)
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise NotFoundError(f"no committed step under {self.root!r} to load")
-        kw = {**self._dist_kwargs(), **load_kwargs}
-        return _load(state, self.step_uri(step), **kw)
+        return self._steps.load(state, step, load_kwargs)
 
     def step_tiers(self) -> dict[int, list[str]]:
         """Each step and where it is: ``"object"`` (under the root), and with a local tier
         ``"local"`` / ``"local-partial"`` (this node's folder; see docs/tiering.md).  Every
         rank calls it."""
-        if self._tiers is None:
-            return {s: ["object"] for s in self.steps()}
-        return self._tiers.step_tiers()
+        return self._steps.step_tiers()
 
     def advice(self) -> Advice:
         """The Young/Daly checkpoint interval from this manager's measured tiered saves and
         ``failure_rate`` (see :mod:`objckpt.tier.advice`)."""
-        if self._tiers is None:
-            raise RetentionPolicyError("advice() measures tiered saves: pass local_dir= (and failure_rate=)")
-        return self._tiers.advice()
+        return self._steps.advice()
 
     def delete(self, step: int) -> Optional[DeleteReport]:
         """Delete ``step``: out of the index first, then its manifest, then its objects, then what

@@ -8,6 +8,6 @@
   memory (whole chunks straight into its tensors) and read through a read-only overlay
 - :mod:`.advice`: the Young/Daly checkpoint interval from measured costs
 
-The manager (:class:`objckpt.CheckpointManager` with ``local_dir=``) ties them
+The manager (:class:`objckpt.CheckpointManager` with ``tier=TierSettings(...)``, :mod:`.settings`) ties them
 together; see docs/tiering.md.
 """
