@@ -64,6 +64,15 @@ def shapes(tensors: int, kib: int) -> dict[str, int]:
     return {f"layers.{i // 8}.w{i % 8}": kib * 1024 // 4 + i % 8 for i in range(tensors)}
 
 
+def _tier(local: str) -> dict[str, Any]:
+    """The manager's tier keywords: ``tier=TierSettings(...)``, or the former keywords for a
+    baseline objckpt from before ``TierSettings``."""
+    import objckpt
+
+    kw: dict[str, Any] = {"local_dir": local, "replicas": 0, "persist_every": None, "local_keep": 2}
+    return {"tier": objckpt.TierSettings(**kw)} if hasattr(objckpt, "TierSettings") else kw
+
+
 def make_state(tensors: int, kib: int) -> dict[str, Any]:
     import torch
 
@@ -105,8 +114,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             def fn() -> Any:
                 return objckpt.load(dest, base + "objckpt")
         else:
-            m = objckpt.CheckpointManager(base + "root", local_dir=base + "local", replicas=0, persist_every=None,
-                                          local_keep=2)
+            m = objckpt.CheckpointManager(base + "root", **_tier(base + "local"))
 
             def fn() -> Any:
                 got = m.load(dest) if op == "manager" else m.latest_step()
@@ -151,8 +159,7 @@ def _save_child(args: argparse.Namespace, op: str, base: str, rss0: int, state_b
         if args.root and not objckpt.__file__.startswith(args.root):
             raise RuntimeError("the baseline objckpt was not the one imported")
         if op.startswith("manager."):
-            m = objckpt.CheckpointManager(os.path.join(out, "root"), local_dir=os.path.join(out, "local"),
-                                          replicas=0, persist_every=None, local_keep=2,
+            m = objckpt.CheckpointManager(os.path.join(out, "root"), **_tier(os.path.join(out, "local")),
                                           async_save=op == "manager.async_save")
 
         def fn() -> Any:
@@ -204,8 +211,7 @@ def _prepare(args: argparse.Namespace, data: str) -> int:
 
     state = make_state(args.tensors, args.kib)
     objckpt.save(state, os.path.join(data, "objckpt"))
-    with objckpt.CheckpointManager(os.path.join(data, "root"), local_dir=os.path.join(data, "local"), replicas=0,
-                                   persist_every=None, local_keep=2) as m:
+    with objckpt.CheckpointManager(os.path.join(data, "root"), **_tier(os.path.join(data, "local"))) as m:
         m.save(1, state)
         m.save(2, state)
         m.wait()

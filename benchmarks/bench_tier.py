@@ -8,7 +8,7 @@ and restore against a memcpy, O_DIRECT against buffered.
 
 Measures, in one run (ratios within the run):
 
-* **stall**: ``CheckpointManager(local_dir=/dev/shm/..., replicas=0, persist_every=None).save``,
+* **stall**: ``CheckpointManager(tier=TierSettings(local_dir=/dev/shm/..., replicas=0, persist_every=None)).save``,
   synchronous (the local commit the training waits for) and with ``async_save=True`` (the
   staging copy; the local commit follows in the background), ``objckpt.async_save`` to object storage (the
   in-memory S3 server of testkit/, in this process) until it returns, and a memcpy of the
@@ -188,8 +188,9 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int, local_parent: str =
     try:
         tiered: dict[bool, list[float]] = {}
         for mode in (False, True):
-            m = objckpt.CheckpointManager(f"s3://bench/tiered{int(mode)}", storage_options=opts, local_dir=shm,
-                                          replicas=0, persist_every=None, local_keep=2, async_save=mode)
+            m = objckpt.CheckpointManager(f"s3://bench/tiered{int(mode)}", storage_options=opts, async_save=mode,
+                                          tier=objckpt.TierSettings(local_dir=shm, replicas=0, persist_every=None,
+                                                                    local_keep=2))
             tiered[mode] = []
             for step in range(1, repeat + 2):
                 t0 = time.perf_counter()
@@ -205,8 +206,8 @@ def bench_stall(state: dict[str, torch.Tensor], repeat: int, local_parent: str =
             h = objckpt.async_save(state, f"s3://bench/async/{i}", storage_options=opts)
             asyncs.append(time.perf_counter() - t0)
             h.result()
-        m = objckpt.CheckpointManager("s3://bench/tiered", storage_options=opts, local_dir=shm, replicas=0,
-                                      persist_every=None, local_keep=2)
+        m = objckpt.CheckpointManager("s3://bench/tiered", storage_options=opts, tier=objckpt.TierSettings(
+            local_dir=shm, replicas=0, persist_every=None, local_keep=2))
         m.save(1, state)
         step_dir = next(os.path.join(shm, n) for n in os.listdir(shm) if n.startswith("step"))
         floors = [verified_read_floor(step_dir) for _ in range(repeat)] if state_on_cpu(state) else [float("nan")]

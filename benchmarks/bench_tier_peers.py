@@ -206,8 +206,9 @@ def _restore(rank: int, comm: Any, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     base = pathlib.Path(cfg["dir"]) / "restore"
     state = _share(rank, cfg["mib"] * h.MiB)
     dst = {k: torch.zeros_like(v) for k, v in state.items()}
-    m = objckpt.CheckpointManager("s3://bench/peers", storage_options=opts, local_dir=str(base / "{node}"),
-                                  replicas=1, persist_every=1, local_keep=2, node_override=f"n{rank}")
+    m = objckpt.CheckpointManager("s3://bench/peers", storage_options=opts, node_override=f"n{rank}",
+                                  tier=objckpt.TierSettings(local_dir=str(base / "{node}"), replicas=1,
+                                                            persist_every=1, local_keep=2))
     rows: list[dict[str, Any]] = []
     buf: Optional[torch.Tensor] = None
     try:

@@ -61,6 +61,9 @@ class LoadResult:
     step: Optional[int] = None
     source: str = ""
     tiers: dict[int, str] = field(default_factory=dict)
+    #: (a local tier) the damaged copies the restore passed over, each naming the rank, the
+    #: source, the file and why (see docs/tiering.md); [] when none
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:

@@ -303,13 +303,13 @@ def test_a_drain_tried_again_after_its_commit_succeeds_and_another_checkpoint_th
         objckpt.save({"x": torch.full((5,), value)}, str(tmp_path / name), store=LocalStore("/"))
     store = LocalStore(str(tmp_path / "root"))
     for _ in range(2):  # the second attempt finds its own manifest there: committed, as an answer lost would leave
-        rep = drain.drain(LocalComm(), 7, tmp_path / "a", None, store, "step-7", "root/step-7")
+        rep = drain.drain(LocalComm(), 7, tmp_path / "a", store, "step-7", "root/step-7")
         assert rep.committed and rep.files == 1
     assert torch.equal(objckpt.read(str(tmp_path / "root" / "step-7"))["x"], torch.full((5,), 1.0))
     with pytest.raises(DrainError, match="another manifest") as err:  # another checkpoint: never replaced
-        drain.drain(LocalComm(), 7, tmp_path / "b", None, store, "step-7", "root/step-7")
+        drain.drain(LocalComm(), 7, tmp_path / "b", store, "step-7", "root/step-7")
     assert not err.value.retryable and err.value.step == 7
     with pytest.raises(DrainError, match="no readable manifest") as err:  # the local step is gone
-        drain.drain(LocalComm(), 8, tmp_path / "gone", None, store, "step-8", "root/step-8")
+        drain.drain(LocalComm(), 8, tmp_path / "gone", store, "step-8", "root/step-8")
     assert not err.value.retryable
     assert torch.equal(objckpt.read(str(tmp_path / "root" / "step-7"))["x"], torch.full((5,), 1.0))

@@ -67,10 +67,12 @@ def _on_a_full_disk(fn: Any) -> Any:
     return full
 
 def _manager(rank: int, root: str, local: str, opts: dict[str, Any], **kw: Any) -> objckpt.CheckpointManager:
-    args: dict[str, Any] = dict(local_dir=local, replicas=1, persist_every=2, local_keep=2,
-                                node_override=f"n{rank}", storage_options=opts)
-    args.update(kw)
-    return objckpt.CheckpointManager(root, **args)
+    """A tiered manager; ``kw``: TierSettings fields and manager keywords alike."""
+    tier: dict[str, Any] = dict(local_dir=local, replicas=1, persist_every=2, local_keep=2)
+    args: dict[str, Any] = dict(node_override=f"n{rank}", storage_options=opts)
+    for k, v in kw.items():
+        (tier if k in objckpt.TierSettings.__dataclass_fields__ else args)[k] = v
+    return objckpt.CheckpointManager(root, tier=objckpt.TierSettings(**tier), **args)
 
 
 def _save_steps(rank: int, world: int, root: str, local: str, opts: dict[str, Any], steps: list[int],
@@ -200,7 +202,10 @@ def _restart_and_wait(rank: int, world: int, root: str, local: str, opts: dict[s
 def _construct(rank: int, world: int, local: str, kw: dict[str, Any], per_rank: dict[int, dict[str, Any]]) -> str:
     args = {**kw, **per_rank.get(rank, {})}
     try:
-        objckpt.CheckpointManager(local + "-root", local_dir=local, node_override=f"n{rank}", **args)
+        fields = objckpt.TierSettings.__dataclass_fields__
+        tier = objckpt.TierSettings(local_dir=local, **{k: v for k, v in args.items() if k in fields})
+        objckpt.CheckpointManager(local + "-root", tier=tier, node_override=f"n{rank}",
+                                  **{k: v for k, v in args.items() if k not in fields})
     except (TierSettingsError, LocalTierError) as e:
         return f"{type(e).__name__}: {e}"
     return "ok"
@@ -226,8 +231,8 @@ import resource, signal, sys, torch, objckpt
 from objckpt.tier.errors import LocalTierError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))  # files of at most 1 MiB
-m = objckpt.CheckpointManager(sys.argv[1] + "/root", local_dir=sys.argv[1] + "/local", persist_every=None,
-                              replicas=0)
+m = objckpt.CheckpointManager(sys.argv[1] + "/root", tier=objckpt.TierSettings(
+    local_dir=sys.argv[1] + "/local", persist_every=None, replicas=0))
 try:
     m.save(1, {"big": torch.zeros(1 << 20)})  # 4 MiB
 except LocalTierError as e:
@@ -243,8 +248,8 @@ def test_a_full_disk_is_refused_before_anything_is_written(tmp_path: Path) -> No
 
 
 def test_advice_is_young_daly_from_measured_stalls(tmp_path: Path) -> None:
-    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
-                                  persist_every=1, failure_rate=2.0, direct=True)  # O_DIRECT where it is taken
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), failure_rate=2.0, tier=objckpt.TierSettings(
+        local_dir=str(tmp_path / "local"), replicas=0, persist_every=1, direct=True))  # O_DIRECT where it is taken
     for s in (1, 2):
         m.save(s, {"x": torch.arange(10_007.0) + s})
     m.wait()
@@ -299,9 +304,8 @@ def _restore_no_drain(rank: int, world: int, root: str, local: str) -> Any:
 
 def test_persist_every_seconds_drains_by_the_managers_clock_and_latest_step_sees_every_tier(tmp_path: Path) -> None:
     now = [1000.0]
-    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
-                                  persist_every=None, persist_every_seconds=60, local_keep=5,
-                                  clock=lambda: now[0])
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), clock=lambda: now[0], tier=objckpt.TierSettings(
+        local_dir=str(tmp_path / "local"), replicas=0, persist_every=None, persist_every_seconds=60, local_keep=5))
     for step, t in ((1, 1000.0), (2, 1030.0), (3, 1061.0), (4, 1100.0)):
         now[0] = t
         m.save(step, {"x": torch.full((3,), float(step))})
@@ -329,8 +333,8 @@ def test_ls_with_a_local_dir_shows_local_steps_before_anything_is_drained(
     node's steps (it printed nothing), and a plain ``ls`` of an empty prefix says so."""
     from objckpt.cli import main
 
-    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
-                                  persist_every=None)
+    m = objckpt.CheckpointManager(str(tmp_path / "root"), tier=objckpt.TierSettings(
+        local_dir=str(tmp_path / "local"), replicas=0, persist_every=None))
     m.save(7, {"x": torch.ones(3)})
     m.wait()
     m.close()
@@ -359,7 +363,8 @@ def test_the_drain_cap_paces_uploads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_step_already_drained_or_local_is_never_saved_again(tmp_path: Path) -> None:
     # replicas left to its default: none on a single node (there is no other node to copy to)
-    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), persist_every=1)
+    m = objckpt.CheckpointManager(str(tmp_path / "root"),
+                                  tier=objckpt.TierSettings(local_dir=str(tmp_path / "local"), persist_every=1))
     m.save(1, {"x": torch.ones(3)})
     m.wait()
     shutil.rmtree(tmp_path / "local" / "step-0000000001")  # only the drained copy is left
@@ -404,8 +409,8 @@ def test_four_ranks_on_two_nodes_restore_a_lost_nodes_shares_from_its_peers(tmp_
 def test_the_local_tier_saves_and_restores_while_object_storage_is_unreachable(tmp_path: Path) -> None:
     down = {"endpoint_url": "http://127.0.0.1:9", "aws_access_key_id": "x", "aws_secret_access_key": "y",
             "region_name": "us-east-1"}  # nothing listens on port 9: every request is refused
-    m = objckpt.CheckpointManager("s3://bucket/run", storage_options=down, local_dir=str(tmp_path / "local"),
-                                  persist_every=1)
+    m = objckpt.CheckpointManager("s3://bucket/run", storage_options=down,
+                                  tier=objckpt.TierSettings(local_dir=str(tmp_path / "local"), persist_every=1))
     reads = []
     real = m._known_steps
     m._known_steps = lambda: (reads.append(1), real())[1]  # type: ignore[method-assign]
@@ -440,13 +445,14 @@ def test_async_tiered_saves_commit_locally_and_drain_in_the_background(tmp_path:
     """async_save=True: save() returns once staged; the local commit, the drain and local
     retention follow in save order, and a fresh manager restores the newest step."""
     root, local = str(tmp_path / "root"), str(tmp_path / "local")
-    m = objckpt.CheckpointManager(root, local_dir=local, async_save=True, persist_every=2, local_keep=2)
+    m = objckpt.CheckpointManager(root, async_save=True,
+                                  tier=objckpt.TierSettings(local_dir=local, persist_every=2, local_keep=2))
     for step in range(1, 6):
         m.save(step, {"x": torch.full((1000,), float(step)), "step": step})
     m.close()
     assert m.steps() == [2, 4]
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step-0000000004", "step-0000000005"]
-    fresh = objckpt.CheckpointManager(root, local_dir=local)
+    fresh = objckpt.CheckpointManager(root, tier=objckpt.TierSettings(local_dir=local))
     st = {"x": torch.zeros(1000), "step": 0}
     res = fresh.load(st)
     assert (res.step, res.source, st["step"]) == (5, "local", 5) and torch.equal(st["x"], torch.full((1000,), 5.0))
@@ -613,7 +619,8 @@ def test_a_failed_replication_still_drains_the_step(tmp_path: Path) -> None:
 def test_the_error_class_comes_from_the_problem_kind_not_its_text(tmp_path: Path) -> None:
     # a full disk under a folder whose name says "already committed" is still a full disk
     local = tmp_path / "step already committed"
-    m = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(local), persist_every=None)
+    m = objckpt.CheckpointManager(str(tmp_path / "root"),
+                                  tier=objckpt.TierSettings(local_dir=str(local), persist_every=None))
     huge = {"x": torch.zeros(1).expand(1 << 50)}  # 4 PiB by its size, no memory
     with pytest.raises(LocalTierError, match="disk is"):
         m.save(1, huge)
@@ -626,16 +633,19 @@ def test_the_error_class_comes_from_the_problem_kind_not_its_text(tmp_path: Path
 def test_a_restarted_manager_drains_the_due_steps_its_previous_run_could_not(tmp_path: Path) -> None:
     root, local = tmp_path / "root", tmp_path / "local"
     root.write_text("a file where the root's folder should be: every drain fails")
-    m = objckpt.CheckpointManager(str(root), local_dir=str(local), persist_every=1, local_keep=1)
+    m = objckpt.CheckpointManager(str(root), tier=objckpt.TierSettings(local_dir=str(local), persist_every=1,
+                                                                       local_keep=1))
     for s in (1, 2):
         m.save(s, {"x": torch.full((4,), float(s))}, metadata={"loss": 1.0 / s})
     with pytest.raises(DrainError, match=r"\[1, 2\]"):
         m.close()
-    other = objckpt.CheckpointManager(str(tmp_path / "elsewhere"), local_dir=str(local), persist_every=1)
+    other = objckpt.CheckpointManager(str(tmp_path / "elsewhere"),
+                                      tier=objckpt.TierSettings(local_dir=str(local), persist_every=1))
     other.close()  # the records name their root: a manager of another root drains none of them
     assert other.steps() == [] and sorted(os.listdir(local))[0] == ".objckpt-drains"
     root.unlink()  # object storage is back; the job restarts
-    fresh = objckpt.CheckpointManager(str(root), local_dir=str(local), persist_every=1, local_keep=1)
+    fresh = objckpt.CheckpointManager(str(root), tier=objckpt.TierSettings(local_dir=str(local), persist_every=1,
+                                                                           local_keep=1))
     shutil.rmtree(local / "step-0000000001")  # and step 1 is lost meanwhile: nothing to drain there
     fresh.wait()  # step 2 drained; step 1 dropped with a warning, not an error
     assert fresh.steps() == [2] and fresh.entries().get(2).metadata == {"loss": 0.5}

@@ -17,7 +17,7 @@ import torch
 import objckpt
 from objckpt.format import manifest as _manifest
 from objckpt.load import session as _session
-from objckpt.tier import step_files
+from objckpt.tier import owner, step_files
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -163,12 +163,14 @@ def _save_counting(rank: int, world: int, root: str, local: str, per_node: int =
 
 
 def test_after_a_tiered_save_only_each_nodes_first_rank_decodes_the_manifest(tmp_path: Path) -> None:
-    """Each rank replicates and drains the files its save reported (SaveResult.files); only
-    the node's first rank decodes the step's manifest, to write its file list."""
+    """Each rank replicates the files its save reported (SaveResult.files); the node's first
+    rank decodes the step's manifest once, to write its file list, and its drain reuses that
+    decode; another rank decodes it once per drained step only (the drain checks every byte it
+    uploads against the manifest's crc32c)."""
     from mp import run_multiprocess
 
     root, local = str(tmp_path / "root"), str(tmp_path / "local")
-    assert run_multiprocess(2, _save_counting, root, local) == [2, 0]  # rank 0: one per step
+    assert run_multiprocess(2, _save_counting, root, local) == [2, 1]  # rank 0: one per step
     back = {"w": torch.zeros(8, 3), "step": 0}
     objckpt.load(back, f"{root}/step-0000000002")  # drained whole by both ranks
     assert back["step"] == 2 and torch.equal(back["w"][4:], torch.full((4, 3), 3.0))
@@ -196,7 +198,7 @@ def test_a_file_list_that_cannot_be_written_loses_nothing(tmp_path: Path, monkey
         m.close()
     d = tmp_path / "local" / "step-0000000004"
     assert "cannot write the file list" in caplog.text
-    assert sorted(p.name for p in d.iterdir()) == ["blobs", "manifest.json"]  # no list, no temporary left
+    assert sorted(p.name for p in d.iterdir()) == [owner.OWNER_NAME, "blobs", "manifest.json"]  # no list, no temporary
     monkeypatch.undo()
     seen = _count_decodes(monkeypatch)
     fresh = objckpt.CheckpointManager(str(tmp_path / "root"), local_dir=str(tmp_path / "local"), replicas=0,
@@ -210,11 +212,12 @@ def test_a_file_list_that_cannot_be_written_loses_nothing(tmp_path: Path, monkey
 def test_on_two_nodes_only_each_nodes_first_rank_decodes_the_manifest(tmp_path: Path) -> None:
     """Four ranks on two nodes, replicated and drained: the metadata's spread to every node
     and the file list are the nodes' first ranks' (ranks 0 and 2); ranks 1 and 3 decode
-    nothing (each used to decode every step's manifest twice)."""
+    only the drained step's, to check what they upload (each used to decode every step's
+    manifest twice)."""
     from mp import run_multiprocess
 
     root, local = str(tmp_path / "root"), str(tmp_path / "{node}")
-    assert run_multiprocess(4, _save_counting, root, local, 2) == [2, 0, 2, 0]
+    assert run_multiprocess(4, _save_counting, root, local, 2) == [2, 1, 2, 1]
     back = {"w": torch.zeros(16, 3), "step": 0}
     objckpt.load(back, f"{root}/step-0000000002")
     assert back["step"] == 2 and torch.equal(back["w"][12:], torch.full((4, 3), 5.0))

@@ -1,6 +1,6 @@
 """The manager's tiered saves: local commit, peer replication, draining, local retention, restore.
 
-:class:`objckpt.CheckpointManager` with ``local_dir=`` hands its saves and loads to
+:class:`objckpt.CheckpointManager` with ``tier=`` hands its saves and loads to
 :class:`TieredSaves`.  A save commits to the node-local tier in the training's
 thread (the stall), then one background thread per manager, on objckpt's own
 gloo group, runs per step and in the same order on every rank: replication to
@@ -14,15 +14,14 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ..api import async_save as _async_save
 from ..api import load as _load
 from ..api import load_session
 from ..api import save as _save
-from ..distributed.comm import Comm, RankError, background_comm, refusal_class
+from ..distributed.comm import Comm, background_comm, refusal_class
 from ..distributed.join import collective_timeout
 from ..errors import CollectiveError, ObjckptError, error_name
 from ..format import manifest as _manifest
@@ -32,7 +31,9 @@ from ..results import LoadResult, SaveResult
 from ..save.background import SaveHandle
 from ..state import expand_for_save
 from ..storage.local import LocalStore
+from ..tier import damage as _damage
 from ..tier import local as _local
+from ..tier import owner as _owner
 from ..tier import restore as _restore
 from ..tier import space as _space
 from ..tier import step_files as _step_files
@@ -40,17 +41,15 @@ from ..tier.advice import Advice, advise
 from ..tier import backlog as _backlog
 from ..tier.backlog import DrainQueue, Undrained
 from ..tier.drain import drain
-from ..tier.retry_clock import DRAIN_RETRY_S, OrderedJobs, RetryClock, retry_s_error, start_clock
+from ..tier.retry_clock import OrderedJobs, RetryClock, start_clock
 from ..tier.errors import LocalTierError, Problem, ProblemKind, TierRestoreError, TierSettingsError, raise_problems
 from ..tier.overlay import OverlayStore
+from ..tier.settings import TierSettings, differences
 from ..tier.mounts import small_pages_hint
 from ..tier.peer_restore import Received, receive, step_reads
 from ..tier.topology import Topology, node_name, tier_comm, tier_wire
-from ..tier.wire import BACKENDS, Wire, resolve_backend
-from .worker import CommitJob
-
-if TYPE_CHECKING:
-    from .manager import CheckpointManager
+from ..tier.wire import Wire, resolve_backend
+from .steps import RootSteps, StepsHost
 
 log = logging.getLogger("objckpt.manager")
 
@@ -63,48 +62,6 @@ DRAIN_BACKLOG = 4
 COMMIT_GROUP = "tier-commit"
 
 
-@dataclass(frozen=True)
-class TierSettings:
-    """The tier options, which every rank must pass alike (all-gathered and compared)."""
-
-    local_dir: str
-    #: None: one where the job spans several nodes, none on a single node
-    replicas: Optional[int]
-    persist_every: Optional[int]
-    persist_every_seconds: Optional[float]
-    local_keep: int
-    drain_bandwidth: Optional[float]
-    direct: bool
-    #: how tier copies move between ranks: "auto" (NCCL where the training's group is NCCL
-    #: and CUDA is available, else gloo), "gloo" or "nccl" (see objckpt.tier.wire)
-    tier_backend: str = "auto"
-    #: seconds before a failed drain is tried again on a clock, without a save or wait()
-    #: (doubled per round that fails in a row, at most 10 minutes; None: at saves and wait()
-    #: only); see objckpt.tier.retry_clock
-    drain_retry_s: Optional[float] = DRAIN_RETRY_S
-
-    def check(self) -> None:
-        if not isinstance(self.local_dir, str) or not self.local_dir:
-            raise TierSettingsError(f"local_dir must be a directory path, got {self.local_dir!r}")
-        for name in ("replicas", "local_keep"):
-            v = getattr(self, name)
-            if v is None and name == "replicas":
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "replicas" else 1):
-                raise TierSettingsError(f"{name} must be an integer >= {0 if name == 'replicas' else 1}, got {v!r}")
-        if self.persist_every is not None and (not isinstance(self.persist_every, int) or self.persist_every < 1):
-            raise TierSettingsError(f"persist_every must be a positive integer or None, got {self.persist_every!r}")
-        for name in ("persist_every_seconds", "drain_bandwidth"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
-                raise TierSettingsError(f"{name} must be a positive number or None, got {v!r}")
-        if self.tier_backend not in BACKENDS:
-            raise TierSettingsError(f"tier_backend must be one of {BACKENDS}, got {self.tier_backend!r}")
-        why = retry_s_error(self.drain_retry_s)
-        if why:
-            raise TierSettingsError(why)
-
-
 def _cuda() -> bool:
     try:
         import torch
@@ -114,26 +71,15 @@ def _cuda() -> bool:
         return False
 
 
-def _differences(all_settings: list[TierSettings]) -> list[str]:
-    out = []
-    for name in TierSettings.__dataclass_fields__:
-        by_value: dict[str, list[int]] = {}
-        for r, s in enumerate(all_settings):
-            by_value.setdefault(repr(getattr(s, name)), []).append(r)
-        if len(by_value) > 1:
-            out.append(f"{name}: " + ", ".join(f"{v} on rank(s) {rs}" for v, rs in by_value.items()))
-    return out
-
-
-class TieredSaves:
+class TieredSaves(RootSteps):
     """The local tier, peers and draining of one manager (every rank holds one)."""
 
-    def __init__(self, manager: "CheckpointManager", settings: TierSettings, node_override: Optional[str],
+    def __init__(self, host: StepsHost, settings: TierSettings, node_override: Optional[str],
                  failure_rate: Optional[float]) -> None:
-        self.m = manager
+        self.host = host
         self.s = settings
         self.failure_rate = failure_rate
-        comm: Comm = manager._comm
+        comm: Comm = host.comm
         self.comm = comm
         problem: Optional[Problem] = None
         pending: list[Undrained] = []  # due steps a run before could not drain (recorded in the folder)
@@ -146,13 +92,13 @@ class TieredSaves:
             why = _local.writable_error(self.root)
             problem = Problem(ProblemKind.LOCAL, why) if why else None
             if problem is None:
-                pending = _backlog.recorded(self.root, manager.naming.parse, manager.root)
+                pending = _backlog.recorded(self.root, host.naming.parse, host.root)
         except (TierSettingsError, ValueError) as e:
             problem = Problem(ProblemKind.SETTINGS, str(e))
         mine = (settings, problem, pending)
         everyone: list[tuple[TierSettings, Optional[Problem], list[Undrained]]] = (
             comm.all_gather_object(mine) if comm.world_size > 1 else [mine])
-        diffs = _differences([s for s, _, _ in everyone])
+        diffs = differences([s for s, _, _ in everyone])
         if diffs:
             hint = (" (for a folder per node, pass one local_dir with {node} in it: it is replaced by each "
                     "rank's node name)") if any(d.startswith("local_dir:") for d in diffs) else ""
@@ -163,6 +109,8 @@ class TieredSaves:
             raise TierSettingsError(f"replicas={settings.replicas} needs more ranks than the world size "
                                     f"{comm.world_size}: use replicas < {comm.world_size}")
         self.topology = Topology.build(comm, node_override)
+        #: the folder's listings: this root's step folders only (objckpt.tier.owner)
+        self.owned = _owner.Owned.surveyed(self.root, host.naming.parse, host.root, self.first_on_node)
         if settings.replicas is None:  # the default: a copy elsewhere where there is an elsewhere
             self.s = settings = dataclasses.replace(settings, replicas=min(1, len(self.topology.node_names) - 1))
         if settings.replicas:
@@ -179,7 +127,7 @@ class TieredSaves:
         self.spread_comm: Comm = self.bg
         self.leaders: Optional[_local.NodeLeaders] = None
         if comm.world_size > 1 and len(self.topology.node_names) > 1:
-            if not manager.async_save:
+            if not host.async_save:
                 self.spread_comm = background_comm(comm, getattr(comm, "group", None), purpose=COMMIT_GROUP,
                                                    timeout=collective_timeout(None))
             self.leaders = _local.node_leaders(comm, self.topology.nodes, collective_timeout(None))
@@ -192,7 +140,7 @@ class TieredSaves:
         self._replicated: Optional[int] = None
         self._saves = 0
         self._known_skip = 0
-        self._last_drain = manager.clock()
+        self._last_drain = host.clock()
         self.stalls: list[float] = []
         self.commits: list[float] = []
         self.drains: list[float] = []
@@ -205,7 +153,7 @@ class TieredSaves:
         if adopted:
             log.warning("objckpt: step(s) %s under %s were due for %s and are not drained yet (a run before "
                         "could not): they are drained at the next save, wait() or drain retry", sorted(adopted),
-                        self.root, manager.root)
+                        self.root, host.root)
         self._closed = False  # close() ended the background thread: wait() tries no drain again
         #: retries failed drains after a backoff with no save or wait() (None: drain_retry_s=None)
         self._clock: Optional[RetryClock] = start_clock(comm, self._jobs, self._undrained, settings.drain_retry_s,
@@ -219,7 +167,7 @@ class TieredSaves:
 
     # -- paths ---------------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
-        return self.root / self.m.naming.name(step)
+        return self.root / self.host.naming.name(step)
 
     @property
     def first_on_node(self) -> bool:
@@ -243,7 +191,9 @@ class TieredSaves:
                            error_name(failed)) if failed is not None else self._check(step, d, share))
         known = self._known()
         if problem is None and known is not None and step in known:  # drained before: never replaced
-            problem = Problem(ProblemKind.EXISTS, f"step {step} is already committed under {self.m.root!r}")
+            problem = Problem(ProblemKind.EXISTS, f"step {step} is already committed under {self.host.root!r}")
+        claim = _owner.claim(d, self.owned.owner) if problem is None else None  # before any byte of the step
+        problem = claim.problem if claim is not None else problem
         due = self._drain_due()  # rank 0's, carried in the same all-gather as the problems
         # and each rank's share and folder: every rank checks every filesystem's space alike
         mine = (problem, due, _space.measure(self.root, share))
@@ -252,31 +202,32 @@ class TieredSaves:
         problems = [p for p, _, _ in gathered]
         if not any(problems):  # then whether each filesystem holds what the save lands on it
             problems = _space.node_problems([r for _, _, r in gathered], self.topology, self.s.replicas or 0)
-        raise_problems(f"step {step} not saved, nothing written", problems, cause=failed)
+        with _owner.undone_if_refused(claim):
+            raise_problems(f"step {step} not saved, nothing written", problems, cause=failed)
         due = gathered[0][1]
-        saved_at = self.m.clock()
+        saved_at = self.host.clock()
         store = LocalStore("/", direct=self.s.direct)
         handle: Optional[SaveHandle] = None
         meta: Optional[_manifest.Manifest] = None
         saved: Optional[SaveResult] = None
-        if self.m.async_save:  # the stall is the staging copy; the local commit follows in the background
+        if self.host.async_save:  # the stall is the staging copy; the local commit follows in the background
             # one local commit in flight, as the manager's async saves; the previous step's
             # replication and drain go on (their errors come at the next save or wait())
             if self._last_handle is not None:
                 concurrent.futures.wait([self._last_handle])
             handle = self._last_handle = _async_save(state, str(d), store=store, metadata=md, overwrite=False,
-                                                     max_in_flight=1, process_group=self.m.process_group,
-                                                     no_dist=self.m.no_dist)
+                                                     max_in_flight=1, process_group=self.host.process_group,
+                                                     no_dist=self.host.no_dist)
         else:
             saved = _save(state, str(d), store=store, metadata=md, overwrite=False,
-                          process_group=self.m.process_group, no_dist=self.m.no_dist)
+                          process_group=self.host.process_group, no_dist=self.host.no_dist)
             # on objckpt's own group: a failing node is an error on every rank at once
             meta = _local.spread_metadata(self.spread_comm, d, list(self.topology.nodes), self.comm.rank,
                                           self.leaders)
         commit_s = time.perf_counter() - t0
         self._saves += 1
         if due:
-            self._last_drain = self.m.clock()
+            self._last_drain = self.host.clock()
         if handle is None:
             self.commits.append(commit_s)
         # finished ones stay until _raise_failed (the next save) or wait() looks at them: an
@@ -292,6 +243,8 @@ class TieredSaves:
         why = _space.fsize_error(self.root, share.total) or _local.writable_error(self.root)
         if why:
             return Problem(ProblemKind.LOCAL, why)
+        if clash := self.owned.collision(d):  # another root's step folder of that name: never touched
+            return Problem(ProblemKind.SETTINGS, clash)
         if (d / keys.MANIFEST_NAME).exists():
             return Problem(ProblemKind.EXISTS, f"step {step} is already committed in the local tier at {str(d)!r}")
         return None
@@ -306,11 +259,11 @@ class TieredSaves:
             self._known_skip -= 1
             return None
         try:
-            return self.m._known_steps()  # rank 0's read, its error on every rank alike
+            return self.host.known_steps()  # rank 0's read, its error on every rank alike
         except (ObjckptError, OSError) as e:
             self._known_skip = KNOWN_RETRY
             log.warning("objckpt: cannot read the steps under %s (%s: %s): saving to the local tier anyway",
-                        self.m.root, type(e).__name__, e)
+                        self.host.root, type(e).__name__, e)
             return None
 
     def _drain_due(self) -> bool:
@@ -320,7 +273,7 @@ class TieredSaves:
         if self.s.persist_every is not None and n % self.s.persist_every == 0:
             return True
         return (self.s.persist_every_seconds is not None
-                and self.m.clock() - self._last_drain >= self.s.persist_every_seconds)
+                and self.host.clock() - self._last_drain >= self.s.persist_every_seconds)
 
     def _after_commit(self, step: int, md: dict[str, Any], saved_at: float, due: bool,
                       handle: Optional[SaveHandle] = None, t0: float = 0.0,
@@ -360,39 +313,35 @@ class TieredSaves:
                     failed = e
             new = Undrained(step, md, saved_at) if due else None
             if new is not None or self._undrained.waiting:
-                self._drain_round(new, mine)
+                self._drain_round(new, meta)
             if failed is not None:
                 raise failed
         finally:
             self._retain(step)
 
-    def _drain_round(self, new: Optional[Undrained], files: Optional[list[str]] = None) -> None:
-        """Background: the waiting steps, oldest first, then ``new`` (this rank's ``files`` of
-        it); each node's first rank records ``new`` as due in its folder first, and afterwards
-        keeps the records of the steps still waiting only."""
+    def _drain_round(self, new: Optional[Undrained], meta: Optional[_manifest.Manifest] = None) -> None:
+        """Background: the waiting steps, oldest first, then ``new``; each node's first rank
+        records ``new`` as due in its folder first, and afterwards keeps the records of the
+        steps still waiting only."""
         if new is not None and self.first_on_node:
-            _backlog.mark(self.root, self.m.naming.name(new.step), new, self.m.root)
-        self._undrained.run(new, lambda u: self._drain_one(u, files if new is not None and u is new else None))
+            _backlog.mark(self.root, self.host.naming.name(new.step), new, self.host.root)
+        self._undrained.run(new, lambda u: self._drain_one(u, meta if u is new else None))
         if self.first_on_node:  # not after an error out of the round (a rank died): every record stays
-            _backlog.reconcile(self.root, self.m.naming.parse, self._undrained.steps)
+            _backlog.reconcile(self.root, self.host.naming.parse, self._undrained.steps, self.host.root)
 
-    def _drain_one(self, u: Undrained, files: Optional[list[str]]) -> None:
-        """Drain ``u`` (collective on the tier group; ``files``: this rank's, None: from the
-        local manifest), then index it (rank 0) and learn it as the root's."""
+    def _drain_one(self, u: Undrained, meta: Optional[_manifest.Manifest] = None) -> None:
+        """Drain ``u`` (collective on the tier group: every file its manifest names, from
+        whichever node holds it intact), then index it (rank 0) and learn it as the root's."""
         self._draining.add(u.step)
         try:
-            rep = drain(self.bg, u.step, self.step_dir(u.step), files, self.m.index.store,
-                        self.m.index.step_prefix(u.step), self.m.step_uri(u.step), self.s.drain_bandwidth)
+            rep = drain(self.bg, u.step, self.step_dir(u.step), self.host.store, self.host.step_prefix(u.step),
+                        self.host.step_uri(u.step), self.s.drain_bandwidth, node=self.topology.nodes[self.comm.rank], known=meta)
         finally:
             self._draining.discard(u.step)
         self.drains.append(rep.seconds)
-        self.m._learn(u.step, u.metadata, u.saved_at, read=False)
-        if self.m._worker is not None:
-            job = self.m._submit(CommitJob(u.step, u.metadata, saved_at=u.saved_at))
-            if job is not None:
-                job.indexed.wait()
+        self.host.drained(u.step, u.metadata, u.saved_at)  # learnt as the root's and indexed (rank 0)
         log.info("objckpt: step %d drained to %s (%d bytes from rank %d, %.2fs%s)", u.step,
-                 self.m.step_uri(u.step), rep.bytes, self.comm.rank, rep.seconds,
+                 self.host.step_uri(u.step), rep.bytes, self.comm.rank, rep.seconds,
                  f", attempt {u.attempts}" if u.attempts > 1 else "")
 
     def _retry_round(self) -> None:
@@ -404,15 +353,15 @@ class TieredSaves:
 
     def _retain(self, upto: int) -> None:
         """Local retention (each node's first rank), after step ``upto`` was replicated and
-        drained: the newest ``local_keep`` steps stay, and never a step still draining or
-        waiting to be drained again (its drain failed), the newest replicated one, or one
+        drained: the newest ``local_keep`` steps stay, and never a step still draining, waiting
+        to be drained again or given up (DrainQueue.held), the newest replicated one, or one
         newer than ``upto`` (an async save's local commit that this thread has not
         replicated or drained yet)."""
         if not self.first_on_node:
             return
-        steps = _local.committed_steps(self.root, self.m.naming.parse)
+        steps = _local.committed_steps(self.root, self.owned)
         keep = (set(steps[-self.s.local_keep:]) | self._draining | self._undrained.steps
-                | {s for s in steps if s > upto})
+                | set(self._undrained.held) | {s for s in steps if s > upto})
         if self._replicated is not None:
             keep.add(self._replicated)
         for s in steps:
@@ -469,33 +418,54 @@ class TieredSaves:
     last_restore: Optional[_restore.RestoreReport] = None
 
     def _plan(self, step: Optional[int], state: Any = None,
-              load_kwargs: Optional[dict[str, Any]] = None) -> _restore.RestorePlan:
+              load_kwargs: Optional[dict[str, Any]] = None,
+              avoid: Optional[_damage.Avoid] = None) -> _restore.RestorePlan:
         """The agreed restore plan (collective, one all-gather): every rank's node folder, with
         the files its load of ``state`` reads from each step held there but not whole, and
-        rank 0's index."""
+        rank 0's index.  The files ``avoid`` found damaged count as absent; a step folder whose
+        manifest does not decode counts with its other files, its manifest hidden (and added to
+        ``avoid``: every rank learns it from the all-gather)."""
         self.wait(drains=False)
+        avoid = avoid if avoid is not None else _damage.Avoid()
+        node = self.topology.nodes[self.comm.rank]
         self._scanned = {}  # the manifests read here: the load of the chosen step takes its own
-        steps = _local.scan(self.root, self.m.naming.parse, self._scanned)
+        unlisted = _local.Unlisted()
+        steps = _local.scan(self.root, self.owned, self._scanned, unlisted=unlisted)
+        for s, held in steps.items():
+            hidden = avoid.hidden_on(node, s)
+            if hidden:
+                held.present = [f for f in held.present if f not in hidden]
+        loose = dict(unlisted.loose)
+        for s, why in unlisted.damaged.items():  # its other files still count; the manifest comes from elsewhere
+            loose[s] = tuple(f for f in _local.folder_files(self.step_dir(s)) if f != keys.MANIFEST_NAME)
         reads = ({} if state is None else
                  step_reads(steps, self.step_dir, state, self.comm.rank, load_kwargs or {}, step))
-        mine = _restore.Holding(self.topology.nodes[self.comm.rank], steps, reads)
+        mine = _restore.Holding(node, steps, reads, loose, dict(unlisted.damaged))
         holdings = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
+        for r, h in enumerate(holdings):
+            for s, why in h.damaged.items():
+                if keys.MANIFEST_NAME not in avoid.hidden_on(h.node, s):
+                    avoid.hide(h.node, s, [keys.MANIFEST_NAME])
+                    avoid.skipped.append(_restore.Skip(r, s, _restore.LOCAL, keys.MANIFEST_NAME, why[:400]))
+                    if r == self.comm.rank:
+                        log.warning("objckpt: the manifest of local step %d under %s is damaged (%s): that copy "
+                                    "is skipped, the step taken from the next source", s, self.root, why)
         try:
-            drained = self.m.steps()  # rank 0's read: its error reaches every rank alike
+            drained = self.host.steps()  # rank 0's read: its error reaches every rank alike
         except (ObjckptError, OSError) as e:  # object storage down: the local tiers may still do
             log.warning("objckpt: cannot read the steps under %s (%s: %s): choosing among the local tiers only",
-                        self.m.root, type(e).__name__, e)
+                        self.host.root, type(e).__name__, e)
             drained = []
-        return _restore.plan_restore(holdings, drained, peers=True, step=step)
+        return _restore.plan_restore(holdings, drained, peers=True, step=step, forbid=avoid.forbidden())
 
     def step_tiers(self) -> dict[int, list[str]]:
         """Each step and the tiers that hold it, as this rank sees them: ``"local"`` (this node's
         folder holds it whole), ``"local-partial"`` (its manifest and some of its files: the rest
         is on other nodes), ``"object"`` (committed and indexed under the root)."""
         out: dict[int, list[str]] = {}
-        for s, held in _local.scan(self.root, self.m.naming.parse).items():
+        for s, held in _local.scan(self.root, self.owned).items():
             out.setdefault(s, []).append("local" if held.complete else "local-partial")
-        for s in self.m.steps():
+        for s in self.host.steps():
             out.setdefault(s, []).append("object")
         return dict(sorted(out.items()))
 
@@ -506,62 +476,105 @@ class TieredSaves:
         return step
 
     def load(self, state: Any, step: Optional[int], load_kwargs: dict[str, Any]) -> LoadResult:
-        plan = self._plan(step, state, load_kwargs)
-        if plan.step is None:
-            self._scanned = {}
-            raise TierRestoreError(f"nothing to restore from {str(self.root)!r} or {self.m.root!r}: {plan.why}")
-        d = self.step_dir(plan.step)
+        """Plan, receive from peers, load; where a rank's load finds its copy damaged (a crc32c
+        mismatch, a short blob, a manifest that does not decode), plan again without that copy
+        and load again from the next source (objckpt.tier.damage), at most ``ATTEMPTS`` times."""
+        avoid = _damage.Avoid()
+        res: Optional[LoadResult] = None
+        last: Optional[BaseException] = None  # the attempt before's error: raised when no source is left
+        for attempt in range(1, _damage.ATTEMPTS + 1):
+            plan = self._plan(step, state, load_kwargs, avoid)
+            if plan.step is None:
+                self._scanned = {}
+                if last is not None:
+                    raise last
+                skipped = f" (damaged copies skipped: {'; '.join(map(str, avoid.skipped))})" if avoid.skipped else ""
+                raise TierRestoreError(f"nothing to restore from {str(self.root)!r} or {self.host.root!r}: "
+                                       f"{plan.why}{skipped}")
+            res, got, failed, outcomes = self._load_once(plan, state, load_kwargs, avoid)
+            if res is not None:
+                break
+            if failed is None:  # the first failed rank's class (a TierRestoreError too), on every rank alike
+                bad = {r: o.error for r, o in enumerate(outcomes) if o is not None}
+                failed = refusal_class(bad[min(bad)].kind, TierRestoreError)(
+                    f"restoring step {plan.step}: the load failed on rank(s) {sorted(bad)}: "
+                    + "; ".join(f"rank {r}: {o.text}" for r, o in sorted(bad.items())[:4]))
+            new = avoid.learn(outcomes, self.topology.nodes) if attempt < _damage.ATTEMPTS else []
+            if not new:
+                raise failed
+            last = failed
+            for skip in new:
+                log.warning("objckpt: restoring step %d: %s; planning again without that copy", plan.step, skip)
+        if res is None or plan.step is None:  # not reached: the last attempt returns or raises
+            raise TierRestoreError(f"restoring from {str(self.root)!r}: no attempt succeeded")
+        sources = list(plan.sources)
+        skips = avoid.skips_of(plan.step)
+        self.last_restore = _restore.RestoreReport(plan.step, tuple(sources), dict(got.sources),
+                                                   dict(got.bytes_by_rank), got.rounds,
+                                                   fetch_seconds=got.seconds, in_place_bytes=got.in_place_bytes,
+                                                   skipped=skips)
+        if step is None:
+            self._drop_newer(plan.step)
+        res.step = plan.step
+        res.source = sources[self.comm.rank]
+        res.tiers = {r: s for r, s in enumerate(sources)}
+        res.received_bytes += got.bytes_by_rank.get(self.comm.rank, 0)
+        res.skipped = [str(x) for x in skips]
+        return res
+
+    def _load_once(self, plan: _restore.RestorePlan, state: Any, load_kwargs: dict[str, Any],
+                   avoid: _damage.Avoid) -> tuple[Optional[LoadResult], Received, Optional[BaseException],
+                                                  list[Optional[_damage.Failed]]]:
+        """One load of ``plan`` on every rank (collective): the result where every rank's load
+        succeeded, else None with this rank's error and every rank's outcome."""
+        step = plan.step if plan.step is not None else -1  # the caller plans a step
+        d = self.step_dir(step)
         sources = list(plan.sources)
         log.info("objckpt: restoring %s", plan.why)
+        hidden = avoid.hidden_on(self.topology.nodes[self.comm.rank], step)
         got = Received()
         if _restore.PEER in sources:  # into memory; the load reads through it (nothing written)
-            got = receive(self.comm, self.topology, plan, d, state, load_kwargs)
+            got = receive(self.comm, self.topology, plan, d, state, load_kwargs, hidden=hidden)
             log.info("objckpt: step %d: rank %d received %d bytes of %d file(s) from peers (%d in place; %d "
-                     "round(s), %.3fs)", plan.step, self.comm.rank, got.bytes, len(got.segments),
+                     "round(s), %.3fs)", step, self.comm.rank, got.bytes, len(got.segments),
                      got.in_place_bytes, got.rounds, got.seconds)
         src = sources[self.comm.rank]
-        uri = self.m.step_uri(plan.step) if src == _restore.OBJECT else str(d)
-        kw = {"process_group": self.m.process_group, "no_dist": self.m.no_dist, **load_kwargs}
+        uri = self.host.step_uri(step) if src == _restore.OBJECT else str(d)
+        kw = {"process_group": self.host.process_group, "no_dist": self.host.no_dist, **load_kwargs}
         if src == _restore.OBJECT:
-            kw.setdefault("storage_options", self.m.storage_options)
-        elif got.segments:
-            kw["store"] = OverlayStore(LocalStore("/"), got.segments)
+            kw.setdefault("storage_options", self.host.storage_options)
+        elif got.segments or hidden:
+            prefix = d.absolute().as_posix().strip("/")
+            kw["store"] = OverlayStore(LocalStore("/"), got.segments, frozenset(f"{prefix}/{n}" for n in hidden))
         if len(set(sources)) > 1:
             kw["read_strategy"] = "direct"  # the same bytes, but from different places per rank
         # the manifest this rank's plan decoded from its folder is the one the load reads there
         # (a committed step's never changes): handed over, not fetched and decoded again
-        held = self._scanned.pop(plan.step, None) if src != _restore.OBJECT else None
+        held = self._scanned.pop(step, None) if src != _restore.OBJECT else None
         self._scanned = {}
         failed: Optional[BaseException] = None
+        metadata: dict[str, bytes] = {}
         try:
             if held is None:
                 res = _load(state, uri, **kw)
             else:
                 store, options = kw.pop("store", None), kw.pop("storage_options", None)
                 res = load_session(state, lambda: ReadSession(uri, options, store, held), uri, **kw)
+            metadata = _local.received_metadata(d, got.segments)
         except Exception as e:  # noqa: BLE001 - said to every rank below: none goes on training alone
             failed = e
         finally:
             got.segments = {}  # the received bytes go with the load
-        mine = RankError.of(failed) if failed is not None else None
-        outcomes = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
-        if failed is not None:
-            raise failed
-        bad = {r: o for r, o in enumerate(outcomes) if o is not None}
-        if bad:  # the first failed rank's class (a TierRestoreError too), on every rank alike
-            raise refusal_class(bad[min(bad)].kind, TierRestoreError)(
-                f"restoring step {plan.step}: the load failed on rank(s) {sorted(bad)}: "
-                + "; ".join(f"rank {r}: {o.text}" for r, o in sorted(bad.items())[:4]))
-        self.last_restore = _restore.RestoreReport(plan.step, tuple(sources), dict(got.sources),
-                                                   dict(got.bytes_by_rank), got.rounds,
-                                                   fetch_seconds=got.seconds, in_place_bytes=got.in_place_bytes)
-        if step is None:
-            self._drop_newer(plan.step)
-        res.step = plan.step
-        res.source = src
-        res.tiers = {r: s for r, s in enumerate(sources)}
-        res.received_bytes += got.bytes_by_rank.get(self.comm.rank, 0)
-        return res
+        mine = (None if failed is None else
+                _damage.failed(failed, step, src, list(plan.needed) + list(got.sources),
+                               {n: r for n, (r, _size) in got.sources.items()}, plan.needed))
+        outcomes: list[Optional[_damage.Failed]] = (
+            self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine])
+        if failed is not None or any(o is not None for o in outcomes):
+            return None, got, failed, outcomes
+        if metadata and self.first_on_node:  # a folder the step's metadata never reached gets it now
+            _local.write_back_metadata(d, metadata)
+        return res, got, None, outcomes
 
     def _drop_newer(self, restored: int) -> None:
         """After restoring the newest step every rank could get, local steps newer than it are
@@ -569,7 +582,7 @@ class TieredSaves:
         will save those step numbers again, so each node's first rank removes them."""
         if not self.first_on_node:
             return
-        for s in _local.committed_steps(self.root, self.m.naming.parse):  # names only: no manifest decoded again
+        for s in _local.committed_steps(self.root, self.owned):  # names only: no manifest decoded again
             if s > restored:
                 log.warning("objckpt: local step %d under %s is not complete in any tier (restored step %d): "
                             "removed", s, self.root, restored)

@@ -68,6 +68,9 @@ class DrainQueue:
         self.limit = limit
         self.waiting: list[Undrained] = []
         self.given_up: list[DrainError] = []
+        #: given-up steps (not gone) whose local copies retention keeps for the rest of the run,
+        #: the newest ``limit`` of them: a failed drain is never why a step's last copies go
+        self.held: list[int] = []
         #: rounds in a row that ended on a failure a later attempt may mend (0: the last did not)
         self.failed_rounds = 0
         #: time.monotonic() at the end of the last round (or when the queue was made)
@@ -83,6 +86,15 @@ class DrainQueue:
     def steps(self) -> set[int]:
         """The steps waiting (local retention keeps them)."""
         return {u.step for u in self.waiting}
+
+    def _hold(self, step: int) -> None:
+        """Keep ``step``'s local copies (its drain was given up); past ``limit`` such steps the
+        oldest is released to ordinary retention, with a warning."""
+        self.held = sorted(set(self.held) | {step})
+        while len(self.held) > self.limit:
+            log.warning("objckpt: step %d, whose drain was given up, is released to local retention (%d newer "
+                        "given-up steps are kept)", self.held[0], self.limit)
+            self.held.pop(0)
 
     def run(self, new: Optional[Undrained], attempt: Callable[[Undrained], None]) -> list[int]:
         """One round: ``attempt(u)`` (a collective drain, raising :class:`DrainError`) for each
@@ -107,19 +119,22 @@ class DrainQueue:
                               e, u.attempts)
                     left.append(u)
                 else:
-                    log.error("objckpt: %s; no later attempt can mend this: the step is not drained", e)
+                    log.error("objckpt: %s; no later attempt can mend this: the step is not drained (its local "
+                              "copies are kept)", e)
                     with self._lock:  # kept even when a later attempt raises out of the round
                         self.given_up.append(e)
+                        self._hold(u.step)
             else:
                 done.append(u.step)
         failed = bool(left)
         while len(left) > self.limit:
             old = left.pop(0)
             log.error("objckpt: step %d is given up for object storage: %d newer due steps wait to be drained "
-                      "(at most %d wait); it stays under local retention", old.step, len(left), self.limit)
+                      "(at most %d wait); its local copies are kept", old.step, len(left), self.limit)
             given_up.append(DrainError(
                 f"step {old.step} was not drained and is no longer retried ({len(left)} newer due steps wait, at "
                 f"most {self.limit} do); its last error: {old.error}", step=old.step, retryable=False))
+            self._hold(old.step)
         with self._lock:
             self.given_up.extend(given_up)
             self.waiting = left
@@ -200,9 +215,11 @@ def recorded(root: Path, parse: Callable[[str], Optional[int]], dest: str) -> li
     return sorted(out, key=lambda u: u.step)
 
 
-def reconcile(root: Path, parse: Callable[[str], Optional[int]], waiting: Iterable[int]) -> None:
+def reconcile(root: Path, parse: Callable[[str], Optional[int]], waiting: Iterable[int],
+              dest: Optional[str] = None) -> None:
     """Remove the records of every step not in ``waiting`` (drained, given up, deleted), and
-    their folder once empty."""
+    their folder once empty; with ``dest``, never a record due for another root (a job
+    sharing the folder: its restart drains it)."""
     keep = set(waiting)
     folder = root / PENDING_DIR
     try:
@@ -211,6 +228,8 @@ def reconcile(root: Path, parse: Callable[[str], Optional[int]], waiting: Iterab
         return
     for f in names:
         step = parse(f[:-5]) if f.endswith(".json") else None
+        if dest is not None and step is not None and destination(root, f[:-5]) not in (dest, None):
+            continue
         if step is None or step not in keep:
             try:
                 (folder / f).unlink()
@@ -222,3 +241,13 @@ def reconcile(root: Path, parse: Callable[[str], Optional[int]], waiting: Iterab
         folder.rmdir()  # when empty: the local root holds step folders only
     except OSError:
         pass
+
+
+def destination(root: Path, name: str) -> Optional[str]:
+    """The root the drain record of step folder ``name`` names; None: no readable record."""
+    try:
+        doc = json.loads((root / PENDING_DIR / f"{name}.json").read_bytes())
+        dest = doc.get("root")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return dest if isinstance(dest, str) else None

@@ -1,47 +1,71 @@
 """Draining: a committed local step copied to object storage as an ordinary checkpoint.
 
-Every rank uploads the files it wrote into its node's step folder (its blobs and
-its rank index: :func:`objckpt.tier.local.files_of`) to the same names under the
-destination step prefix, at most ``bandwidth`` bytes per second each (the
-training's own traffic keeps priority); the ranks then exchange their outcomes
-and rank 0 writes the manifest, conditionally (``If-None-Match``), only when
-every rank succeeded.  A rank that fails or dies before that leaves no manifest:
-the step does not exist in object storage (its blobs are leftovers for ``objckpt
-gc``, as a killed ordinary save leaves).  The manifest is the local one byte for
-byte: the names it records are relative to the step prefix, the same in both
-tiers.
+The drain is collective and moves *files*, not ranks' shares: every rank learns the
+step's manifest and which of the files it names (blobs and rank indexes) each rank's
+node folder holds (one all-gather of :class:`~objckpt.tier.drain_plan.NodeFiles`), and
+every rank computes the same assignment (:func:`~objckpt.tier.drain_plan.assign`): each
+file to the rank that wrote it where its node holds it, the rest spread over the ranks
+whose nodes hold a copy.  So a job restarted at another world size drains the step the
+old ranks wrote, from whichever node holds each file.
 
-Each rank uploads from one reused buffer at a time, taken from the process-wide
-host pool and drawn from the drain's memory budget (``memory_bytes``, else
-:data:`~objckpt.runtime.memory.DRAIN_MEMORY_BYTES`): the part shrinks to fit a
-given budget, down to the store's smallest part; below that the rank's upload
-fails with a :class:`~objckpt.errors.MemoryBudgetError` naming the budget, and
-the drain commits nothing.
+Every byte is checked against the manifest as it is read, before the destination holds
+it (:mod:`objckpt.ops.mover`, the mover ``objckpt.copy`` uses too): a rank index against
+its size and crc32c before its PUT, a blob's chunks against their crc32c part by part
+before the part is written, its multipart upload aborted on a mismatch.  A copy that
+fails its check (or cannot be read) is rejected and the file goes, in the next round,
+to another node's copy (a peer's replica); a file no node holds intact is a
+non-retryable :class:`DrainError` naming the files and the nodes checked, and nothing is
+committed.  Rank indexes go up first: their verified bytes, shared among the ranks, list
+a format-v2 step's chunks for the blob checks.
 
-A drain may be tried again (:class:`DrainQueue`, the manager's retries of due steps
-whose drain failed): the blobs go up again under the same names, and a manifest
-already at the destination that is the local one byte for byte means an earlier
-attempt committed (its answer lost): success.  A :class:`DrainError` says whether a
-later attempt may succeed (``retryable``): not when a rank's local files are gone (``gone``: the
-local step itself is) or another checkpoint is committed there.
+Rank 0 commits through :func:`objckpt.save.commit.commit` (the one conditional manifest
+write) only when every named file is up, with the local manifest's bytes unchanged (the
+names it records are relative to the step prefix, the same in both tiers).  A rank that
+fails or dies before that leaves no manifest: the step does not exist in object storage
+(its blobs are leftovers for ``objckpt gc``).  Ranks' outcomes cross as
+:class:`~objckpt.distributed.comm.RankError`.
+
+Each rank uploads from one reused buffer at a time, taken from the process-wide host pool
+and drawn from the drain's memory budget (``memory_bytes``, else
+:data:`~objckpt.runtime.memory.DRAIN_MEMORY_BYTES`): the part shrinks to fit a given
+budget, down to the store's smallest part; below that the rank's upload fails with a
+:class:`~objckpt.errors.MemoryBudgetError` naming the budget, and the drain commits nothing.
+
+A drain may be tried again (:class:`~objckpt.tier.backlog.DrainQueue`): the files go up
+again under the same names, and a manifest of the same save attempt already at the
+destination means an earlier attempt committed (its answer lost): success.  A
+:class:`DrainError` says whether a later attempt may succeed (``retryable``): not when no
+node holds a file intact or another checkpoint is committed there; ``gone`` when no node
+holds the step's manifest at all.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import BinaryIO, Callable, Optional
 
-from ..distributed.comm import Comm
-from ..errors import CheckpointExistsError, MemoryBudgetError, ObjckptError, PreconditionFailed
-from ..format import keys
+from ..checksum import crc32c
+from ..distributed.comm import Comm, RankError
+from ..errors import CorruptCheckpointError, ObjckptError, error_class, error_name
+from ..format import manifest as _manifest
+from ..layout import resolver_for
+from ..ops import mover
+from ..results import IOStats
 from ..runtime import loop as _runtime
 from ..runtime.memory import (DRAIN_MEMORY_BYTES, Budget, OperationBudget, given_or_default, host_bytes, host_pool,
                               positive_bytes)
+from ..save.commit import CommitState, CommitStatus, commit
 from ..storage import ObjectStore
+from ..storage.memory import MemoryStore
 from ..units import MiB
+from . import local as _local
+from .drain_plan import DrainFile, NodeFiles, assign
 from .errors import DrainError
+
+log = logging.getLogger("objckpt.tier")
 
 #: bytes read from a local file and sent per write (a part of a multipart upload)
 DRAIN_PART = 16 * MiB
@@ -93,35 +117,28 @@ def drain_budget(memory_bytes: Optional[int] = None) -> OperationBudget:
     return given_or_default("drain memory budget", given, DRAIN_MEMORY_BYTES)
 
 
-def _part_size(src: Path, size: int, store: ObjectStore, budget: OperationBudget) -> int:
-    """Bytes per upload (``size`` itself: one PUT): :data:`DRAIN_PART`, fewer where the
-    budget says, never fewer than the store's smallest part or than its part count allows."""
-    floor = max(store.min_part_size, -(-size // max(store.max_parts, 1)))
-    part = max(DRAIN_PART, floor)
-    if size <= min(part, budget.nbytes) or not budget.strict:
-        return min(size, part)
-    if budget.nbytes < floor:
-        need = floor if size > floor else size
-        raise MemoryBudgetError(
-            f"draining {str(src)!r} ({size} bytes) needs a buffer of {need} bytes (the store's smallest part), "
-            f"more than the {budget.name} ({budget.nbytes} bytes); give a larger budget")
-    return min(part, budget.nbytes)
-
-
 def upload_file(src: Path, store: ObjectStore, key: str, throttle: Throttle,
-                budget: Optional[OperationBudget] = None) -> int:
+                budget: Optional[OperationBudget] = None, check: Optional[mover.BlobCheck] = None,
+                size: Optional[int] = None) -> int:
     """``src`` to ``key``, in parts of :data:`DRAIN_PART` (a multipart upload past one part),
-    through one buffer from the host pool drawn from ``budget`` (default :func:`drain_budget`)."""
+    through one buffer from the host pool drawn from ``budget`` (default :func:`drain_budget`).
+    ``check`` (the blob's chunk crcs): every part is checked as it is read, before it is
+    written; a mismatch raises :class:`~objckpt.errors.CorruptCheckpointError` and aborts the
+    upload (nothing completed at ``key``).  ``size``: the size the manifest records (a copy
+    of another size is damaged: refused before anything is sent)."""
     budget = budget if budget is not None else drain_budget()
-    size = src.stat().st_size
-    part = _part_size(src, size, store, budget)
+    have = src.stat().st_size
+    if size is not None and have != size:
+        raise CorruptCheckpointError(f"{str(src)!r} holds {have} bytes, its manifest says {size}")
+    size = have
+    part = mover.budgeted_part(size, store, DRAIN_PART, budget, f"draining {str(src)!r}")
     pool = host_pool()
     with open(src, "rb", buffering=0) as f, budget.hold(part, f"a drain's upload buffer for {str(src)!r}"):
         buf = pool.take(max(part, 1), Budget(max(part, 1)))  # exactly what the budget drew
         try:
             view = host_bytes(buf)
 
-            def fill(n: int) -> memoryview:
+            def fill(off: int, n: int) -> memoryview:
                 got = 0
                 while got < n:
                     r = f.readinto(view[got:n])
@@ -129,20 +146,25 @@ def upload_file(src: Path, store: ObjectStore, key: str, throttle: Throttle,
                         raise OSError(f"{str(src)!r} is shorter than the {size} bytes it had (changed while draining)")
                     got += r
                 _forget(f)
+                if check is not None:  # before the bytes are sent
+                    check.feed(off, view[:n])
                 return view[:n]
 
             if size <= part:
-                data = fill(size)
+                data = fill(0, size)
+                if check is not None:
+                    check.finish()
                 _runtime.run(store.put(key, data))
                 throttle.account(size)
                 return size
-            nparts = -(-size // part)
-            writer = store.open_writer(key, size, nparts)
+            pieces = mover.parts(size, part)
+            writer = store.open_writer(key, size, len(pieces))
             try:
-                for i in range(nparts):
-                    n = min(part, size - i * part)
-                    _runtime.run(writer.write_part(i, i * part, fill(n)))
+                for i, (off, n) in enumerate(pieces):
+                    _runtime.run(writer.write_part(i, off, fill(off, n)))
                     throttle.account(n)
+                if check is not None:
+                    check.finish()
                 _runtime.run(writer.complete())
             except BaseException:
                 _runtime.run(writer.abort())
@@ -152,77 +174,205 @@ def upload_file(src: Path, store: ObjectStore, key: str, throttle: Throttle,
     return size
 
 
-def drain(comm: Comm, step: int, step_dir: Path, files: Optional[list[str]], store: ObjectStore, prefix: str,
-          uri: str, bandwidth: Optional[float] = None, memory_bytes: Optional[int] = None) -> DrainReport:
-    """Collective over ``comm``: copy this rank's ``files`` from ``step_dir`` to ``prefix``
-    (None: the files the local manifest says this rank wrote), then rank 0 commits the
-    local manifest there once every rank succeeded.  Raises a :class:`DrainError` on every
-    rank when any rank failed (naming them); nothing is committed then.  Its
-    ``retryable`` is False when a later attempt cannot succeed: a rank's local file is
-    gone or unreadable, or another checkpoint is committed at ``uri``.  A manifest already
-    at ``uri`` that is this step's own, byte for byte (an earlier attempt committed, its
-    answer lost), is success.  ``memory_bytes``: the upload buffer's budget (:func:`drain_budget`)."""
+@dataclass
+class RankOutcome:
+    """One rank's uploads of one round (picklable: all-gathered)."""
+
+    done: list[str] = field(default_factory=list)
+    #: file -> why this node's copy was rejected (its check failed, it could not be read)
+    bad: dict[str, str] = field(default_factory=dict)
+    #: what stopped this rank's uploads (object storage down, a memory budget): the drain fails
+    error: Optional[RankError] = None
+    #: rank index name -> its verified bytes (the index round: they list a v2 step's chunks)
+    indexes: dict[str, bytes] = field(default_factory=dict)
+    bytes: int = 0
+
+
+@dataclass
+class _Step:
+    """The step being drained, the same on every rank."""
+
+    step: int
+    uri: str
+    prefix: str
+    data: bytes
+    m: _manifest.Manifest
+    holders: list[NodeFiles]
+    checks: dict[str, mover.BlobCheck] = field(default_factory=dict)
+    rejected: set[tuple[str, str]] = field(default_factory=set)
+
+
+def drain(comm: Comm, step: int, step_dir: Path, store: ObjectStore, prefix: str, uri: str,
+          bandwidth: Optional[float] = None, memory_bytes: Optional[int] = None, node: str = "",
+          known: Optional[_manifest.Manifest] = None) -> DrainReport:
+    """Collective over ``comm``: every file the step's manifest names, from whichever rank's
+    node folder (``step_dir`` on each, this rank's on ``node``) holds it intact, to
+    ``prefix``; then rank 0 commits the manifest there (see the module).  Raises a
+    :class:`DrainError` on every rank when it did not commit (naming the ranks, files and
+    nodes).  ``memory_bytes``: the upload buffer's budget (:func:`drain_budget`); ``known``:
+    the step's manifest where this rank decoded it already (its save's background job)."""
     rep = DrainReport(step, uri)
     budget = drain_budget(memory_bytes)
     t0 = time.perf_counter()
     throttle = Throttle(bandwidth)
-    error: tuple[str, bool, bool] = ("", True, False)  # why, whether a later attempt may mend it, step gone
-    try:
-        for name in (files if files is not None else _files_of(step_dir, comm.rank)):
-            rep.bytes += upload_file(step_dir / name, store, keys.join(prefix, name), throttle, budget)
-            rep.files += 1
-    except (OSError, ObjckptError) as e:
-        # a plain OSError is the local file (object stores raise objckpt errors, after their retries)
-        error = (f"{type(e).__name__}: {e}", isinstance(e, ObjckptError), isinstance(e, StepGoneError))
-    outcomes: list[tuple[str, bool, bool]] = comm.all_gather_object(error)
-    rep.errors = {r: why for r, (why, _, _) in enumerate(outcomes) if why}
-    retryable = all(ok for why, ok, _ in outcomes if why)
-    gone = any(g for _, _, g in outcomes)
-    verdict: tuple[str, bool] = ("", True)
-    if comm.rank == 0 and not rep.errors:
-        manifest = b""
+    st = _agree(comm, step, uri, prefix, step_dir, node, known)
+    files = _files(st.m)
+    indexes = [f for f in files if f.name in {r.name for r in st.m.rank_indexes}]
+    refs = {r.name: r for r in st.m.rank_indexes}
+
+    def index(name: str, out: RankOutcome) -> None:
+        data = (step_dir / name).read_bytes()
+        mover.check_index(data, refs[name], str(step_dir / name))
+        _runtime.run(store.put(st.m.object_key(prefix, name, refs[name].spread), data))
+        throttle.account(len(data))
+        out.indexes[name] = data
+        out.bytes += len(data)
+
+    got = _rounds(comm, st, indexes, index, rep)
+    _resolve(st, got)
+    blobs = {b.name: b for b in st.m.blobs}
+
+    def blob(name: str, out: RankOutcome) -> None:
+        b = blobs[name]
+        out.bytes += upload_file(step_dir / name, store, st.m.object_key(prefix, name, b.spread), throttle, budget,
+                                 st.checks[name].fresh(), b.size)
+
+    _rounds(comm, st, [f for f in files if f.name in blobs], blob, rep)
+    status = CommitStatus(CommitState.OK)
+    if comm.rank == 0:
         try:
-            manifest = (step_dir / keys.MANIFEST_NAME).read_bytes()
-            _runtime.run(store.put(keys.manifest_key(prefix), manifest, if_absent=True))
-        except (PreconditionFailed, CheckpointExistsError):
-            verdict = (_already_there(store, prefix, manifest, step, uri), False)
+            status = commit(store, prefix, st.m, False, uri, [], IOStats(), [], data=st.data)
         except (OSError, ObjckptError) as e:
-            verdict = (f"committing {uri!r} failed: {type(e).__name__}: {e}", isinstance(e, ObjckptError))
-    verdict = comm.broadcast_object(verdict, 0) if comm.world_size > 1 else verdict
+            status = CommitStatus(CommitState.FAILED, f"committing {uri!r} failed: {type(e).__name__}: {e}",
+                                  error_kind=error_name(e))
+    status = comm.broadcast_object(status, 0) if comm.world_size > 1 else status
     rep.seconds = time.perf_counter() - t0
-    if rep.errors:
-        shown = "; ".join(f"rank {r}: {why}" for r, why in sorted(rep.errors.items())[:4])
-        raise DrainError(f"draining step {step} to {uri!r} failed, nothing committed there ({shown})",
-                         step=step, retryable=retryable and not gone, gone=gone)
-    if verdict[0]:
-        raise DrainError(f"draining step {step}: {verdict[0]}", step=step, retryable=verdict[1])
+    if status.state is CommitState.EXISTS:
+        raise DrainError(f"draining step {step}: step {step} is already committed at {uri!r}, with another "
+                         "manifest: not replaced", step=step, retryable=False)
+    if status.state is not CommitState.OK:
+        raise DrainError(f"draining step {step}: {status.message}", step=step, retryable=True)
     rep.committed = True
     return rep
 
 
-class StepGoneError(FileNotFoundError):
-    """A step to drain again is no local checkpoint any more (deleted, or dropped by a restore)."""
-
-
-def _files_of(step_dir: Path, rank: int) -> list[str]:
-    """The files ``rank`` wrote into ``step_dir``, from its local manifest (a plain OSError
-    when the folder or its manifest is gone: the step cannot be drained from here)."""
-    from . import local as _local
-
+def _agree(comm: Comm, step: int, uri: str, prefix: str, step_dir: Path, node: str,
+           known: Optional[_manifest.Manifest] = None) -> _Step:
+    """Every rank's node folder gathered; the step's one manifest decoded on every rank (sent
+    from the first rank that holds it to those whose node does not)."""
     got = _local.read_listed(step_dir)
-    if got is None:
-        raise StepGoneError(f"the local step {str(step_dir)!r} has no readable manifest")
-    return got[2].of_rank(rank)
+    data = got[0] if got is not None else None
+    m = (got[1] or known) if got is not None else None  # a committed step's manifest never changes
+    names: frozenset[str] = frozenset()
+    if data is not None:
+        try:
+            m = m or _manifest.decode(data, str(step_dir))
+            names = frozenset(_intact_sizes(step_dir, m))
+        except (OSError, ObjckptError):
+            data = m = None
+    mine = NodeFiles(node or f"rank {comm.rank}", None if data is None else crc32c(data), names)
+    holders: list[NodeFiles] = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
+    with_manifest = [r for r, h in enumerate(holders) if h.manifest_crc is not None]
+    checked = sorted({h.node for h in holders})
+    if not with_manifest:
+        raise DrainError(f"draining step {step} to {uri!r}: no readable manifest of it in any node's folder "
+                         f"(nodes checked: {checked}): the step is no local checkpoint any more",
+                         step=step, retryable=False, gone=True)
+    crcs = {holders[r].manifest_crc for r in with_manifest}
+    if len(crcs) > 1:
+        raise DrainError(f"draining step {step} to {uri!r}: the nodes' folders hold different manifests for it "
+                         f"({', '.join(f'{holders[r].node}: {holders[r].manifest_crc:#010x}' for r in with_manifest)})"
+                         "; nothing committed", step=step, retryable=False)
+    if len(with_manifest) < len(holders):  # some ranks' nodes lack it: sent from the first that has it
+        data = comm.broadcast_object(data if comm.rank == with_manifest[0] else None, with_manifest[0])
+    if data is None:
+        raise DrainError(f"draining step {step}: rank {with_manifest[0]}'s manifest did not arrive", step=step)
+    if m is None:
+        m = _manifest.decode(data, f"step {step}'s manifest (from rank {with_manifest[0]})")
+    return _Step(step, uri, prefix, data, m, holders)
 
 
-def _already_there(store: ObjectStore, prefix: str, manifest: bytes, step: int, uri: str) -> str:
-    """Rank 0, when the conditional commit found a manifest: "" when it is this step's own,
-    byte for byte (an earlier attempt of this drain committed and its answer was lost, so
-    a retry succeeds), else why the drain is refused (another checkpoint is there)."""
-    try:
-        there = _runtime.run(store.get(keys.manifest_key(prefix)))
-    except (OSError, ObjckptError) as e:
-        return f"step {step} is already committed at {uri!r} (its manifest could not be read: {e})"
-    if bytes(there) == manifest:
-        return ""
-    return f"step {step} is already committed at {uri!r}, with another manifest: not replaced"
+def _intact_sizes(step_dir: Path, m: _manifest.Manifest) -> list[str]:
+    """The files ``m`` names that ``step_dir`` holds at the size ``m`` records (other sizes
+    are damaged copies: never offered)."""
+    sizes = {b.name: b.size for b in m.blobs} | {r.name: r.size for r in m.rank_indexes}
+    out = []
+    for name, size in sizes.items():
+        try:
+            if (step_dir / name).stat().st_size == size:
+                out.append(name)
+        except OSError:
+            pass
+    return out
+
+
+def _files(m: _manifest.Manifest) -> list[DrainFile]:
+    """Every file ``m`` names: its rank indexes, then its blobs, with the rank that wrote each."""
+    return ([DrainFile(r.name, r.size, i) for i, r in enumerate(m.rank_indexes)]
+            + [DrainFile(b.name, b.size, b.rank) for b in m.blobs])
+
+
+def _rounds(comm: Comm, st: _Step, files: list[DrainFile], upload: Callable[[str, RankOutcome], None],
+            rep: DrainReport) -> dict[str, bytes]:
+    """Upload ``files``, each from one holder (collective); a copy rejected by its check goes
+    to another holder in the next round.  Returns the rank indexes' verified bytes."""
+    left = list(files)
+    indexes: dict[str, bytes] = {}
+    while left:
+        plan = assign(left, st.holders, frozenset(st.rejected))
+        if plan.unheld:
+            raise DrainError(_unheld(st, plan.unheld), step=st.step, retryable=False)
+        out = RankOutcome()
+        for name in plan.of(comm.rank):
+            try:
+                upload(name, out)
+                out.done.append(name)
+                rep.files += 1
+            except Exception as e:  # noqa: BLE001 - every rank learns it below: none waits alone
+                if not _bad_copy(e):  # object storage down, a budget: this rank stops, the drain fails
+                    out.error = RankError.of(e, f"uploading {name!r}: ")
+                    break
+                out.bad[name] = f"{type(e).__name__}: {e}"
+                log.warning("objckpt: draining step %d: the copy of %s on node %s is rejected (%s); another "
+                            "node's copy is tried", st.step, name, st.holders[comm.rank].node, out.bad[name])
+        rep.bytes += out.bytes
+        outs: list[RankOutcome] = comm.all_gather_object(out) if comm.world_size > 1 else [out]
+        failed = {r: o.error for r, o in enumerate(outs) if o.error is not None}
+        if failed:
+            rep.errors = {r: e.text for r, e in failed.items()}
+            shown = "; ".join(f"rank {r}: {e.text}" for r, e in sorted(failed.items())[:4])
+            retryable = all(error_class(e.kind) is not None for e in failed.values())  # objckpt's: the store's
+            raise DrainError(f"draining step {st.step} to {st.uri!r} failed, nothing committed there ({shown})",
+                             step=st.step, retryable=retryable)
+        done: set[str] = set()
+        for r, o in enumerate(outs):
+            done.update(o.done)
+            indexes.update(o.indexes)
+            st.rejected.update((name, st.holders[r].node) for name in o.bad)
+        left = [f for f in left if f.name not in done]
+    return indexes
+
+
+def _bad_copy(e: BaseException) -> bool:
+    """Whether ``e`` rejects this node's copy of a file (its bytes fail the manifest's check,
+    or the local file cannot be read: a plain OSError) rather than stopping the drain."""
+    return isinstance(e, CorruptCheckpointError) or (isinstance(e, OSError) and not isinstance(e, ObjckptError))
+
+
+def _unheld(st: _Step, names: list[str]) -> str:
+    rejected = sorted(f"{n} on {node}" for n, node in st.rejected if n in names)
+    return (f"draining step {st.step} to {st.uri!r}: no node holds an intact copy of {len(names)} file(s) "
+            f"({', '.join(names[:6])}{', ...' if len(names) > 6 else ''}; nodes checked: "
+            f"{sorted({h.node for h in st.holders})}"
+            + (f"; copies rejected: {', '.join(rejected[:6])}" if rejected else "")
+            + "); nothing committed, the local copies are kept")
+
+
+def _resolve(st: _Step, indexes: dict[str, bytes]) -> None:
+    """The chunk checks of every blob; a format-v2 step's chunks listed from its rank indexes'
+    verified bytes (the resolver every reader uses, over them in memory)."""
+    m = st.m
+    if m.rank_indexes:
+        objects = {m.index_key("step", r): indexes[ref.name] for r, ref in enumerate(m.rank_indexes)}
+        _runtime.run(resolver_for(m, MemoryStore(objects), "step").resolve_all())
+    st.checks = dict(zip((b.name for b in m.blobs), mover.blob_checks(m)))

@@ -18,10 +18,11 @@ needs other nodes' blobs repairs them from peers first (:mod:`objckpt.tier.resto
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -34,6 +35,9 @@ from ..errors import ObjckptError
 from . import step_files as _step_files
 from .step_files import files_of, needed_files  # noqa: F401  (the tier's modules take them from here)
 from .errors import LocalTierError, Problem, ProblemKind
+
+_log = logging.getLogger("objckpt.manager")
+
 
 def resolve_dir(template: str, node: str) -> Path:
     """``template`` with ``{node}`` replaced by the node's name, absolute."""
@@ -57,9 +61,10 @@ def writable_error(root: Path) -> Optional[str]:
     return None
 
 
-def present(step_dir: Path, names: list[str]) -> list[str]:
-    """Those of ``names`` that exist (as files of a plausible size) under ``step_dir``."""
-    return [n for n in names if (step_dir / n).is_file()]
+def present(step_dir: Path, names: list[str], hidden: "frozenset[str] | set[str]" = frozenset()) -> list[str]:
+    """Those of ``names`` that exist under ``step_dir``, less ``hidden`` (files a restore
+    found damaged there: they count as absent, so the plan takes them from elsewhere)."""
+    return [n for n in names if n not in hidden and (step_dir / n).is_file()]
 
 
 @dataclass
@@ -75,14 +80,17 @@ class LocalStep:
         return set(self.needed) <= set(self.present)
 
 
-def scan(root: Path, parse: Any, keep: Optional[dict[int, tuple[bytes, Optional[_manifest.Manifest]]]] = None
-         ) -> dict[int, LocalStep]:
+def scan(root: Path, parse: Any, keep: Optional[dict[int, tuple[bytes, Optional[_manifest.Manifest]]]] = None,
+         *, unlisted: Optional["Unlisted"] = None) -> dict[int, LocalStep]:
     """The committed steps in ``root`` (``parse(name)`` -> step or None per folder name);
     ``keep``, when given, receives each step's manifest as read here (its bytes, and the
     manifest when it was decoded), for a load of that step to take instead of reading it again.
 
     A step's files come from its file list (:mod:`objckpt.tier.step_files`) when that was
-    taken from these very manifest bytes; only a step without one has its manifest decoded."""
+    taken from these very manifest bytes; only a step without one has its manifest decoded.
+    ``unlisted``, when given, receives the step folders that are not returned: those whose
+    manifest cannot be decoded (damaged) and those without one (their files still count
+    towards a step another node's folder commits)."""
     out: dict[int, LocalStep] = {}
     try:
         names = os.listdir(root)
@@ -94,6 +102,8 @@ def scan(root: Path, parse: Any, keep: Optional[dict[int, tuple[bytes, Optional[
             continue
         got = read_listed(root / name)
         if got is None:
+            if unlisted is not None:
+                unlisted.add(step, root / name)
             continue
         data, m, files = got
         if keep is not None:
@@ -101,6 +111,47 @@ def scan(root: Path, parse: Any, keep: Optional[dict[int, tuple[bytes, Optional[
         need = list(files.needed)
         out[step] = LocalStep(step, need, present(root / name, need))
     return out
+
+
+@dataclass
+class Unlisted:
+    """The step folders :func:`scan` does not return, and why (a restore's plan uses both)."""
+
+    #: step -> why its folder's manifest cannot be decoded (a damaged copy: taken from elsewhere)
+    damaged: dict[int, str] = field(default_factory=dict)
+    #: step -> the files of a folder without a manifest (a node the metadata never reached)
+    loose: dict[int, tuple[str, ...]] = field(default_factory=dict)
+
+    def add(self, step: int, step_dir: Path) -> None:
+        try:
+            data = (step_dir / keys.MANIFEST_NAME).read_bytes()
+        except FileNotFoundError:
+            self.loose[step] = tuple(folder_files(step_dir))
+            return
+        except OSError as e:
+            self.damaged[step] = f"{keys.MANIFEST_NAME} cannot be read: {e.strerror or e}"
+            return
+        try:
+            _manifest.decode(data, str(step_dir / keys.MANIFEST_NAME))
+            self.damaged[step] = f"{keys.MANIFEST_NAME} changed while it was read"
+        except Exception as e:  # noqa: BLE001 - the reason is reported, the copy taken from elsewhere
+            self.damaged[step] = f"{type(e).__name__}: {e}"
+
+
+def folder_files(step_dir: Path) -> list[str]:
+    """Every final file under ``step_dir``, relative (no temporaries of a copy, no file list)."""
+    out: list[str] = []
+    for dirpath, _dirs, names in os.walk(step_dir):
+        for name in names:
+            if _TEMP_MARK in name or ".tmp-" in name or name == _step_files.FILES_NAME:
+                continue
+            out.append((Path(dirpath) / name).relative_to(step_dir).as_posix())
+    return sorted(out)
+
+
+#: marks a file a peer copy is still writing (objckpt.tier.transfer.TEMP_MARK; not imported:
+#: the transfer module imports the wire, far above this one)
+_TEMP_MARK = ".objckpt-tmp-"
 
 
 def read_listed(step_dir: Path) -> Optional[tuple[bytes, Optional[_manifest.Manifest], _step_files.StepFiles]]:
@@ -271,6 +322,34 @@ def _fill_node_folder(step_dir: Path, everyone: list[_Sent], mdata: bytes, here:
     except (OSError, ObjckptError) as e:
         return _problem(here, f"writing {str(step_dir / name)!r}", e)
     return None
+
+
+def received_metadata(step_dir: Path, segments: dict[str, list[tuple[int, Any]]]) -> dict[str, bytes]:
+    """Of the files a restore received from peers for ``step_dir`` (store keys -> pieces), the
+    metadata (manifest, rank indexes) whole, name -> bytes, when the folder holds files of the
+    step but not its manifest (a node the step's metadata never reached); {} otherwise (a
+    replaced node's folder, absent, stays as it is: the next save's replication fills it)."""
+    if (step_dir / keys.MANIFEST_NAME).exists() or not folder_files(step_dir):
+        return {}
+    prefix = step_dir.absolute().as_posix().strip("/") + "/"
+    out: dict[str, bytes] = {}
+    for key, pieces in segments.items():
+        name = key[len(prefix):] if key.startswith(prefix) else ""
+        if (name == keys.MANIFEST_NAME or name.endswith(".index.json")) and len(pieces) == 1 and pieces[0][0] == 0:
+            out[name] = pieces[0][1].numpy().tobytes()
+    return out if keys.MANIFEST_NAME in out else {}
+
+
+def write_back_metadata(step_dir: Path, files: dict[str, bytes]) -> None:
+    """After a restore that read it through a peer's copy: write the step's metadata (``files``:
+    the rank indexes its folder lacks, then the manifest, last) into ``step_dir``, so later
+    restores and drains see the step there.  A failure is a warning: the restore is done."""
+    problem = _fill_node_folder(step_dir, [_Sent({n: d for n, d in files.items() if n != keys.MANIFEST_NAME})],
+                                files[keys.MANIFEST_NAME], f"the node folder {str(step_dir)!r}")
+    if problem is not None:
+        _log.warning("objckpt: %s (the restore is done; the step's metadata is not written back)", problem.text)
+    else:
+        _log.info("objckpt: wrote the metadata of %s back (its node lacked it)", step_dir)
 
 
 def delete_step(step_dir: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import ObjckptError
+from ..errors import NotFoundError, ObjckptError
 from ..runtime import loop as _runtime
 from ..storage.base import ObjectInfo, ObjectStore
 from ..storage.local import TALLY_PIECE
@@ -58,10 +58,13 @@ def _fill(dst: memoryview, src: Optional[torch.Tensor], tally: Any) -> None:
 
 
 class OverlayStore(ObjectStore):
-    """Keys of ``segments`` from memory (each a list of (offset, bytes) pieces), every other key from ``base``."""
+    """Keys of ``segments`` from memory (each a list of (offset, bytes) pieces), every other key
+    from ``base`` except those of ``hidden`` (files found damaged in the folder: absent here)."""
 
-    def __init__(self, base: ObjectStore, segments: dict[str, list[Segment]]) -> None:
+    def __init__(self, base: ObjectStore, segments: dict[str, list[Segment]],
+                 hidden: frozenset[str] = frozenset()) -> None:
         self.base = base
+        self.hidden = frozenset(k for k in hidden if k not in segments)
         self.segments = {k: sorted(v, key=lambda s: s[0]) for k, v in segments.items()}
         self._starts = {k: [o for o, _t in v] for k, v in self.segments.items()}
         self.concurrency = base.concurrency
@@ -111,6 +114,7 @@ class OverlayStore(ObjectStore):
             buf = bytearray(self.size(key))
             await self._into(key, 0, [memoryview(buf)], None)
             return bytes(buf)
+        self._visible(key)
         return await self.base.get(key)
 
     async def get_range(self, key: str, offset: int, length: int) -> bytes:
@@ -118,18 +122,21 @@ class OverlayStore(ObjectStore):
             buf = bytearray(max(0, min(offset + length, self.size(key)) - offset))
             await self._into(key, offset, [memoryview(buf)], None)
             return bytes(buf)
+        self._visible(key)
         return await self.base.get_range(key, offset, length)
 
     async def get_range_into(self, key: str, offset: int, out: memoryview) -> None:
         if key in self.segments:
             await self._into(key, offset, [out], None)
         else:
+            self._visible(key)
             await self.base.get_range_into(key, offset, out)
 
     async def get_range_scatter(self, key: str, offset: int, outs: Sequence[memoryview]) -> None:
         if key in self.segments:
             await self._into(key, offset, outs, None)
         else:
+            self._visible(key)
             await self.base.get_range_scatter(key, offset, outs)
 
     async def get_range_tallied(self, key: str, offset: int, outs: Sequence[memoryview], tally: Any) -> None:
@@ -137,6 +144,7 @@ class OverlayStore(ObjectStore):
         if key in self.segments:
             await self._into(key, offset, outs, tally)
             return
+        self._visible(key)
         tallied = getattr(self.base, "get_range_tallied", None)
         if tallied is not None:
             await tallied(key, offset, outs, tally)
@@ -148,10 +156,16 @@ class OverlayStore(ObjectStore):
     async def head(self, key: str) -> Optional[ObjectInfo]:
         if key in self.segments:
             return ObjectInfo(key, self.size(key))
+        if key in self.hidden:
+            return None
         return await self.base.head(key)
 
+    def _visible(self, key: str) -> None:
+        if key in self.hidden:
+            raise NotFoundError(f"{key!r} is damaged in the node's folder and was not received from a peer")
+
     async def list(self, prefix: str) -> list[ObjectInfo]:
-        below = [o for o in await self.base.list(prefix) if o.key not in self.segments]
+        below = [o for o in await self.base.list(prefix) if o.key not in self.segments and o.key not in self.hidden]
         return sorted(below + [ObjectInfo(k, self.size(k)) for k in self.segments if k.startswith(prefix)],
                       key=lambda o: o.key)
 

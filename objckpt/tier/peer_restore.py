@@ -114,8 +114,10 @@ def _wants(reads: LoadReads, have: Any) -> tuple[list[str], list[Range]]:
 
 def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib.Path, state: Any,
             load_kwargs: dict[str, Any], piece_bytes: Optional[int] = None,
-            memory_bytes: Optional[int] = None) -> Received:
-    """Collective (every rank, when some rank's source is ``peer``): see the module docstring."""
+            memory_bytes: Optional[int] = None, hidden: frozenset[str] = frozenset()) -> Received:
+    """Collective (every rank, when some rank's source is ``peer``): see the module docstring.
+    ``hidden``: files of the folder found damaged: absent for this rank's reads (received
+    instead) and never offered to the others."""
     me = comm.rank
     finished = plan.sources[me] != PEER
     prefix = pathlib.Path(step_dir).absolute().as_posix().strip("/")  # the folder's keys under LocalStore("/")
@@ -129,12 +131,14 @@ def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib
         more, problem = False, ""
         if not finished:
             try:
-                overlay = OverlayStore(base, {objkeys.join(prefix, n): v for n, v in got.items()})
+                overlay = OverlayStore(base, {objkeys.join(prefix, n): v for n, v in got.items()},
+                                       frozenset(objkeys.join(prefix, n) for n in hidden))
                 reads = _reads_of(state, step_dir, overlay, me, load_kwargs, in_place=True)
                 if reads.lacking:
                     wants, more = [n for n in reads.lacking if n not in got], True
                 else:
-                    wants, ranges = _wants(reads, lambda n: n in got or (step_dir / n).is_file())
+                    wants, ranges = _wants(reads, lambda n: n in got or (n not in hidden
+                                                                         and (step_dir / n).is_file()))
                     finished = True
             except Exception as e:  # noqa: BLE001 - carried by the round's exchange: every rank raises
                 problem, finished = f"rank {me}: cannot tell what its load reads: {type(e).__name__}: {e}", True
@@ -142,7 +146,7 @@ def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib
             problem = problem or (f"rank {me}: still lacks {wants[:4]} after {MAX_ROUNDS} rounds of fetching "
                                   "from peers")
         f = fetch(comm, topology, step_dir, [] if problem else wants, ranges=[] if problem else ranges, more=more,
-                  problem=problem, memory_bytes=memory_bytes, **kw)
+                  problem=problem, memory_bytes=memory_bytes, hidden=hidden, **kw)
         out.rounds += 1
         out.seconds += f.report.seconds
         if not f.report.complete:

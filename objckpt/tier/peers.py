@@ -390,7 +390,7 @@ def _plan_ranges(holdings: Sequence[_Holding], load: list[int]) -> tuple[list[Tr
 
 def fetch(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, wants: list[str], *,
           ranges: Sequence[Range] = (), more: bool = False, problem: str = "", piece_bytes: int = PIECE_BYTES,
-          memory_bytes: Optional[int] = None) -> Fetched:
+          memory_bytes: Optional[int] = None, hidden: frozenset[str] = frozenset()) -> Fetched:
     """Collective: as :func:`repair`, but into each rank's memory, nothing written: the
     files of ``wants`` whole, into new memory, and each of ``ranges`` straight into its
     ``dest`` (delivered to every rank that wants them, not once per folder).  One
@@ -402,7 +402,8 @@ def fetch(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, wants: l
     (:attr:`Fetched.more`), so they all call again alike.  A call in which no rank wants
     anything moves nothing and costs the one all-gather.  ``problem``: this rank cannot go
     on (said in the exchange, so that every rank raises :class:`PeerCopyError` alike
-    rather than wait for it)."""
+    rather than wait for it).  ``hidden``: files of this rank's folder found damaged: never
+    offered to the others."""
     t0 = time.perf_counter()
     budget = copy_budget(memory_bytes)
     step = pathlib.Path(local_step_dir)
@@ -412,7 +413,7 @@ def fetch(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, wants: l
         bad = [r for r in ranges if r.offset < 0 or r.length != r.dest.numel() or r.dest.dtype != torch.uint8]
         if bad:
             raise PeerCopyError(f"a range's destination is not {bad[0].length} bytes (uint8): {bad[0]}", {})
-        listing = _listing(step)
+        listing = {n: size for n, size in _listing(step).items() if n not in hidden}
     except (PeerCopyError, OSError) as e:
         listing, problem = {}, problem or f"rank {comm.rank}: {e}"
     mine = _Holding(_dir_id(topology, comm.rank, step), tuple(wants), listing, problem, more,

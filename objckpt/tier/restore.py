@@ -19,6 +19,17 @@ replaced node; no template: :meth:`latest_step`) counts as needing the whole ste
 ``local`` only where its folder holds all of it, ``peer`` only where all folders
 together do.
 
+A step is committed when some node's folder holds its manifest (or object storage
+holds it); a folder of that step without the manifest (a node the metadata never
+reached: its rank died before the spread) still counts with the blobs it holds
+(``Holding.loose``).  A folder with blobs and no manifest on any node is an
+uncommitted save, never a candidate.
+
+A copy found damaged (a manifest that does not decode, a blob that fails its
+crc32c check or is short) counts as absent where it is, and the source a rank's
+load failed from is not offered to it again (``forbid``): the manager plans again
+and the rank takes the next source, each skip named in :class:`Skip`.
+
 A step the local tiers cannot complete and object storage does not hold is
 skipped: an older one is restored instead, never a mix of steps.
 """
@@ -42,6 +53,28 @@ class Holding:
     steps: dict[int, LocalStep]
     #: step -> the files this rank's load reads from its node's folder (absent: unknown)
     reads: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    #: step -> the files of a folder of that step without a manifest (they count for a step
+    #: another node's folder commits)
+    loose: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    #: step -> why the folder's manifest of that step does not decode (its files are in ``loose``)
+    damaged: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A source a restore did not take for a rank, and why (a damaged copy)."""
+
+    rank: int
+    step: int
+    #: the source passed over: LOCAL (its node's folder), PEER or OBJECT
+    source: str
+    #: the damaged file, relative to the step ("" when the error did not name one)
+    file: str
+    why: str
+
+    def __str__(self) -> str:
+        what = f"{self.file} of step {self.step}" if self.file else f"step {self.step}"
+        return f"rank {self.rank}: {self.source} copy of {what} skipped: {self.why}"
 
 
 @dataclass
@@ -81,6 +114,8 @@ class RestoreReport:
     fetch_seconds: float = 0.0
     #: of this rank's received bytes, those received straight into its destination tensors
     in_place_bytes: int = 0
+    #: the damaged copies passed over on the way (every rank's, the same on every rank)
+    skipped: tuple[Skip, ...] = ()
 
     @property
     def bytes_moved(self) -> int:
@@ -89,9 +124,11 @@ class RestoreReport:
 
 
 def plan_restore(holdings: list[Holding], object_steps: list[int], peers: bool,
-                 step: Optional[int] = None) -> RestorePlan:
+                 step: Optional[int] = None, forbid: Optional[dict[int, frozenset[str]]] = None) -> RestorePlan:
     """The newest step (or ``step`` when given) every rank can get; see the module docstring.
-    ``peers``: whether missing files may be repaired from other nodes."""
+    ``peers``: whether missing files may be repaired from other nodes; ``forbid``: rank ->
+    the sources its load already failed from (a damaged copy), not offered again."""
+    forbid = forbid or {}
     local_steps = {s for h in holdings for s in h.steps}
     candidates = sorted(local_steps | set(object_steps), reverse=True)
     if step is not None:
@@ -101,10 +138,12 @@ def plan_restore(holdings: list[Holding], object_steps: list[int], peers: bool,
         needed = next((h.steps[s].needed for h in holdings if s in h.steps), [])
         on_node = {h.node: set(h.steps[s].present) for h in holdings if s in h.steps}
         union = {f for h in holdings if s in h.steps for f in h.steps[s].present}
+        union |= {f for h in holdings for f in h.loose.get(s, ())}
         whole = bool(needed) and set(needed) <= union
         sources: list[str] = []
         wants: list[Optional[tuple[str, ...]]] = []
-        for h in holdings:
+        for r, h in enumerate(holdings):
+            no = forbid.get(r, frozenset())
             here = on_node.get(h.node, set())
             reads = h.reads.get(s) if s in h.steps else None
             if reads is None:  # unknown: the whole step
@@ -113,13 +152,13 @@ def plan_restore(holdings: list[Holding], object_steps: list[int], peers: bool,
             else:
                 lacks = tuple(f for f in reads if f not in here)
                 local, peer = not lacks, set(lacks) <= union
-            if local:
+            if local and LOCAL not in no:
                 sources.append(LOCAL)
                 wants.append(())
-            elif peers and peer:
+            elif peers and peer and PEER not in no:
                 sources.append(PEER)
                 wants.append(lacks if reads is not None else None)
-            elif s in object_steps:
+            elif s in object_steps and OBJECT not in no:
                 sources.append(OBJECT)
                 wants.append(())
             else:
