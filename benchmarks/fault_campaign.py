@@ -10,6 +10,9 @@ a markdown table per kind and one JSON file of every trial.
     python -m benchmarks.fault_campaign --commit-kills 40 \\
         --out benchmarks/results/campaign-commit.json   # a rank killed at each point of the commit window
 
+    python -m benchmarks.fault_campaign --tier-kills 40 \\
+        --out benchmarks/results/campaign-tier.json   # tiered saves: one or two ranks killed, then a restart
+
 The S3 targets run in their own processes (``harness.Server``): the in-memory server for
 kills and races, a second one for faults (reset before each fault trial), and moto for
 every tenth kill.  Outcomes: ok (bit-exact), detected (an ObjckptError, nothing committed
@@ -85,6 +88,30 @@ def _table(trials: Iterable[Trial], group: Callable[[Trial], str]) -> str:
                              "FAILED by cause"], out)
 
 
+def _tier_kills(n: int, seed: int, trials: list[Trial], tables: dict[str, str], servers: list[Any]) -> None:
+    """``n`` tier kill trials round-robin over testkit.campaign_tier's cases, against moto."""
+    from testkit.campaign_tier import tier_kill_cases, tier_kill_trial
+
+    moto = harness.Server("moto")
+    servers.append(moto)
+    bucket, opts = make_bucket(moto.url, "campaign-tier"), s3_options(moto.url)
+    cases = tier_kill_cases(n, seed)
+    start = len(trials)
+    _run("tier kill", n, lambda i: tier_kill_trial(f"s3://{bucket}/run-{i}", opts, cases[i]), trials)
+    done = trials[start:]
+    tables["tier kills by point"] = _table(done, lambda t: f"{t.params['point']}, "
+                                                          f"{'async_save' if t.params['asynchronous'] else 'save'}")
+    tables["tier kills by ranks killed"] = _table(
+        done, lambda t: f"world {t.params['world']}, killed {t.params['victims']}, "
+                        f"restart world {t.params['restart_world']}")
+    tables["tier kill trials"] = harness.md_table(
+        ["#", "point", "call", "world", "killed", "restart", "fired on", "outcome", "why"],
+        [[i, t.params["point"], "async_save" if t.params["asynchronous"] else "save", t.params["world"],
+          t.params["victims"], t.params["restart_world"],
+          (f"rank {t.extra['fired']['rank']}, step {t.extra['fired']['step']}" if t.extra.get("fired") else "–"),
+          t.outcome, (t.detail if t.outcome == "FAILED" else t.detail.split(": ", 1)[-1])[:240].replace("|", "/")] for i, t in enumerate(done)])
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=0)
@@ -98,6 +125,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rank-kills", type=int, default=0, help="SIGKILL of one rank during a 2-rank gloo save")
     ap.add_argument("--commit-kills", type=int, default=0,
                     help="SIGKILL of one rank at each point of rank 0's commit in a 2-rank save (local and S3)")
+    ap.add_argument("--tier-kills", type=int, default=0,
+                    help="tiered saves (2 and 4 ranks on 2 nodes, moto): one or two ranks SIGKILLed at a point of "
+                         "the local commit, spread, replication, drain or retention, then a restart and restore")
     ap.add_argument("--hostile-http", action="store_true",
                     help="objckpt's S3 client against trickling, 1xx, huge-chunk, wrong-range answers")
     ap.add_argument("--dead-limit", type=float, default=120.0, help="seconds before a dead-endpoint trial counts as hung")
@@ -174,6 +204,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 tables["commit window by target and call"] = _table(
                     trials[start:], lambda t: f"{t.params['target']}, "
                                               f"{'async_save' if t.params['asynchronous'] else 'save'}")
+        if a.tier_kills:
+            _tier_kills(a.tier_kills, a.seed, trials, tables, servers)
         if a.faults:
             fsrv = harness.Server("fast")
             servers.append(fsrv)
