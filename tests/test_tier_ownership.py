@@ -217,3 +217,18 @@ def test_the_job_identity_comes_from_the_launcher() -> None:
     assert owner.job_identity({}) is None
     assert owner.job_identity({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "42"}) == "SLURM_JOB_ID=42"
     assert owner.job_identity({"TORCHELASTIC_RUN_ID": "abc", "SLURM_JOB_ID": "42"}) == "TORCHELASTIC_RUN_ID=abc"
+
+
+def test_a_local_root_given_relative_then_absolute_is_one_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted job that names its local root relative to another working directory (or
+    absolute) owns the same step folders: ownership compares the folder, not the spelling."""
+    local = str(tmp_path / "shm")
+    monkeypatch.chdir(tmp_path)
+    tier = objckpt.TierSettings(local_dir=local, replicas=0, persist_every=None)
+    with objckpt.CheckpointManager("root", tier=tier) as m:
+        m.save(1, {"x": torch.full((3,), 1.0)})
+    assert owner.read(Path(local) / "step-0000000001") == owner.Owner(str(tmp_path / "root"), owner.job_identity())
+    with objckpt.CheckpointManager(str(tmp_path / "root") + "/", tier=tier) as again:
+        assert again.latest_step() == 1
+        back = {"x": torch.zeros(3)}
+        assert again.load(back).step == 1 and torch.equal(back["x"], torch.full((3,), 1.0))

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
 from . import backlog as _backlog
-from .errors import Problem, ProblemKind
+from ..distributed.comm import RankError
+from .errors import local_problem
 
 log = logging.getLogger("objckpt.tier")
 
@@ -66,6 +67,14 @@ def job_identity(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
         if value and value != "none":
             return f"{name}={value}"
     return None
+
+
+def canonical_root(root: str) -> str:
+    """``root`` as ownership compares it: a local path absolute (a relative root given from
+    another working directory, or ``~``, is the same folder), a URI without a trailing ``/``."""
+    if "://" in root:
+        return root.rstrip("/")
+    return os.path.abspath(os.path.expanduser(root))
 
 
 @dataclass(frozen=True)
@@ -134,9 +143,9 @@ class Claim:
     error: str = ""
 
     @property
-    def problem(self) -> Optional[Problem]:
+    def problem(self) -> Optional[RankError]:
         """This rank's reason not to save, for the save's all-gather (None: the record is there)."""
-        return Problem(ProblemKind.LOCAL, self.error) if self.error else None
+        return local_problem(self.error) if self.error else None
 
     def undo(self) -> None:
         """Leave the folder as before the claim, where the claim made it (best effort)."""
@@ -213,7 +222,7 @@ class Owned:
     def surveyed(cls, folder: Path, parse: Callable[[str], Optional[int]], root: str, first: bool) -> "Owned":
         """A manager's filter for ``root`` (with this job's identity), after one survey of
         ``folder`` (``first``: this rank is its node's first: it warns and adopts)."""
-        owned = cls(folder, parse, Owner(root, job_identity()), loud=first)
+        owned = cls(folder, parse, Owner(canonical_root(root), job_identity()), loud=first)
         owned.survey(adopt=first)
         return owned
 
@@ -229,8 +238,9 @@ class Owned:
         """Whose the folder ``name`` is, and the owner its record names (None: no record)."""
         found = read(self.folder / name)
         if found is not None:
-            return (Verdict.OURS if found.root == self.owner.root else Verdict.FOREIGN), found
-        if _backlog.destination(self.folder, name) == self.owner.root:
+            return (Verdict.OURS if canonical_root(found.root) == self.owner.root else Verdict.FOREIGN), found
+        dest = _backlog.destination(self.folder, name)
+        if dest is not None and canonical_root(dest) == self.owner.root:
             return Verdict.OURS, None  # an older release's step, recorded as due for this root
         return Verdict.UNKNOWN, None
 
@@ -277,7 +287,7 @@ class Owned:
         record names another root.  A folder without a record is left to the usual checks
         (its manifest: an existing step; none: an older release's leftover, claimed)."""
         found = read(step_dir)
-        if found is None or found.root == self.owner.root:
+        if found is None or canonical_root(found.root) == self.owner.root:
             return None
         return (f"the step folder {str(step_dir)!r} belongs to root {found}, not to this manager's root "
                 f"{self.owner}: two jobs save into the same local_dir; nothing of the other root's is touched. "
