@@ -28,12 +28,13 @@ from typing import Any, Callable, Optional
 
 from ..runtime import loop as _runtime
 from ..errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
-                     NotFoundError, ObjckptError, PreconditionFailed)
+                     NotFoundError, ObjckptError, StorageError)
 from ..format import keys
 from ..format.manifest import Manifest, RankIndexRef, decode
 from ..load.session import ReadSession, open_location
 from ..logs import get_logger
-from ..save.commit import replaced_keys
+from ..results import IOStats
+from ..save.commit import CommitState, commit_async
 from . import mover as _mover
 from ..storage import BlobWriter, ObjectStore
 from ..runtime.memory import COPY_MEMORY_BYTES
@@ -161,19 +162,27 @@ async def copy_checkpoint(source: ReadSession, dst: ObjectStore, dprefix: str, d
 
     tasks: list["asyncio.Future[Any]"] = [asyncio.ensure_future(part(bc, i, off, n)) for bc in blobs
                                           for i, (off, n) in enumerate(bc.parts)]
-    old: Optional[Manifest] = None
+    unknown = False  # whether the manifest PUT failed in a way that may have landed all the same
     try:
         await _runtime.gather_fail_fast(tasks)
         for ref in m.rank_indexes:
             await dst.put(m.object_key(dprefix, ref.name, ref.spread), indexes[ref.name])
-        old = await _old_manifest(dst, mkey) if overwrite else None
-        try:
-            await dst.put(mkey, raw, if_absent=not overwrite)
-        except PreconditionFailed:
-            raise CheckpointExistsError(f"another writer committed a checkpoint at {dst_uri!r} first") from None
+        # the one conditional manifest write (save/commit): byte for byte the source's; an
+        # overwrite deletes what the replaced checkpoint no longer names once this one is in place
+        errors: list[BaseException] = []
+        status = await commit_async(dst, dprefix, m, overwrite, dst_uri, [], IOStats(), errors, data=raw)
+        if status.state is CommitState.EXISTS:
+            raise CheckpointExistsError(f"another writer committed a checkpoint at {dst_uri!r} first")
+        if status.state is not CommitState.OK:
+            unknown = status.state is CommitState.FAILED
+            if errors:
+                raise errors[-1]
+            raise StorageError(status.message)
     except BaseException:
         await asyncio.gather(*(b.writer.abort() for b in blobs if b.writer is not None and not b.completed),
                              return_exceptions=True)
+        if unknown:  # the manifest may be there: nothing it could name is deleted (gc's, if not)
+            raise
         now = await _old_manifest(dst, mkey)  # a racing copy of the same source may have committed these names
         keep = set() if now is None else set(now.object_keys(dprefix))
         done = [k for k in (m.object_key(dprefix, b.name, b.spread) for b in blobs if b.completed) if k not in keep]
@@ -183,11 +192,6 @@ async def copy_checkpoint(source: ReadSession, dst: ObjectStore, dprefix: str, d
         except Exception:
             pass  # unreferenced by any manifest: gc's
         raise
-    if old is not None and old.attempt != m.attempt:
-        try:
-            await dst.delete(replaced_keys(dprefix, old, m))
-        except Exception:
-            pass
     nbytes = sum(b.size for b in m.blobs)
     rep = CopyReport(src_uri, dst_uri, sum(1 for e in m.tensors.values() if e.alias_of is None), len(m.blobs), nbytes,
                      len(m.blobs) + len(indexes) + 1, verified[0], time.perf_counter() - t0)

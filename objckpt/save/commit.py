@@ -55,9 +55,9 @@ class CommitStatus:
     error_kind: str = ""
 
 
-def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
-           written: list[str], stats: IOStats, errors: list[BaseException], *,
-           decided_by_record: bool = False, data: Optional[bytes] = None) -> CommitStatus:
+async def commit_async(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
+                       written: list[str], stats: IOStats, errors: list[BaseException], *,
+                       decided_by_record: bool = False, data: Optional[bytes] = None) -> CommitStatus:
     """Write the manifest (rank 0); ``written``: every object of this attempt
     rank 0 wrote.  The exception behind a failure is appended to ``errors``.
 
@@ -72,52 +72,57 @@ def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
     may delete its blobs."""
     data = encode(m) if data is None else data
     mkey = keys.manifest_key(prefix)
-
-    async def go() -> CommitStatus:
-        old: Optional[Manifest] = None
-        if overwrite:
-            try:
-                old = decode(await st.get(mkey), mkey)
-            except Exception:
-                old = None  # absent or unreadable: nothing of it to clean up
-        if decided_by_record:
-            decided = await claim(st, decision_key(prefix, m.attempt), Decision.COMMIT, 0)
-            if decided != Decision.COMMIT:  # a rank that lost contact aborted it, or nothing is known:
-                await _delete_async(st, written)  # rank 0 will not PUT, so nothing can name these
-                why = ("a rank that lost contact with the others aborted it first" if decided == Decision.ABORT
-                       else "its decision record could not be written")
-                return CommitStatus(CommitState.FAILED_CLEAN, f"committing {uri!r} did not happen: {why}")
+    old: Optional[Manifest] = None
+    if overwrite:
         try:
-            await st.put(mkey, data, if_absent=not overwrite)
-        except BaseException as e:
-            # The PUT may have landed even though we saw an error (a lost reply,
-            # then a retry answered 412): look before deleting anything.
-            committed = await _committed_attempt(st, mkey)
-            if committed != m.attempt:
-                errors.append(e)
-                if committed != "?":  # ours is certainly not referenced
-                    await _delete_async(st, written)
-                if isinstance(e, PreconditionFailed):
-                    return CommitStatus(CommitState.EXISTS, f"another writer committed a checkpoint at {uri!r} first")
-                state = CommitState.FAILED_CLEAN if committed != "?" else CommitState.FAILED
-                return CommitStatus(state, f"committing {uri!r} failed: {type(e).__name__}: {e}",
-                                    error_kind=error_name(e))
-        else:
-            if not overwrite:
-                unseen = await _confirm_ours(st, mkey, m.attempt, uri, written, data)
-                stats.add(0)  # the GET that confirmed it
-                if unseen is not None:
-                    errors.append(unseen)
-                    return CommitStatus(CommitState.FAILED, str(unseen), error_kind=error_name(unseen))
-        stats.add(len(data))
-        if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
-            doomed = replaced_keys(prefix, old, m)
-            if keys.plain_segment(old.attempt):  # and its decision record, if one was left behind
-                doomed.append(decision_key(prefix, old.attempt))
-            await _delete_async(st, doomed)
-        return CommitStatus(CommitState.OK, "", len(data))
+            old = decode(await st.get(mkey), mkey)
+        except Exception:
+            old = None  # absent or unreadable: nothing of it to clean up
+    if decided_by_record:
+        decided = await claim(st, decision_key(prefix, m.attempt), Decision.COMMIT, 0)
+        if decided != Decision.COMMIT:  # a rank that lost contact aborted it, or nothing is known:
+            await _delete_async(st, written)  # rank 0 will not PUT, so nothing can name these
+            why = ("a rank that lost contact with the others aborted it first" if decided == Decision.ABORT
+                   else "its decision record could not be written")
+            return CommitStatus(CommitState.FAILED_CLEAN, f"committing {uri!r} did not happen: {why}")
+    try:
+        await st.put(mkey, data, if_absent=not overwrite)
+    except BaseException as e:
+        # The PUT may have landed even though we saw an error (a lost reply,
+        # then a retry answered 412): look before deleting anything.
+        committed = await _committed_attempt(st, mkey)
+        if committed != m.attempt:
+            errors.append(e)
+            if committed != "?":  # ours is certainly not referenced
+                await _delete_async(st, written)
+            if isinstance(e, PreconditionFailed):
+                return CommitStatus(CommitState.EXISTS, f"another writer committed a checkpoint at {uri!r} first")
+            state = CommitState.FAILED_CLEAN if committed != "?" else CommitState.FAILED
+            return CommitStatus(state, f"committing {uri!r} failed: {type(e).__name__}: {e}",
+                                error_kind=error_name(e))
+    else:
+        if not overwrite:
+            unseen = await _confirm_ours(st, mkey, m.attempt, uri, written, data)
+            stats.add(0)  # the GET that confirmed it
+            if unseen is not None:
+                errors.append(unseen)
+                return CommitStatus(CommitState.FAILED, str(unseen), error_kind=error_name(unseen))
+    stats.add(len(data))
+    if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
+        doomed = replaced_keys(prefix, old, m)
+        if keys.plain_segment(old.attempt):  # and its decision record, if one was left behind
+            doomed.append(decision_key(prefix, old.attempt))
+        await _delete_async(st, doomed)
+    return CommitStatus(CommitState.OK, "", len(data))
 
-    return _runtime.run(go())
+
+def commit(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
+           written: list[str], stats: IOStats, errors: list[BaseException], *,
+           decided_by_record: bool = False, data: Optional[bytes] = None) -> CommitStatus:
+    """:func:`commit_async` from a thread off the I/O loop: the one conditional manifest
+    write of a save, a drain, a copy and a node folder's metadata."""
+    return _runtime.run(commit_async(st, prefix, m, overwrite, uri, written, stats, errors,
+                                     decided_by_record=decided_by_record, data=data))
 
 
 def replaced_keys(prefix: str, old: Manifest, new: Manifest) -> list[str]:
