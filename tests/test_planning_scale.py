@@ -139,6 +139,7 @@ def test_rank_outcomes_pickle_as_tuples_and_round_trip() -> None:
     import pickle
 
     from objckpt.format.manifest import Blob, Chunk, ChunkRecord, RankIndexRef
+    from objckpt.distributed.comm import RankError
     from objckpt.layout.base import RankOutcome
 
     attempt = "20261122T000000-000000000000"
@@ -148,12 +149,13 @@ def test_rank_outcomes_pickle_as_tuples_and_round_trip() -> None:
                          index=RankIndexRef(f"spread/{attempt}/r00001.index.json", 9, 3, "80"))
     gathered = RankOutcome(blobs=[Blob("blobs/a/r00000-0000.bin", 4, 0)],
                            records=[ChunkRecord("w", Chunk((0,), (1,), 0, 0, 4, 7, (1, 2)))])
-    failed = RankOutcome(error="OSError: disk full")
+    failed = RankOutcome(error=RankError.of(OSError("disk full")))
     for o in (sym, spread, gathered, failed):
         back = pickle.loads(pickle.dumps(o))
         assert back == o and o == back and isinstance(back, RankOutcome)
         assert (back.blobs, back.records, back.index, back.error) == (o.blobs, o.records, o.index, o.error)
         assert pickle.loads(pickle.dumps(back)) == o  # rank 0 may pass one on
+    assert pickle.loads(pickle.dumps(failed)).error == RankError("OSError", "OSError: disk full")
     assert len(pickle.dumps(sym)) <= 220
     assert sym != failed and back.blobs is back.blobs
 

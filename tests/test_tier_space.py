@@ -20,8 +20,10 @@ import torch
 import objckpt
 from fs_faults import mounted_tmpfs
 from mp import run_multiprocess
+from objckpt.distributed.comm import RankError
+from objckpt.errors import error_name
 from objckpt.tier import space
-from objckpt.tier.errors import Problem, ProblemKind
+from objckpt.tier.errors import LocalTierError, local_problem
 from objckpt.tier.space import Place, Room, Share
 from objckpt.tier.topology import Topology
 
@@ -155,7 +157,7 @@ def test_node_needs_count_plain_tensors_once_per_node_and_the_replicas_received(
     tight = [_room(s, 2399, d) for d in (1, 1, 2, 2)]
     got = space.node_problems(tight, topo, 1)
     assert got[1] is None and got[3] is None and got[0] is not None and got[2] is not None
-    assert got[0].kind is ProblemKind.LOCAL and "(node 'a') has 2399 bytes free" in got[0].text
+    assert got[0].kind == error_name(LocalTierError) and "(node 'a') has 2399 bytes free" in got[0].text
     assert "needs up to 2400 bytes" in got[0].text and "from node 'b' (1200 bytes)" in got[0].text
 
     # both nodes' folders on one filesystem: their needs add up against its free space
@@ -183,7 +185,7 @@ def test_a_folder_whose_free_space_cannot_be_read_is_named(tmp_path: Path) -> No
     room = space.measure(tmp_path / "missing", Share(own=1))
     assert room.place is None and room.error is not None and "missing" in room.error
     got = space.node_problems([room], Topology(("a",)), 0)
-    assert got == [Problem(ProblemKind.LOCAL, room.error)]
+    assert got == [local_problem(room.error)] and isinstance(got[0], RankError)
     assert space.measure(tmp_path, Share()).place is not None
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Protocol, TypeVar
 
 from .._version import __version__
+from ..distributed.comm import RankError
 from ..format.manifest import Blob, Chunk, ChunkRecord, Manifest, RankIndexRef
 from ..format.spread import Placement
 from ..planning.assign import RankWrites
@@ -48,15 +49,14 @@ class RankOutcome:
     records: list[ChunkRecord] = field(default_factory=list)
     #: symbolic layout: this rank's index object holds its records
     index: Optional[RankIndexRef] = None
-    error: Optional[str] = None
-    #: the registered name of the failure's class (objckpt.errors.error_name): every rank raises it
-    error_kind: str = ""
+    #: what failed on this rank (its kind, the failure's registered class name, is the class
+    #: every rank raises); None: its uploads are done
+    error: Optional[RankError] = None
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         i = self.index
         return (_unpack_outcome, (tuple((b.name, b.size, b.rank, b.spread) for b in self.blobs), self.records,
-                                  None if i is None else (i.name, i.size, i.crc32c, i.spread), self.error,
-                                  self.error_kind))
+                                  None if i is None else (i.name, i.size, i.crc32c, i.spread), self.error))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RankOutcome):
@@ -87,10 +87,9 @@ class _PackedOutcome(RankOutcome):
 
 
 def _unpack_outcome(blobs: tuple[tuple[str, int, int, str], ...], records: list[ChunkRecord],
-                    index: Optional[tuple[str, int, int, str]], error: Optional[str],
-                    error_kind: str = "") -> RankOutcome:
+                    index: Optional[tuple[str, int, int, str]], error: Optional[RankError]) -> RankOutcome:
     out = object.__new__(_PackedOutcome)
-    out.__dict__.update(_packed=(blobs, index), records=records, error=error, error_kind=error_kind)
+    out.__dict__.update(_packed=(blobs, index), records=records, error=error)
     return out
 
 

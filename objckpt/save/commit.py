@@ -24,6 +24,7 @@ from typing import Optional
 from ..runtime import loop as _runtime
 from ..errors import (CommitReplacedError, CorruptCheckpointError, NotFoundError, PreconditionFailed,
                       StorageError, error_name)
+from ..distributed.comm import RankError
 from ..format import keys
 from ..format.manifest import Manifest, decode, encode
 from ..logs import get_logger
@@ -51,8 +52,12 @@ class CommitStatus:
     state: CommitState
     message: str = ""
     manifest_bytes: int = 0
-    #: the registered name of the failure's class (objckpt.errors.error_name): every rank raises it
-    error_kind: str = ""
+    #: the failure as it crosses ranks (its class's registered name: every rank raises that class)
+    error: Optional[RankError] = None
+
+    @property
+    def error_kind(self) -> str:
+        return self.error.kind if self.error is not None else ""
 
 
 async def commit_async(st: ObjectStore, prefix: str, m: Manifest, overwrite: bool, uri: str,
@@ -99,14 +104,14 @@ async def commit_async(st: ObjectStore, prefix: str, m: Manifest, overwrite: boo
                 return CommitStatus(CommitState.EXISTS, f"another writer committed a checkpoint at {uri!r} first")
             state = CommitState.FAILED_CLEAN if committed != "?" else CommitState.FAILED
             return CommitStatus(state, f"committing {uri!r} failed: {type(e).__name__}: {e}",
-                                error_kind=error_name(e))
+                                error=RankError.of(e, f"committing {uri!r} failed: "))
     else:
         if not overwrite:
             unseen = await _confirm_ours(st, mkey, m.attempt, uri, written, data)
             stats.add(0)  # the GET that confirmed it
             if unseen is not None:
                 errors.append(unseen)
-                return CommitStatus(CommitState.FAILED, str(unseen), error_kind=error_name(unseen))
+                return CommitStatus(CommitState.FAILED, str(unseen), error=RankError(error_name(unseen), str(unseen)))
     stats.add(len(data))
     if old is not None and old.attempt != m.attempt:  # the replaced checkpoint's blobs are garbage now
         doomed = replaced_keys(prefix, old, m)

@@ -23,10 +23,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..runtime import loop as _runtime
-from ..distributed.comm import Comm, DecisionNotShared, decide_on_root, refusal, refusal_class
+from ..distributed.comm import Comm, DecisionNotShared, RankError, decide_on_root, refusal, refusal_class
 from ..distributed.join import join, unanswered_ranks
 from ..errors import (CheckpointExistsError, ObjckptError, RankLostError, StateDictMismatchError,
-                      TensorChangedError, UnsupportedValueError, error_name)
+                      TensorChangedError, UnsupportedValueError)
 from ..format import keys
 from ..format.spread import Placement, up_for
 from ..logs import get_logger
@@ -59,9 +59,8 @@ class Hello:
     tree_digest: bytes  # of its non-tensor values
     exists: bool  # rank 0: a checkpoint is committed at the URI (asked only when overwrite is off)
     attempt: str  # rank 0: the new attempt id
-    error: Optional[str]  # this rank could not describe its state
-    #: the class name of that error (re-raised as that class on every rank, see refusal_class)
-    error_kind: str = ""
+    #: this rank could not describe its state (re-raised as its kind's class on every rank, see refusal_class)
+    error: Optional[RankError]
     #: digest of the plain tensors' fingerprints (differs when some plain tensor differs between ranks)
     prints_digest: bytes = b""
     #: how far above the prefix this rank's spread root is (0: default key layout); must agree
@@ -199,7 +198,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     local: Optional[LocalState] = None
     up = 0
     local_exc: Optional[BaseException] = None
-    err: Optional[str] = None
+    err: Optional[RankError] = None
     exists = False
     refused = ""
     trusted = True  # rank 0: the store honours create-only writes (a decision record can settle a commit)
@@ -231,9 +230,8 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     except Exception as e:
         if world == 1:
             raise
-        local_exc, err = e, f"{type(e).__name__}: {e}"
+        local_exc, err = e, RankError.of(e)
     hello = Hello(
-        error_kind=error_name(local_exc) if local_exc is not None else "",
         prints_digest=prints_digest(local.fingerprints) if local is not None and world > 1 else b"",
         symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
         tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
@@ -242,9 +240,9 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         records_trusted=trusted,
     )
     hellos: list[Hello] = comm.all_gather_object(hello) if world > 1 else [hello]
-    failed = [(r, h.error) for r, h in enumerate(hellos) if h.error]
+    failed = [(r, h.error.text) for r, h in enumerate(hellos) if h.error is not None]
     if failed:  # every rank raises the class of the first refusal (e.g. UnsupportedValueError)
-        kind = next(h.error_kind for h in hellos if h.error)
+        kind = next(h.error.kind for h in hellos if h.error is not None)
         raise refusal_class(kind, ObjckptError)(
             f"save to {uri!r} not started: " + "; ".join(f"rank {r}: {m}" for r, m in failed)
         ) from local_exc
@@ -296,7 +294,7 @@ class UploadOutcome:
 
     @classmethod
     def failed(cls, what: str, exc: BaseException) -> "UploadOutcome":
-        return cls(RankOutcome(error=f"{what}{type(exc).__name__}: {exc}", error_kind=error_name(exc)), exc)
+        return cls(RankOutcome(error=RankError.of(exc, what)), exc)
 
 
 async def upload(prep: Prepared, pool: HostPool, budget: AnyBudget, *, zero_copy: bool,
@@ -362,9 +360,9 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         raise outcome.exc
     commit_errors: list[BaseException] = []
 
-    def decide(outcomes: list[RankOutcome]) -> tuple[Optional[CommitStatus], list[tuple[str, str]]]:
-        errors = [(o.error or "", o.error_kind) for o in outcomes]
-        if any(e for e, _ in errors):
+    def decide(outcomes: list[RankOutcome]) -> tuple[Optional[CommitStatus], list[Optional[RankError]]]:
+        errors = [o.error for o in outcomes]
+        if any(e is not None for e in errors):
             return None, errors  # every rank raises below, from the same list
         m = prep.layout.manifest(outcomes, ManifestCommon(prep.attempt, prep.opts.metadata, prep.crc_block))
         m.spread_up = prep.place.up
@@ -381,10 +379,10 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         raise
     if prep.world_size > 1 and prep.rank == 0:  # every rank knows the outcome: the record is not needed
         _runtime.run(_delete_record(st, decision_key(prep.prefix, prep.attempt)))
-    failed = [(r, e) for r, (e, _) in enumerate(errors) if e]
+    failed = [(r, e.text) for r, e in enumerate(errors) if e is not None]
     if failed:
         delete_quietly(st, prep.written_keys)
-        kind = next(k for e, k in errors if e)  # the class of the first failure, on every rank
+        kind = next(e.kind for e in errors if e is not None)  # the class of the first failure, on every rank
         raise refusal_class(kind, ObjckptError)(
             f"save to {prep.uri!r} failed on {len(failed)} of {prep.world_size} rank(s), nothing committed: "
             + "; ".join(f"rank {r}: {m}" for r, m in failed)

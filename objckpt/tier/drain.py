@@ -49,7 +49,7 @@ from typing import BinaryIO, Callable, Optional
 
 from ..checksum import crc32c
 from ..distributed.comm import Comm, RankError
-from ..errors import CorruptCheckpointError, ObjckptError, error_class, error_name
+from ..errors import CorruptCheckpointError, ObjckptError, error_class
 from ..format import manifest as _manifest
 from ..layout import resolver_for
 from ..ops import mover
@@ -244,7 +244,7 @@ def drain(comm: Comm, step: int, step_dir: Path, store: ObjectStore, prefix: str
             status = commit(store, prefix, st.m, False, uri, [], IOStats(), [], data=st.data)
         except (OSError, ObjckptError) as e:
             status = CommitStatus(CommitState.FAILED, f"committing {uri!r} failed: {type(e).__name__}: {e}",
-                                  error_kind=error_name(e))
+                                  error=RankError.of(e, f"committing {uri!r} failed: "))
     status = comm.broadcast_object(status, 0) if comm.world_size > 1 else status
     rep.seconds = time.perf_counter() - t0
     if status.state is CommitState.EXISTS:

@@ -1,19 +1,19 @@
-"""The errors of the tiered checkpoints, and the problems ranks exchange before raising them.
+"""The errors of the tiered checkpoints, and how ranks agree on one before raising it.
 
 A tier operation that several ranks run together (the checks before a save, the
 metadata sent to every node after it) first lets each rank find its own problem,
-then all-gathers them as :class:`Problem` records, so every rank raises the same
-error at once, naming each rank and what it found.  The error class comes from the
-problems' :class:`ProblemKind`, never from their text.
+then all-gathers them as :class:`~objckpt.distributed.comm.RankError` records (the
+one shape an error crosses ranks in), so every rank raises the same error at once,
+naming each rank and what it found.  The error class comes from the records'
+``kind`` (the registered name of the class the rank refuses with), never from
+their text.
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..distributed.comm import refusal
-from ..errors import CheckpointExistsError, ObjckptError, StorageError
+from ..distributed.comm import RankError, refusal
+from ..errors import CheckpointExistsError, ObjckptError, StorageError, error_name
 
 
 class TierSettingsError(ObjckptError, ValueError):
@@ -44,38 +44,44 @@ class DrainError(ObjckptError, OSError):
         self.gone = gone
 
 
-class ProblemKind(enum.Enum):
-    """What kind of refusal a rank's :class:`Problem` is (it picks the error class)."""
-
-    #: the step is already committed (in the local tier or in object storage): CheckpointExistsError
-    EXISTS = "exists"
-    #: the local tier cannot take the step (unwritable, full, a write failed): LocalTierError
-    LOCAL = "local"
-    #: the settings are impossible here (a blank node name, a bad value): TierSettingsError
-    SETTINGS = "settings"
-    #: the rank's state could not be read (a Stateful value's ``state_dict()`` raised): ObjckptError
-    STATE = "state"
+def settings_problem(text: str) -> RankError:
+    """A rank's refusal because the settings are impossible here (a blank node name, a bad
+    value, a folder of another root in the way): :class:`TierSettingsError`."""
+    return RankError(error_name(TierSettingsError), text)
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One rank's reason why a tier operation cannot go on (picklable: it crosses ranks)."""
-
-    kind: ProblemKind
-    text: str
-    #: the registered name (``objckpt.errors.error_name``) of the exception behind a
-    #: :attr:`ProblemKind.STATE` problem: every rank raises that ObjckptError class, when it is one
-    error: str = ""
+def local_problem(text: str) -> RankError:
+    """A rank's refusal because the local tier cannot take the step (unwritable, full, a
+    write failed): :class:`LocalTierError`."""
+    return RankError(error_name(LocalTierError), text)
 
 
-def raise_problems(lead: str, problems: Sequence[Optional[Problem]], shown: int = 4,
+def exists_problem(text: str) -> RankError:
+    """A rank's refusal because the step is already committed (in the local tier or in
+    object storage): :class:`~objckpt.errors.CheckpointExistsError`."""
+    return RankError(error_name(CheckpointExistsError), text)
+
+
+def state_problem(e: BaseException, text: str) -> RankError:
+    """A rank's refusal because its state could not be read (a Stateful value's
+    ``state_dict()`` raised ``e``): ``e``'s own objckpt class on every rank
+    (:class:`~objckpt.errors.ObjckptError` when it is none)."""
+    return RankError(error_name(e), text)
+
+
+#: the kinds the tier's own refusals carry; any other kind is a state's error
+_SETTINGS, _LOCAL, _EXISTS = (error_name(c) for c in (TierSettingsError, LocalTierError, CheckpointExistsError))
+
+
+def raise_problems(lead: str, problems: Sequence[Optional[RankError]], shown: int = 4,
                    cause: Optional[BaseException] = None) -> None:
     """Raise on this rank when any rank had a problem (``problems[r]``: rank ``r``'s, None:
-    none): :class:`~objckpt.errors.CheckpointExistsError` when every problem is
-    :attr:`ProblemKind.EXISTS`, else :class:`LocalTierError` when one is
-    :attr:`ProblemKind.LOCAL`, else the objckpt error class of the first
-    :attr:`ProblemKind.STATE` problem's exception (:class:`~objckpt.errors.ObjckptError`
-    when it is none), else :class:`TierSettingsError`; the message is ``lead``
+    none): :class:`~objckpt.errors.CheckpointExistsError` when every problem is an
+    :func:`exists_problem`, else :class:`LocalTierError` when one is a
+    :func:`local_problem`, else the objckpt error class of the first other problem
+    that is no :func:`settings_problem` nor :func:`exists_problem` (a
+    :func:`state_problem`: :class:`~objckpt.errors.ObjckptError` when its kind names
+    no objckpt class), else :class:`TierSettingsError`; the message is ``lead``
     and the first ``shown`` ranks' problems, chained from ``cause`` (this rank's own
     exception behind its problem, if any)."""
     bad = {r: p for r, p in enumerate(problems) if p is not None}
@@ -85,10 +91,10 @@ def raise_problems(lead: str, problems: Sequence[Optional[Problem]], shown: int 
     if len(bad) > shown:
         text += f"; and {len(bad) - shown} more rank(s)"
     kinds = {p.kind for p in bad.values()}
-    state = next((p.error for _, p in sorted(bad.items()) if p.kind is ProblemKind.STATE), None)
+    state = next((p.kind for _, p in sorted(bad.items()) if p.kind not in (_SETTINGS, _EXISTS)), None)
     message = f"{lead} ({text})"
-    if kinds == {ProblemKind.EXISTS}:
+    if kinds == {_EXISTS}:
         raise CheckpointExistsError(message) from cause
-    if ProblemKind.LOCAL in kinds:
+    if _LOCAL in kinds:
         raise LocalTierError(message) from cause
     raise (refusal(state, message) if state is not None else TierSettingsError(message)) from cause

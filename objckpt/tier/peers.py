@@ -37,11 +37,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..distributed.comm import Comm
+from ..distributed.comm import Comm, RankError
 from ..format.keys import MANIFEST_NAME
 from ..format.manifest import Manifest, decode
 from .topology import Topology, TopologyError, tier_comm
-from .transfer import PIECE_BYTES, PeerCopyError, RankTraffic, Transfer, copy_budget, is_temp_name, run_transfers
+from .transfer import (PIECE_BYTES, PeerCopyError, RankTraffic, Transfer, copy_budget, copy_failures, copy_problem,
+                       is_temp_name, run_transfers)
 
 __all__ = ["PIECE_BYTES", "Fetched", "Range", "PeerCopyError", "RankTraffic", "ReplicaReport", "RepairReport", "Restored",
            "fetch", "files_of_rank", "replicate", "repair"]
@@ -168,7 +169,7 @@ class _Offer:
 
     k: int
     files: dict[str, int]  # rel -> size
-    problem: str = ""
+    problem: Optional[RankError] = None
 
 
 def replicate(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, files: list[str], k: int, *,
@@ -199,7 +200,7 @@ def replicate(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, file
             problem = f"rank {comm.rank}: {len(lacking)} listed file(s) not under {str(step)!r}: {lacking[:5]}"
     except PeerCopyError as e:
         held, problem = {}, f"rank {comm.rank}: {e}"
-    offer = _Offer(k, held, problem)
+    offer = _Offer(k, held, copy_problem(problem))
     tc = tier_comm(comm) if comm.world_size > 1 else comm
     offers: list[_Offer] = tc.all_gather_object(offer) if comm.world_size > 1 else [offer]
     ks = sorted({o.k for o in offers})
@@ -209,7 +210,7 @@ def replicate(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, file
     topology.check_replicas(k)
     if topology.world_size != comm.world_size:
         raise TopologyError(f"the topology has {topology.world_size} ranks but the group has {comm.world_size}")
-    problems = {r: o.problem for r, o in enumerate(offers) if o.problem}
+    problems = copy_failures([o.problem for o in offers])
     if problems:
         raise PeerCopyError("replicate: nothing was sent: " + "; ".join(problems.values()), problems)
     peers = {r: tuple(topology.peers_for(r, k)) for r in range(comm.world_size)}
@@ -234,7 +235,7 @@ class _Holding:
     dir_id: tuple[str, str]
     needed: tuple[str, ...]
     listing: dict[str, int]  # rel -> size, every regular file under the step dir
-    problem: str = ""
+    problem: Optional[RankError] = None
     #: (fetch) this rank will ask for more in another round
     more: bool = False
     #: (fetch) byte ranges it wants: (file, offset, length)
@@ -318,10 +319,10 @@ def repair(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, needed:
         listing = _listing(step)
     except (PeerCopyError, OSError) as e:
         listing, problem = {}, f"rank {comm.rank}: {e}"
-    mine = _Holding(_dir_id(topology, comm.rank, step), tuple(needed), listing, problem)
+    mine = _Holding(_dir_id(topology, comm.rank, step), tuple(needed), listing, copy_problem(problem))
     tc = tier_comm(comm) if comm.world_size > 1 else comm
     everyone: list[_Holding] = tc.all_gather_object(mine) if comm.world_size > 1 else [mine]
-    problems = {r: h.problem for r, h in enumerate(everyone) if h.problem}
+    problems = copy_failures([h.problem for h in everyone])
     if problems:
         raise PeerCopyError("repair: nothing was sent: " + "; ".join(problems.values()), problems)
     plan, missing = plan_repair([(h.dir_id, h.needed, h.listing) for h in everyone])
@@ -416,11 +417,11 @@ def fetch(comm: Comm, topology: Topology, local_step_dir: pathlib.Path, wants: l
         listing = {n: size for n, size in _listing(step).items() if n not in hidden}
     except (PeerCopyError, OSError) as e:
         listing, problem = {}, problem or f"rank {comm.rank}: {e}"
-    mine = _Holding(_dir_id(topology, comm.rank, step), tuple(wants), listing, problem, more,
+    mine = _Holding(_dir_id(topology, comm.rank, step), tuple(wants), listing, copy_problem(problem), more,
                     tuple((r.rel, r.offset, r.length) for r in ranges))
     tc = tier_comm(comm) if comm.world_size > 1 else comm
     everyone: list[_Holding] = tc.all_gather_object(mine) if comm.world_size > 1 else [mine]
-    problems = {r: h.problem for r, h in enumerate(everyone) if h.problem}
+    problems = copy_failures([h.problem for h in everyone])
     if problems:
         raise PeerCopyError("fetch: nothing was sent: " + "; ".join(problems.values()), problems)
     again = any(h.more for h in everyone)

@@ -51,7 +51,8 @@ import torch
 
 from ..distributed.placements import Shard, is_dtensor, is_replicate
 from ..state import expand_for_save
-from .errors import Problem, ProblemKind
+from ..distributed.comm import RankError
+from .errors import local_problem
 from .topology import Topology
 
 
@@ -208,13 +209,13 @@ def node_needs(rooms: Sequence[Room], topology: Topology, replicas: int) -> list
             for n, rs in ranks.items()]
 
 
-def node_problems(rooms: Sequence[Room], topology: Topology, replicas: int) -> list[Optional[Problem]]:
+def node_problems(rooms: Sequence[Room], topology: Topology, replicas: int) -> list[Optional[RankError]]:
     """Per rank, its problem with the save's space (None: none), the same list on every rank
     given the same ``rooms``: a rank whose folder's free space cannot be read; a filesystem
     that cannot hold what the save lands on it (its nodes' shares and the replicas they
     receive), reported on the first rank of its first node, naming the nodes, the folder,
     the bytes needed and free."""
-    out: list[Optional[Problem]] = [Problem(ProblemKind.LOCAL, r.error) if r.error else None for r in rooms]
+    out: list[Optional[RankError]] = [local_problem(r.error) if r.error else None for r in rooms]
     if any(p is not None for p in out):
         return out
     first: dict[str, int] = {}
@@ -237,7 +238,7 @@ def node_problems(rooms: Sequence[Room], topology: Topology, replicas: int) -> l
         if total <= free:
             continue
         parts = [_node_text(n, replicas) for n in needs]
-        out[first[needs[0].node]] = Problem(ProblemKind.LOCAL, (
+        out[first[needs[0].node]] = local_problem((
             f"local_dir {needs[0].folder!r} (node {needs[0].node!r}) has {free} bytes free ({_mib(free)}), the step "
             f"needs up to {total} bytes ({_mib(total)}) there: " + "; ".join(parts)
             + (" (the folders of these nodes are on one filesystem)" if len(needs) > 1 else "")

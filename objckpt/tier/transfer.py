@@ -58,8 +58,8 @@ from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
-from ..distributed.comm import Comm
-from ..errors import CollectiveError, MemoryBudgetError, ObjckptError
+from ..distributed.comm import Comm, RankError
+from ..errors import CollectiveError, MemoryBudgetError, ObjckptError, error_name
 from ..runtime.memory import (TIER_COPY_BYTES, TIER_MIN_PIECE_BYTES, Budget, OperationBudget, given_or_default,
                               host_pool, positive_bytes)
 from ..storage.local import fsync_dir
@@ -85,6 +85,18 @@ class PeerCopyError(ObjckptError, OSError):
     def from_message(cls, message: str) -> "PeerCopyError":
         """(Each rank's failure is in the text only: ``failures`` is empty.)"""
         return cls(message, {})
+
+
+def copy_problem(text: str) -> Optional[RankError]:
+    """One rank's failure in a tier copy as it crosses ranks (None when ``text`` is empty:
+    no failure): every rank raises :class:`PeerCopyError` for it."""
+    return RankError(error_name(PeerCopyError), text) if text else None
+
+
+def copy_failures(problems: Sequence[Optional[RankError]]) -> dict[int, str]:
+    """Of every rank's gathered problem (None: none), what failed on each rank that failed
+    (:attr:`PeerCopyError.failures`)."""
+    return {r: p.text for r, p in enumerate(problems) if p is not None}
 
 
 def is_temp_name(name: str) -> bool:
@@ -339,8 +351,8 @@ def _open_link(comm: Comm, tc: Comm, wire: Wire, to_global: Sequence[int], sizes
     except BaseException:
         bufs.close()
         raise
-    problems = tc.all_gather_object(problem) if wire.stages else [problem]
-    failures = {r: p for r, p in enumerate(problems) if p}
+    mine = copy_problem(problem)
+    failures = copy_failures(tc.all_gather_object(mine) if wire.stages else [mine])
     if failures or link is None:
         if link is not None:
             link.close(reuse=True)
@@ -542,15 +554,16 @@ def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Call
             wire = wire if wire is not None else wire_for(comm.group, tc.group)
             piece = _agree_piece(comm, tc, plan, piece, budget, into is not None, wire.stages)
             mine = _exchange(comm, tc, plan, src_path, dst_path, piece, budget, state, what, wire, into)
-            outcomes: list[tuple[str, RankTraffic]] = tc.all_gather_object((state.error, mine))
+            outcomes: list[tuple[Optional[RankError], RankTraffic]] = tc.all_gather_object(
+                (copy_problem(state.error), mine))
         else:
-            outcomes = [("", RankTraffic(comm.rank))]
+            outcomes = [(None, RankTraffic(comm.rank))]
     except BaseException:
         state.cleanup()
         if into is not None:
             into.clear()
         raise
-    failures = {r: err for r, (err, _t) in enumerate(outcomes) if err}
+    failures = copy_failures([err for err, _t in outcomes])
     if failures:
         state.cleanup()
         if into is not None:
@@ -573,8 +586,8 @@ def run_transfers(comm: Comm, tc: Comm, plan: Sequence[Transfer], src_path: Call
     state.done.clear()
     # when any rank returns, every rank's files are in place (ranks sharing a node's
     # folder read what another of them received), or every rank raises alike
-    renamed = tc.all_gather_object(problem) if comm.world_size > 1 else [problem]
-    failures = {r: p for r, p in enumerate(renamed) if p}
+    renamed = copy_problem(problem)
+    failures = copy_failures(tc.all_gather_object(renamed) if comm.world_size > 1 else [renamed])
     if failures:
         raise PeerCopyError(f"{what} failed: " + "; ".join(failures.values()), failures)
     return tuple(t for _err, t in outcomes)
