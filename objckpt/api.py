@@ -16,6 +16,7 @@ from .distributed.join import join
 from .format.manifest import Manifest
 from .load.collective import CollectiveReader
 from .load.pipeline import load_into
+from .load.prepared import PreparedLoad
 from .load.session import ReadSession, open_location
 from .runtime.memory import COLLECTIVE_BYTES, Budget, host_pool, load_budget
 from .options import LoadOptions, ReadStrategy, ReadStrategyName, SaveArgs, split_save_args
@@ -240,11 +241,14 @@ def load_session(
     collective_timeout: Optional[float] = None,
     cast: bool = False,
     memory_bytes: Optional[int] = None,
+    prepared: Optional[PreparedLoad] = None,
 ) -> LoadResult:
     """:func:`load` from the session ``session()`` opens on ``uri``'s checkpoint (opened
     inside the ranks' guard, so a failure to open it reaches every rank): the seam a
     caller that has already read the manifest uses to hand it over
-    (:class:`~objckpt.load.session.ReadSession`'s ``held``; the tiered restore)."""
+    (:class:`~objckpt.load.session.ReadSession`'s ``held``; the tiered restore), with the
+    load it prepared from it (``prepared``: taken where it serves, see
+    :func:`~objckpt.load.pipeline.load_into`)."""
     comm = _comm(no_dist, process_group)
     join(comm, f"load of {uri!r}", collective_timeout)
     # a bad option on one rank must still reach the others' first exchange: parse inside the guard
@@ -254,7 +258,7 @@ def load_session(
         opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes,  # type: ignore[arg-type]
                            no_dist, collective_timeout, cast, memory_bytes)
         reader.memory = load_budget(opts.memory_bytes, opts.collective_bytes)  # the load's one budget
-        return load_into(state_dict, session(), reader, opts)
+        return load_into(state_dict, session(), reader, opts, prepared)
 
 
 def delete(uri: str, *, storage_options: Optional[dict[str, Any]] = None,

@@ -184,10 +184,11 @@ def test_a_drained_file_larger_than_a_part_goes_up_whole_in_parts(tmp_path: Path
 
 
 def test_the_error_class_of_gathered_problems_comes_from_their_kinds() -> None:
-    from objckpt.tier.errors import LocalTierError, Problem, ProblemKind, TierSettingsError, raise_problems
+    from objckpt.tier.errors import (LocalTierError, TierSettingsError, exists_problem, local_problem,
+                                     raise_problems, settings_problem)
 
-    exists = Problem(ProblemKind.EXISTS, "step 3 is already committed in the local tier")
-    full = Problem(ProblemKind.LOCAL, "local_dir '/x/already committed' has 0 bytes free")
+    exists = exists_problem("step 3 is already committed in the local tier")
+    full = local_problem("local_dir '/x/already committed' has 0 bytes free")
     raise_problems("nothing", [None, None])  # no problem: no error
     with pytest.raises(objckpt.CheckpointExistsError, match=r"rank 1: step 3"):
         raise_problems("step 3 not saved", [None, exists])
@@ -196,7 +197,38 @@ def test_the_error_class_of_gathered_problems_comes_from_their_kinds() -> None:
     with pytest.raises(LocalTierError, match="already committed"):  # the words in a path do not matter
         raise_problems("step 3 not saved", [full])
     with pytest.raises(TierSettingsError, match=r"and 1 more rank"):
-        raise_problems("settings", [Problem(ProblemKind.SETTINGS, "blank node name")] * 5)
+        raise_problems("settings", [settings_problem("blank node name")] * 5)
+
+
+def test_gathered_problems_are_rank_errors_whose_kind_is_the_class_to_raise() -> None:
+    """The tier's refusals cross ranks in the one shape every error does (RankError: the
+    registered class name, the text): a rank's error made by RankError.of elsewhere, or
+    read back from a pickle as the all-gather does, picks the same class."""
+    import pickle
+
+    from objckpt.distributed.comm import RankError
+    from objckpt.errors import CorruptCheckpointError, ObjckptError
+    from objckpt.tier.errors import (LocalTierError, TierSettingsError, exists_problem, local_problem,
+                                     raise_problems, settings_problem, state_problem)
+
+    made = [settings_problem("s"), local_problem("l"), exists_problem("e"),
+            state_problem(CorruptCheckpointError("x"), "its state could not be read")]
+    assert all(type(p) is RankError for p in made)
+    assert [p.kind for p in made] == ["TierSettingsError", "LocalTierError", "CheckpointExistsError",
+                                      "CorruptCheckpointError"]
+    crossed = pickle.loads(pickle.dumps(made))
+    # a state's error class wins over a settings problem on an earlier rank, and over an existing step
+    with pytest.raises(CorruptCheckpointError, match=r"rank 0: s; rank 2: e; rank 3: its state"):
+        raise_problems("step 1 not saved", crossed[:1] + [None] + crossed[2:])
+    # any local problem still wins; a RankError made elsewhere is read the same way
+    with pytest.raises(LocalTierError):
+        raise_problems("step 1 not saved", [RankError.of(CorruptCheckpointError("x")), crossed[1]])
+    with pytest.raises(objckpt.CheckpointExistsError):
+        raise_problems("step 1 not saved", [RankError.of(objckpt.CheckpointExistsError("x"))] * 2)
+    # a kind that names no objckpt class: ObjckptError itself, never the builtin
+    with pytest.raises(ObjckptError) as info:
+        raise_problems("step 1 not saved", [state_problem(KeyError("k"), "no key"), settings_problem("s")])
+    assert type(info.value) is ObjckptError and not isinstance(info.value, (KeyError, TierSettingsError))
 
 
 def test_the_drain_queue_retries_oldest_first_stops_at_an_outage_and_gives_up_past_its_bound() -> None:

@@ -84,7 +84,7 @@ from ..planning.collective_plan import Batch, CostModel, ItemSize, plan_group
 from ..results import IOStats
 from ..storage import ObjectStore
 from ..storage.naming import NamingStore
-from .fill import FillTarget, fill_boxes
+from .fill import FillTarget, Planned, fill_boxes
 
 #: the cost model ``read_strategy="auto"`` uses; replace it to describe your storage and network
 COST_MODEL = CostModel()
@@ -299,11 +299,12 @@ class CollectiveReader:
     # ----------------------------------------------------------------- the read path
 
     def fill(self, st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget],
-             sources: Sequence[Any], stats: IOStats, uri: str = "") -> None:
+             sources: Sequence[Any], stats: IOStats, uri: str = "", prepared: Optional[Planned] = None) -> None:
         """Fill ``targets`` (as :func:`fill_boxes` would); ``sources[i]`` is the state-dict value
-        target ``i`` came from (its placements give the replica group)."""
+        target ``i`` came from (its placements give the replica group); ``prepared``: the load's
+        prepared reads (their plan serves where this rank reads every target directly)."""
         if not self.active:
-            fill_boxes(st, prefix, m, targets, stats, memory=self.memory)
+            fill_boxes(st, prefix, m, targets, stats, memory=self.memory, prepared=prepared)
             return
         comm = self.comm
         pg_ranks: Ranks = comm.global_ranks()
@@ -337,7 +338,8 @@ class CollectiveReader:
         store = NamingStore(st)
         if direct:
             try:
-                fill_boxes(store, prefix, m, direct, stats, memory=self.memory)  # type: ignore[arg-type]
+                fill_boxes(store, prefix, m, direct, stats, memory=self.memory,  # type: ignore[arg-type]
+                           prepared=prepared)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 self._fail(e, sorted({t.key for t in direct}), store)
         for plan in plans:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -145,14 +145,29 @@ def run_plan(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTa
         _run_batch(st, prefix, m, targets, batch, stats, verify, memory)
 
 
+class Planned(Protocol):
+    """A load whose reads were planned before its fill (:class:`~objckpt.load.prepared.PreparedLoad`)."""
+
+    resolver: Optional[Resolver]
+
+    def plan_for(self, targets: Sequence[FillTarget], budget: Budget = ..., verify: bool = ...
+                 ) -> Optional[ReadPlan]: ...
+
+
 def fill_boxes(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence[FillTarget], stats: IOStats,
                verify: bool = True, budget: Budget = TEMP_BUDGET, resolver: Optional[Resolver] = None,
-               memory: Optional[OperationBudget] = None) -> None:
+               memory: Optional[OperationBudget] = None, prepared: Optional[Planned] = None) -> None:
     """Fill every target: resolve which chunks it needs, plan, execute.  ``memory``: the
     load's one budget; the temporaries then take at most ``budget`` of what is left of
-    it, and the device ring the rest, both held only while a batch runs."""
+    it, and the device ring the rest, both held only while a batch runs.  ``prepared``:
+    the load's prepared reads: its resolver, and its plan when ``targets`` are its own."""
+    if resolver is None:
+        resolver = prepared.resolver if prepared is not None and prepared.resolver is not None else None
     resolver = resolver if resolver is not None else resolver_for(m, st, prefix)
     with stats.timings.timed("plan"):
         _runtime.run(resolver.prefetch(((t.key, t.box) for t in targets), stats))
-        plan = plan_fill(m, resolver, targets, budget if memory is None else memory.share(budget.nbytes), verify)
+        share = budget if memory is None else memory.share(budget.nbytes)
+        plan = prepared.plan_for(targets, share, verify) if prepared is not None else None
+        if plan is None:
+            plan = plan_fill(m, resolver, targets, share, verify)
     run_plan(st, prefix, m, targets, plan, stats, verify, memory)

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..api import async_save as _async_save
-from ..api import load as _load
 from ..api import load_session
 from ..api import save as _save
-from ..distributed.comm import Comm, background_comm, refusal_class
+from ..distributed.comm import Comm, RankError, background_comm, refusal_class
 from ..distributed.join import collective_timeout
-from ..errors import CollectiveError, ObjckptError, error_name
+from ..errors import CollectiveError, ObjckptError
 from ..format import manifest as _manifest
 from ..format import keys
 from ..load.session import ReadSession
@@ -42,11 +41,12 @@ from ..tier import backlog as _backlog
 from ..tier.backlog import DrainQueue, Undrained
 from ..tier.drain import drain
 from ..tier.retry_clock import OrderedJobs, RetryClock, start_clock
-from ..tier.errors import LocalTierError, Problem, ProblemKind, TierRestoreError, TierSettingsError, raise_problems
+from ..tier.errors import (LocalTierError, TierRestoreError, TierSettingsError, exists_problem, local_problem,
+                            raise_problems, settings_problem, state_problem)
 from ..tier.overlay import OverlayStore
 from ..tier.settings import TierSettings, differences
 from ..tier.mounts import small_pages_hint
-from ..tier.peer_restore import Received, receive, step_reads
+from ..tier.peer_restore import Prepared, Received, load_of, receive, step_reads
 from ..tier.topology import Topology, node_name, tier_comm, tier_wire
 from ..tier.wire import Wire, resolve_backend
 from .steps import RootSteps, StepsHost
@@ -81,7 +81,7 @@ class TieredSaves(RootSteps):
         self.failure_rate = failure_rate
         comm: Comm = host.comm
         self.comm = comm
-        problem: Optional[Problem] = None
+        problem: Optional[RankError] = None
         pending: list[Undrained] = []  # due steps a run before could not drain (recorded in the folder)
         backend = "gloo"
         try:
@@ -90,13 +90,13 @@ class TieredSaves(RootSteps):
             node = node_name(node_override)
             self.root = _local.resolve_dir(settings.local_dir, node)
             why = _local.writable_error(self.root)
-            problem = Problem(ProblemKind.LOCAL, why) if why else None
+            problem = local_problem(why) if why else None
             if problem is None:
                 pending = _backlog.recorded(self.root, host.naming.parse, host.root)
         except (TierSettingsError, ValueError) as e:
-            problem = Problem(ProblemKind.SETTINGS, str(e))
+            problem = settings_problem(str(e))
         mine = (settings, problem, pending)
-        everyone: list[tuple[TierSettings, Optional[Problem], list[Undrained]]] = (
+        everyone: list[tuple[TierSettings, Optional[RankError], list[Undrained]]] = (
             comm.all_gather_object(mine) if comm.world_size > 1 else [mine])
         diffs = differences([s for s, _, _ in everyone])
         if diffs:
@@ -187,17 +187,17 @@ class TieredSaves(RootSteps):
             if self.comm.world_size == 1:  # none waits in a collective for the collective timeout
                 raise
             failed, share = e, _space.Share()
-        problem = (Problem(ProblemKind.STATE, f"its state could not be read ({type(failed).__name__}: {failed})",
-                           error_name(failed)) if failed is not None else self._check(step, d, share))
+        problem = (state_problem(failed, f"its state could not be read ({type(failed).__name__}: {failed})")
+                   if failed is not None else self._check(step, d, share))
         known = self._known()
         if problem is None and known is not None and step in known:  # drained before: never replaced
-            problem = Problem(ProblemKind.EXISTS, f"step {step} is already committed under {self.host.root!r}")
+            problem = exists_problem(f"step {step} is already committed under {self.host.root!r}")
         claim = _owner.claim(d, self.owned.owner) if problem is None else None  # before any byte of the step
         problem = claim.problem if claim is not None else problem
         due = self._drain_due()  # rank 0's, carried in the same all-gather as the problems
         # and each rank's share and folder: every rank checks every filesystem's space alike
         mine = (problem, due, _space.measure(self.root, share))
-        gathered: list[tuple[Optional[Problem], bool, _space.Room]] = (
+        gathered: list[tuple[Optional[RankError], bool, _space.Room]] = (
             self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine])
         problems = [p for p, _, _ in gathered]
         if not any(problems):  # then whether each filesystem holds what the save lands on it
@@ -236,17 +236,17 @@ class TieredSaves(RootSteps):
                                                saved.files if saved is not None else ()))
         self.stalls.append(time.perf_counter() - t0)
 
-    def _check(self, step: int, d: Path, share: _space.Share) -> Optional[Problem]:
+    def _check(self, step: int, d: Path, share: _space.Share) -> Optional[RankError]:
         """This rank's reason not to save ``step`` (None: none): the folder unwritable, a
         file-size limit below the share, or the step committed in the local tier already
         (the free space is checked per filesystem, after the all-gather: objckpt.tier.space)."""
         why = _space.fsize_error(self.root, share.total) or _local.writable_error(self.root)
         if why:
-            return Problem(ProblemKind.LOCAL, why)
+            return local_problem(why)
         if clash := self.owned.collision(d):  # another root's step folder of that name: never touched
-            return Problem(ProblemKind.SETTINGS, clash)
+            return settings_problem(clash)
         if (d / keys.MANIFEST_NAME).exists():
-            return Problem(ProblemKind.EXISTS, f"step {step} is already committed in the local tier at {str(d)!r}")
+            return exists_problem(f"step {step} is already committed in the local tier at {str(d)!r}")
         return None
 
     def _known(self) -> Optional[dict[int, Any]]:
@@ -417,11 +417,10 @@ class TieredSaves(RootSteps):
     #: the last load's step, sources and what came from peers (None: no load yet)
     last_restore: Optional[_restore.RestoreReport] = None
 
-    def _plan(self, step: Optional[int], state: Any = None,
-              load_kwargs: Optional[dict[str, Any]] = None,
+    def _plan(self, step: Optional[int], prepared: Optional[Prepared] = None,
               avoid: Optional[_damage.Avoid] = None) -> _restore.RestorePlan:
         """The agreed restore plan (collective, one all-gather): every rank's node folder, with
-        the files its load of ``state`` reads from each step held there but not whole, and
+        the files its ``prepared`` load reads from the newest step held there but not whole, and
         rank 0's index.  The files ``avoid`` found damaged count as absent; a step folder whose
         manifest does not decode counts with its other files, its manifest hidden (and added to
         ``avoid``: every rank learns it from the all-gather)."""
@@ -438,8 +437,8 @@ class TieredSaves(RootSteps):
         loose = dict(unlisted.loose)
         for s, why in unlisted.damaged.items():  # its other files still count; the manifest comes from elsewhere
             loose[s] = tuple(f for f in _local.folder_files(self.step_dir(s)) if f != keys.MANIFEST_NAME)
-        reads = ({} if state is None else
-                 step_reads(steps, self.step_dir, state, self.comm.rank, load_kwargs or {}, step))
+        reads = ({} if prepared is None else
+                 step_reads(steps, self.step_dir, self.comm.rank, prepared, self._scanned, step))
         mine = _restore.Holding(node, steps, reads, loose, dict(unlisted.damaged))
         holdings = self.comm.all_gather_object(mine) if self.comm.world_size > 1 else [mine]
         for r, h in enumerate(holdings):
@@ -480,10 +479,11 @@ class TieredSaves(RootSteps):
         mismatch, a short blob, a manifest that does not decode), plan again without that copy
         and load again from the next source (objckpt.tier.damage), at most ``ATTEMPTS`` times."""
         avoid = _damage.Avoid()
+        prepared = Prepared.of(state, load_kwargs)  # the template taken once; each step's load prepared once
         res: Optional[LoadResult] = None
         last: Optional[BaseException] = None  # the attempt before's error: raised when no source is left
         for attempt in range(1, _damage.ATTEMPTS + 1):
-            plan = self._plan(step, state, load_kwargs, avoid)
+            plan = self._plan(step, prepared, avoid)
             if plan.step is None:
                 self._scanned = {}
                 if last is not None:
@@ -491,7 +491,7 @@ class TieredSaves(RootSteps):
                 skipped = f" (damaged copies skipped: {'; '.join(map(str, avoid.skipped))})" if avoid.skipped else ""
                 raise TierRestoreError(f"nothing to restore from {str(self.root)!r} or {self.host.root!r}: "
                                        f"{plan.why}{skipped}")
-            res, got, failed, outcomes = self._load_once(plan, state, load_kwargs, avoid)
+            res, got, failed, outcomes = self._load_once(plan, state, load_kwargs, avoid, prepared)
             if res is not None:
                 break
             if failed is None:  # the first failed rank's class (a TierRestoreError too), on every rank alike
@@ -523,10 +523,12 @@ class TieredSaves(RootSteps):
         return res
 
     def _load_once(self, plan: _restore.RestorePlan, state: Any, load_kwargs: dict[str, Any],
-                   avoid: _damage.Avoid) -> tuple[Optional[LoadResult], Received, Optional[BaseException],
-                                                  list[Optional[_damage.Failed]]]:
+                   avoid: _damage.Avoid, prepared: Prepared) -> tuple[Optional[LoadResult], Received,
+                                                                      Optional[BaseException],
+                                                                      list[Optional[_damage.Failed]]]:
         """One load of ``plan`` on every rank (collective): the result where every rank's load
-        succeeded, else None with this rank's error and every rank's outcome."""
+        succeeded, else None with this rank's error and every rank's outcome.  The load is
+        the one ``prepared`` while planning or receiving (objckpt.tier.peer_restore.load_of)."""
         step = plan.step if plan.step is not None else -1  # the caller plans a step
         d = self.step_dir(step)
         sources = list(plan.sources)
@@ -534,7 +536,7 @@ class TieredSaves(RootSteps):
         hidden = avoid.hidden_on(self.topology.nodes[self.comm.rank], step)
         got = Received()
         if _restore.PEER in sources:  # into memory; the load reads through it (nothing written)
-            got = receive(self.comm, self.topology, plan, d, state, load_kwargs, hidden=hidden)
+            got = receive(self.comm, self.topology, plan, d, prepared, hidden=hidden)
             log.info("objckpt: step %d: rank %d received %d bytes of %d file(s) from peers (%d in place; %d "
                      "round(s), %.3fs)", step, self.comm.rank, got.bytes, len(got.segments),
                      got.in_place_bytes, got.rounds, got.seconds)
@@ -555,11 +557,9 @@ class TieredSaves(RootSteps):
         failed: Optional[BaseException] = None
         metadata: dict[str, bytes] = {}
         try:
-            if held is None:
-                res = _load(state, uri, **kw)
-            else:
-                store, options = kw.pop("store", None), kw.pop("storage_options", None)
-                res = load_session(state, lambda: ReadSession(uri, options, store, held), uri, **kw)
+            store, options = kw.pop("store", None), kw.pop("storage_options", None)
+            load = load_of(prepared, step, uri, store, held, self.comm.rank)
+            res = load_session(state, lambda: ReadSession(uri, options, store, held), uri, prepared=load, **kw)
             metadata = _local.received_metadata(d, got.segments)
         except Exception as e:  # noqa: BLE001 - said to every rank below: none goes on training alone
             failed = e

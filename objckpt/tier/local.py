@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..distributed.comm import Comm, TorchComm
+from ..distributed.comm import Comm, RankError, TorchComm
 from ..format import keys
 from ..format import manifest as _manifest
 from ..runtime import loop as _runtime
@@ -34,7 +34,7 @@ from ..storage.local import LocalStore
 from ..errors import ObjckptError
 from . import step_files as _step_files
 from .step_files import files_of, needed_files  # noqa: F401  (the tier's modules take them from here)
-from .errors import LocalTierError, Problem, ProblemKind
+from .errors import LocalTierError, local_problem
 
 _log = logging.getLogger("objckpt.manager")
 
@@ -190,7 +190,7 @@ class _Sent:
     why it could not read them."""
 
     files: dict[str, bytes]
-    problem: Optional[Problem] = None
+    problem: Optional[RankError] = None
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int,
     here = f"rank {rank} on node {nodes[rank]!r}"
     first = nodes.index(nodes[rank]) == rank
     mpath = step_dir / keys.MANIFEST_NAME
-    sent: tuple[Optional[bytes], Optional[Problem]] = (None, None)
+    sent: tuple[Optional[bytes], Optional[RankError]] = (None, None)
     if rank == 0:
         try:
             sent = (mpath.read_bytes(), None)
@@ -286,7 +286,7 @@ def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int,
     outcome = mine.problem
     if first and failed is None and mdata is not None:
         outcome = _fill_node_folder(step_dir, everyone, mdata, here)
-    outcomes: list[Optional[Problem]] = comm.all_gather_object(outcome or failed)
+    outcomes: list[Optional[RankError]] = comm.all_gather_object(outcome or failed)
     problems = list(dict.fromkeys(p.text for p in outcomes if p is not None))  # one rank's problem once
     if not problems:
         return m
@@ -301,12 +301,12 @@ def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int,
                          f"it was removed from every node's folder, the previous steps are untouched{undone}")
 
 
-def _problem(where: str, doing: str, e: BaseException) -> Problem:
+def _problem(where: str, doing: str, e: BaseException) -> RankError:
     why = getattr(e, "strerror", None) or str(e) or type(e).__name__
-    return Problem(ProblemKind.LOCAL, f"{where}: {doing} failed: {type(e).__name__}: {why}")
+    return local_problem(f"{where}: {doing} failed: {type(e).__name__}: {why}")
 
 
-def _fill_node_folder(step_dir: Path, everyone: list[_Sent], mdata: bytes, here: str) -> Optional[Problem]:
+def _fill_node_folder(step_dir: Path, everyone: list[_Sent], mdata: bytes, here: str) -> Optional[RankError]:
     """A node's first rank: write the rank indexes its folder lacks, then the manifest (last,
     only when everything else is there); the problem, or None."""
     store = LocalStore(str(step_dir))

@@ -3,16 +3,18 @@
 Two steps of the tiered restore (the manager's ``load``, :mod:`objckpt.tier.restore`
 for the plan):
 
-* :func:`step_reads`, before the plan's one exchange: for each step its node's folder
-  holds but not whole, the files this rank's load of the caller's template reads
-  there (:func:`objckpt.load.needs.load_reads`).  A rank whose folder holds those is
-  ``local`` even though other ranks' files are elsewhere.
+* :func:`step_reads`, before the plan's one exchange: for the newest step its node's
+  folder holds but not whole, the files this rank's load of the caller's template reads
+  there, from that step's load prepared once (:class:`Prepared`,
+  :mod:`objckpt.load.prepared`; kept for the load itself, :func:`load_of`).  A rank
+  whose folder holds those is ``local`` even though other ranks' files are elsewhere.
 * :func:`receive`, after it, on every rank when some rank is ``peer``: rounds of
   :func:`objckpt.tier.peers.fetch` until every ``peer`` rank holds, in memory, each
   file its load reads that its folder lacks.  A rank whose folder holds the step's
   manifest asks for its blobs in the first round; one whose folder lacks it (a
   replaced node) asks for the manifest, then for the rank indexes its template
-  needs, then for its blobs: at most three rounds, the same number on every rank.
+  needs, then for its blobs: at most three rounds, the same number on every rank; its
+  load is prepared once, when the manifest has arrived.
   Each chunk the load will read whole into host memory (its read plan's direct
   reads) is received straight into the destination tensor; a blob read otherwise
   (partly, into device memory, through a cast) comes whole into new memory.  The
@@ -29,8 +31,11 @@ from typing import Any, Optional
 
 from ..distributed.comm import Comm
 from ..format import keys as objkeys
-from ..load.needs import LoadReads, load_reads
+from ..errors import NotFoundError
+from ..load.needs import LoadReads
+from ..load.prepared import PreparedLoad, ReadOptions, prepare
 from ..load.session import ReadSession
+from ..state import find_stateful
 from ..storage.base import ObjectStore
 from ..storage.local import LocalStore
 from .errors import TierRestoreError
@@ -45,37 +50,87 @@ log = logging.getLogger("objckpt.manager")
 #: rounds of :func:`receive`: the manifest, the rank indexes, the blobs (one more is an error)
 MAX_ROUNDS = 3
 
-#: the options of ``objckpt.load`` that change what it reads
-_READ_OPTIONS = ("strict", "cast", "allow_pickle")
+@dataclass
+class Prepared:
+    """The loads this rank prepared from its node's folder while planning (each step's at most
+    once per restore: a retry prepares again only a step whose manifest bytes changed)."""
+
+    #: the caller's template, and each of its Stateful values' ``state_dict()``, taken once
+    state: Any
+    stateful: dict[str, Any]
+    options: ReadOptions
+    #: step -> its load, prepared from this node's folder (or from a peer's manifest)
+    loads: dict[int, PreparedLoad] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, state: Any, load_kwargs: dict[str, Any]) -> "Prepared":
+        return cls(state, find_stateful(state), ReadOptions.of(load_kwargs))
+
+    def prepare(self, session: ReadSession, rank: int) -> PreparedLoad:
+        """The load of ``session``'s checkpoint, prepared (its manifest decoded, matched)."""
+        return prepare(self.state, session, rank, self.options, self.stateful)
 
 
-def _reads_of(state: Any, step_dir: pathlib.Path, store: ObjectStore, rank: int,
-              load_kwargs: dict[str, Any], in_place: bool = False) -> LoadReads:
-    kw = {k: load_kwargs[k] for k in _READ_OPTIONS if k in load_kwargs}
-    return load_reads(state, ReadSession(str(step_dir), store=store), rank, in_place=in_place, **kw)
-
-
-def step_reads(steps: dict[int, LocalStep], step_dir: Any, state: Any, rank: int, load_kwargs: dict[str, Any],
-               only: Optional[int] = None) -> dict[int, tuple[str, ...]]:
+def step_reads(steps: dict[int, LocalStep], step_dir: Any, rank: int, prepared: Prepared,
+               held: dict[int, tuple[bytes, Any]], only: Optional[int] = None) -> dict[int, tuple[str, ...]]:
     """Step -> the files this rank's load of ``state`` reads from its node's folder
-    (``step_dir(step)``), for each held step that is not whole there (a whole one serves
-    any load).  A step whose reads cannot be told (a template that does not match it, a
-    rank index missing) is left out: the plan then counts the rank as needing all of it,
-    and the load itself raises what is wrong."""
+    (``step_dir(step)``) of ``prepared``'s template, newest step first, until one whose files its folder holds (or
+    held whole: a whole folder serves any load): that is the step a healthy restart
+    restores, its load prepared once here (kept in ``prepared``; ``held``: each step's
+    manifest as the folder scan read it).  An older step, and one whose reads cannot be
+    told (a template that does not match it, a rank index missing), is left out: the plan
+    then counts the rank as needing all of it, and the load itself raises what is wrong."""
     out: dict[int, tuple[str, ...]] = {}
     store = LocalStore("/")
-    for s, held in steps.items():
-        if held.complete or (only is not None and s != only):
+    for s in sorted(steps, reverse=True):
+        held_step = steps[s]
+        if only is not None and s != only:
             continue
+        if held_step.complete:
+            break
         try:
-            got = _reads_of(state, step_dir(s), store, rank, load_kwargs)
+            p = _prepared_of(prepared, s, step_dir(s), store, rank, held.get(s))
+            got = p.reads(store, _prefix(step_dir(s)))
         except Exception as e:  # noqa: BLE001 - every rank must reach the plan's exchange; the load reports it
             log.debug("objckpt: cannot tell what rank %d reads of local step %d (%s: %s)", rank, s,
                       type(e).__name__, e)
             continue
         if got.known:
             out[s] = got.files
+            if set(got.files) <= set(held_step.present):
+                break
     return out
+
+
+def _prefix(step_dir: Any) -> str:
+    """The folder's key prefix under ``LocalStore("/")``."""
+    return pathlib.Path(step_dir).absolute().as_posix().strip("/")
+
+
+def _prepared_of(prepared: Prepared, step: int, step_dir: Any, store: ObjectStore, rank: int,
+                 held: Optional[tuple[bytes, Any]]) -> PreparedLoad:
+    """Step ``step``'s prepared load: the one prepared before when its manifest's bytes are
+    still ``held``'s, else prepared now from ``held`` (or the folder's manifest)."""
+    p = prepared.loads.get(step)
+    if p is not None and (held is None or held[0] == p.raw):
+        return p
+    p = prepared.prepare(ReadSession(str(step_dir), store=store, held=held), rank)
+    prepared.loads[step] = p
+    return p
+
+
+def load_of(prepared: Prepared, step: int, uri: str, store: Optional[ObjectStore],
+            held: Optional[tuple[bytes, Any]], rank: int) -> Optional[PreparedLoad]:
+    """Step ``step``'s prepared load, for the load from ``uri`` (``store``) to take: the one
+    prepared while planning or receiving, else prepared now from ``held`` (the folder scan's
+    manifest bytes: no request) and kept, so that a retry of the restore finds it.  The load
+    takes it where its manifest has the same bytes (object storage's is fetched and
+    compared, not decoded: :func:`objckpt.load.pipeline.load_into`), else prepares anew;
+    None: nothing at hand (the load prepares its own)."""
+    p = prepared.loads.get(step)
+    if p is None and held is not None:
+        p = prepared.loads[step] = prepared.prepare(ReadSession(uri, store=store, held=held), rank)
+    return p
 
 
 @dataclass
@@ -112,15 +167,31 @@ def _wants(reads: LoadReads, have: Any) -> tuple[list[str], list[Range]]:
     return [n for n in lacking if n not in ranged], ranges
 
 
-def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib.Path, state: Any,
-            load_kwargs: dict[str, Any], piece_bytes: Optional[int] = None,
+def _peer_reads(prepared: Prepared, step: int, step_dir: pathlib.Path, overlay: OverlayStore, rank: int) -> LoadReads:
+    """What a ``peer`` rank's load reads, with where its whole chunks land, from the load
+    prepared once its manifest is here (its folder's, else a peer's): lacking the manifest
+    until then."""
+    load = prepared.loads.get(step)
+    if load is None:
+        try:
+            load = prepared.loads[step] = prepared.prepare(ReadSession(str(step_dir), store=overlay), rank)
+        except NotFoundError:
+            return LoadReads((), (objkeys.MANIFEST_NAME,))
+    return load.reads(overlay, _prefix(step_dir), with_in_place=True)
+
+
+def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib.Path, prepared: Prepared,
+            piece_bytes: Optional[int] = None,
             memory_bytes: Optional[int] = None, hidden: frozenset[str] = frozenset()) -> Received:
     """Collective (every rank, when some rank's source is ``peer``): see the module docstring.
-    ``hidden``: files of the folder found damaged: absent for this rank's reads (received
-    instead) and never offered to the others."""
+    ``prepared``: this rank's load of the plan's step, prepared while planning, or prepared
+    here once the manifest is received (kept there for the load).  ``hidden``: files of the
+    folder found damaged: absent for this rank's reads (received instead) and never offered
+    to the others."""
     me = comm.rank
+    step = plan.step if plan.step is not None else -1
     finished = plan.sources[me] != PEER
-    prefix = pathlib.Path(step_dir).absolute().as_posix().strip("/")  # the folder's keys under LocalStore("/")
+    prefix = _prefix(step_dir)  # the folder's keys under LocalStore("/")
     base = LocalStore("/")
     out = Received()
     got: dict[str, list[Segment]] = {}  # by name
@@ -133,7 +204,7 @@ def receive(comm: Comm, topology: Topology, plan: RestorePlan, step_dir: pathlib
             try:
                 overlay = OverlayStore(base, {objkeys.join(prefix, n): v for n, v in got.items()},
                                        frozenset(objkeys.join(prefix, n) for n in hidden))
-                reads = _reads_of(state, step_dir, overlay, me, load_kwargs, in_place=True)
+                reads = _peer_reads(prepared, step, step_dir, overlay, me)
                 if reads.lacking:
                     wants, more = [n for n in reads.lacking if n not in got], True
                 else:

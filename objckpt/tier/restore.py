@@ -7,7 +7,7 @@ the same :class:`RestorePlan`: the newest step for which every rank has a
 source, and per rank
 
 * ``"local"``: its node's folder holds every file its own load reads
-  (:func:`objckpt.load.needs.load_reads`: the manifest, the rank indexes and the
+  (:class:`objckpt.load.prepared.PreparedLoad`'s reads: the manifest, the rank indexes and the
   blobs its targets overlap; the whole step when the rank could not tell);
 * ``"peer"``: it does not, but the union of all folders does (replicas): the
   files it lacks are received from the peers holding them, into memory
