@@ -29,7 +29,9 @@ from typing import Any, Optional, Sequence
 from ..distributed.comm import Comm, RankError, TorchComm
 from ..format import keys
 from ..format import manifest as _manifest
+from ..results import IOStats
 from ..runtime import loop as _runtime
+from ..save.commit import CommitState, commit
 from ..storage.local import LocalStore
 from ..errors import ObjckptError
 from . import step_files as _step_files
@@ -285,7 +287,7 @@ def spread_metadata(comm: Comm, step_dir: Path, nodes: list[str], rank: int,
     failed = next((x.problem for x in everyone if x.problem is not None), None)
     outcome = mine.problem
     if first and failed is None and mdata is not None:
-        outcome = _fill_node_folder(step_dir, everyone, mdata, here)
+        outcome = _fill_node_folder(step_dir, everyone, mdata, here, m)
     outcomes: list[Optional[RankError]] = comm.all_gather_object(outcome or failed)
     problems = list(dict.fromkeys(p.text for p in outcomes if p is not None))  # one rank's problem once
     if not problems:
@@ -306,9 +308,11 @@ def _problem(where: str, doing: str, e: BaseException) -> RankError:
     return local_problem(f"{where}: {doing} failed: {type(e).__name__}: {why}")
 
 
-def _fill_node_folder(step_dir: Path, everyone: list[_Sent], mdata: bytes, here: str) -> Optional[RankError]:
+def _fill_node_folder(step_dir: Path, everyone: list[_Sent], mdata: bytes, here: str,
+                      m: Optional[_manifest.Manifest] = None) -> Optional[RankError]:
     """A node's first rank: write the rank indexes its folder lacks, then the manifest (last,
-    only when everything else is there); the problem, or None."""
+    only when everything else is there, through the one conditional manifest write:
+    :func:`objckpt.save.commit.commit`, ``m`` its decoded form when known); the problem, or None."""
     store = LocalStore(str(step_dir))
     name = ""
     try:
@@ -318,7 +322,11 @@ def _fill_node_folder(step_dir: Path, everyone: list[_Sent], mdata: bytes, here:
                     _runtime.run(store.put(name, data))
         name = keys.MANIFEST_NAME
         if not (step_dir / name).is_file():
-            _runtime.run(store.put(name, mdata, if_absent=True))
+            errors: list[BaseException] = []
+            meta = m if m is not None else _manifest.decode(mdata, str(step_dir / name))
+            status = commit(store, "", meta, False, str(step_dir), [], IOStats(), errors, data=mdata)
+            if status.state is not CommitState.OK:  # the same step's manifest already there is OK
+                raise errors[-1] if errors else LocalTierError(status.message)
     except (OSError, ObjckptError) as e:
         return _problem(here, f"writing {str(step_dir / name)!r}", e)
     return None
