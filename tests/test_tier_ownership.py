@@ -232,3 +232,22 @@ def test_a_local_root_given_relative_then_absolute_is_one_root(tmp_path: Path, m
         assert again.latest_step() == 1
         back = {"x": torch.zeros(3)}
         assert again.load(back).step == 1 and torch.equal(back["x"], torch.full((3,), 1.0))
+
+
+def test_ls_with_a_local_dir_lists_only_the_roots_own_local_steps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``objckpt ls ROOT --local-dir DIR`` shows ROOT's local steps as its manager sees them,
+    not another job's in the same folder."""
+    from objckpt.cli import main
+
+    local = str(tmp_path / "local")
+    for root, steps in (("A", (1, 2)), ("B", (5,))):
+        tier = objckpt.TierSettings(local_dir=local, replicas=0, persist_every=None, local_keep=4)
+        with objckpt.CheckpointManager(str(tmp_path / root), tier=tier) as m:
+            for s in steps:
+                m.save(s, {"x": torch.full((3,), float(s))})
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path / "B"), "--local-dir", local]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split()[0] for line in out[1:] if "step(s) under" not in line]
+    assert rows == ["5"] and out[-1].endswith(f"1 in {local}"), out

@@ -77,7 +77,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps([e.to_json() for e in doc.steps], indent=1))
         return 0
-    local = None if local_root is None else _local_steps(local_root, StepIndex(store, prefix).naming.parse)
+    local = None if local_root is None else _local_steps(local_root, StepIndex(store, prefix).naming.parse, args.uri)
     if local is None:
         print(f"{'STEP':>10}  {'SIZE':>9}  {'SAVED (UTC)':<19}  METADATA")
     else:
@@ -112,11 +112,15 @@ def _local_root(args: argparse.Namespace) -> Optional[Path]:
     return root
 
 
-def _local_steps(root: Path, parse: Any) -> dict[int, str]:
-    """Each step in this node's local tier -> ``local`` / ``local-partial``."""
+def _local_steps(root: Path, parse: Any, uri: str) -> dict[int, str]:
+    """Each step of ``uri``'s manager in this node's local tier -> ``local`` / ``local-partial``:
+    the step folders whose owner record names that root, as the manager itself sees them
+    (another root's steps in a shared folder are left out, with a warning)."""
     from ..tier.local import scan
+    from ..tier.owner import Owned, Owner, canonical_root
 
-    return {s: "local" if held.complete else "local-partial" for s, held in scan(root, parse).items()}
+    owned = Owned(root, parse, Owner(canonical_root(uri)))
+    return {s: "local" if held.complete else "local-partial" for s, held in scan(root, owned).items()}
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
