@@ -46,7 +46,7 @@ from ..tier.errors import (LocalTierError, TierRestoreError, TierSettingsError, 
 from ..tier.overlay import OverlayStore
 from ..tier.settings import TierSettings, differences
 from ..tier.mounts import small_pages_hint
-from ..tier.peer_restore import Prepared, Received, load_of, receive, step_reads
+from ..tier.peer_restore import Prepared, Received, load_of, prepared_everywhere, receive, step_reads
 from ..tier.topology import Topology, node_name, tier_comm, tier_wire
 from ..tier.wire import Wire, resolve_backend
 from .steps import RootSteps, StepsHost
@@ -479,7 +479,7 @@ class TieredSaves(RootSteps):
         mismatch, a short blob, a manifest that does not decode), plan again without that copy
         and load again from the next source (objckpt.tier.damage), at most ``ATTEMPTS`` times."""
         avoid = _damage.Avoid()
-        prepared = Prepared.of(state, load_kwargs)  # the template taken once; each step's load prepared once
+        prepared = prepared_everywhere(self.comm, state, load_kwargs)  # the template once; each step's load once
         res: Optional[LoadResult] = None
         last: Optional[BaseException] = None  # the attempt before's error: raised when no source is left
         for attempt in range(1, _damage.ATTEMPTS + 1):

@@ -29,7 +29,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..distributed.comm import Comm
+from ..distributed.comm import Comm, RankError, refusal_class
 from ..format import keys as objkeys
 from ..errors import NotFoundError
 from ..load.needs import LoadReads
@@ -69,6 +69,31 @@ class Prepared:
     def prepare(self, session: ReadSession, rank: int) -> PreparedLoad:
         """The load of ``session``'s checkpoint, prepared (its manifest decoded, matched)."""
         return prepare(self.state, session, rank, self.options, self.stateful)
+
+
+def prepared_everywhere(comm: Comm, state: Any, load_kwargs: dict[str, Any]) -> Prepared:
+    """:meth:`Prepared.of` on every rank, agreed (one all-gather where there are several
+    ranks): a state that cannot be read on one rank (a Stateful's ``state_dict()`` raising)
+    fails the restore on every rank with that rank's error class, naming it, before any rank
+    waits in the plan's collectives for a rank that already gave up."""
+    failed: Optional[BaseException] = None
+    prepared: Optional[Prepared] = None
+    try:
+        prepared = Prepared.of(state, load_kwargs)
+    except Exception as e:  # noqa: BLE001 - said to every rank below
+        if comm.world_size == 1:
+            raise
+        failed = e
+    if comm.world_size > 1:
+        mine = RankError.of(failed) if failed is not None else None
+        bad = {r: o for r, o in enumerate(comm.all_gather_object(mine)) if o is not None}
+        if bad:
+            raise refusal_class(bad[min(bad)].kind, TierRestoreError)(
+                f"restoring: the state to load into could not be read on rank(s) {sorted(bad)}: "
+                + "; ".join(f"rank {r}: {o.text}" for r, o in sorted(bad.items())[:4])) from failed
+    if prepared is None:  # not reached: a rank that failed is in ``bad``
+        raise TierRestoreError("restoring: the state to load into could not be read") from failed
+    return prepared
 
 
 def step_reads(steps: dict[int, LocalStep], step_dir: Any, rank: int, prepared: Prepared,
