@@ -148,9 +148,16 @@ class Claim:
         return local_problem(self.error) if self.error else None
 
     def undo(self) -> None:
-        """Leave the folder as before the claim, where the claim made it (best effort)."""
+        """Leave the folder as before the claim (best effort): removed where the claim made
+        it, or where it holds nothing but the record (another rank of the node made it and
+        may not have undone its claim yet: whichever rank returns first, the folder is gone
+        when it returns, on every rank of the node)."""
         if not self.created:
-            return
+            try:
+                if set(os.listdir(self.step_dir)) - {OWNER_NAME}:
+                    return  # it held files before this save: only the record stays (as a save would leave it)
+            except OSError:
+                return
         (self.step_dir / OWNER_NAME).unlink(missing_ok=True)
         try:
             self.step_dir.rmdir()  # only when empty: another rank's record may still be there
