@@ -86,6 +86,7 @@ def _saved_and_refused(rank: int, world: int, base: str, small: dict[str, Option
         except LocalTierError as e:
             out["second"] = str(e)
         m.wait()
+        torch.distributed.barrier()  # every rank returned from its save (each node's folder is its own ranks')
         out["folders"] = {n: sorted(os.listdir(os.path.join(base, n))) for n in set(nodes)}
         back = _state(rank, world, 0, *first)
         res = m.load(back)
