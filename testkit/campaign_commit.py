@@ -45,7 +45,7 @@ from .campaign_ops import full_rank_state, run_ranks
 POINTS = ("before_record", "before_put", "during_put", "after_put", "cleanup")
 
 
-def _gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
     """The process is dead: no longer there, or a zombie its parent has not reaped yet."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -70,7 +70,7 @@ class WindowStore(CountingStore):
         os.kill(self.victim_pid, signal.SIGKILL)
         if self.victim_pid == os.getpid():
             time.sleep(60)  # never reached
-        while wait and not _gone(self.victim_pid):  # bounded by the kernel delivering the signal
+        while wait and not process_gone(self.victim_pid):  # bounded by the kernel delivering the signal
             time.sleep(0.005)
 
     def _after_put_request(self) -> None:

@@ -55,6 +55,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .campaign import FAILED, OK, Trial, timed
+from .campaign_commit import process_gone
 
 POINTS = ("local_write", "before_spread", "during_spread", "replicate", "drain_upload", "drain_commit", "retention")
 #: the step before whose save each point's hook is armed (2 and 4 drain; step 3's save is the
@@ -145,14 +146,6 @@ def node_of(rank: int, world: int) -> str:
 # --------------------------------------------------------------------------- the kill hook
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-
-
 def _first_ranks(world: int) -> set[int]:
     nodes = [node_of(r, world) for r in range(world)]
     return {nodes.index(n) for n in nodes}
@@ -197,7 +190,7 @@ class KillHook:
             if r != self.rank:
                 os.kill(pid, signal.SIGKILL)
         for r, pid in pids.items():
-            while r != self.rank and not _gone(pid):  # bounded by the kernel delivering the signal
+            while r != self.rank and not process_gone(pid):  # bounded by the kernel delivering the signal
                 time.sleep(0.005)
         if self.rank in pids:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -23,24 +23,8 @@ from objckpt.format import manifest as _manifest
 from objckpt.tier import step_files
 from objckpt.tier.errors import DrainError, LocalTierError, TierSettingsError
 
-ROWS, COLS = 6, 1001  # unaligned row bytes
-
-
-def _state(rank: int, world: int, step: int) -> dict[str, Any]:
-    """Rank ``rank``'s rows of a ``(ROWS, COLS)`` tensor and a replicated one, values per step."""
-    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 1000 * step
-    per = math.ceil(ROWS / world)
-    lo, hi = min(rank * per, ROWS), min((rank + 1) * per, ROWS)
-    return {"w": objckpt.Shard(full[lo:hi].clone(), (ROWS, COLS), (lo, 0)),
-            "b": torch.arange(37, dtype=torch.float64) + step, "step": step}
-
-
-def _zeros(rank: int, world: int) -> dict[str, Any]:
-    st = _state(rank, world, 0)
-    st["w"].local.zero_()
-    st["b"].zero_()
-    st["step"] = -1
-    return st
+from tier_state import state as _state
+from tier_state import zeros as _zeros
 
 
 def _check(st: dict[str, Any], rank: int, world: int, step: int) -> None:

@@ -6,7 +6,6 @@ a killed rank is made by a real SIGKILL inside the real save path.
 """
 from __future__ import annotations
 
-import math
 import os
 import signal
 import shutil
@@ -20,30 +19,9 @@ import objckpt
 from mp import run_multiprocess
 from objckpt.format import keys
 
-ROWS, COLS = 6, 1001  # unaligned row bytes
-
-
-def _state(rank: int, world: int, step: int) -> dict[str, Any]:
-    """Rank ``rank``'s rows of a ``(ROWS, COLS)`` tensor and a replicated one, values per step."""
-    full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) + 1000 * step
-    per = math.ceil(ROWS / world)
-    lo, hi = min(rank * per, ROWS), min((rank + 1) * per, ROWS)
-    return {"w": objckpt.Shard(full[lo:hi].clone(), (ROWS, COLS), (lo, 0)),
-            "b": torch.arange(37, dtype=torch.float64) + step, "step": step}
-
-
-def _zeros(rank: int, world: int) -> dict[str, Any]:
-    st = _state(rank, world, 0)
-    st["w"].local.zero_()
-    st["b"].zero_()
-    st["step"] = -1
-    return st
-
-
-def _equal(st: dict[str, Any], rank: int, world: int, step: int) -> bool:
-    want = _state(rank, world, step)
-    return (torch.equal(st["w"].local, want["w"].local) and torch.equal(st["b"], want["b"])
-            and st["step"] == step)
+from tier_state import equal as _equal
+from tier_state import state as _state
+from tier_state import zeros as _zeros
 
 
 def _manager(rank: int, root: str, local: str, opts: dict[str, Any], **kw: Any) -> objckpt.CheckpointManager:
