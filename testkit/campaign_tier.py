@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -56,6 +55,7 @@ import torch
 
 from .campaign import FAILED, OK, Trial, timed
 from .campaign_commit import process_gone
+from .procs import rank_context
 
 POINTS = ("local_write", "before_spread", "during_spread", "replicate", "drain_upload", "drain_commit", "retention")
 #: the step before whose save each point's hook is armed (2 and 4 drain; step 3's save is the
@@ -352,12 +352,7 @@ def _rank_entry(command: str, a: dict[str, Any]) -> None:
 
 
 def _context() -> Any:
-    try:
-        ctx = multiprocessing.get_context("forkserver")
-    except ValueError:
-        return multiprocessing.get_context("spawn")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "objckpt"])
-    return ctx
+    return rank_context()
 
 
 @dataclass

@@ -1,7 +1,6 @@
 """Run a function in N real processes joined by a gloo process group."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -9,6 +8,8 @@ import tempfile
 import time
 import traceback
 from typing import Any, Callable
+
+from testkit.procs import rank_context
 
 
 def _entry(rank: int, world: int, rdzv: str, fn: Callable[..., Any], args: tuple, q: Any, backend: str) -> None:
@@ -31,16 +32,7 @@ def _entry(rank: int, world: int, rdzv: str, fn: Callable[..., Any], args: tuple
 
 
 def _context() -> Any:
-    """A forkserver whose server imported torch once: each rank is a fork of it instead of
-    a fresh interpreter importing torch again (about 2 CPU-seconds a rank on these
-    machines; the suite starts some hundred ranks).  Nothing CUDA is initialised in the
-    server, so NCCL ranks fork safely too.  Falls back to spawn where there is no forkserver."""
-    try:
-        ctx = mp.get_context("forkserver")
-    except ValueError:
-        return mp.get_context("spawn")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "objckpt"])
-    return ctx
+    return rank_context()
 
 
 def _drain(q: Any, results: dict[int, tuple[str, Any]], nproc: int, seconds: float) -> None:
