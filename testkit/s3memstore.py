@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import bisect
 import calendar
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Union
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple, Union
 
 Buffer = Union[bytes, bytearray]
 _DEFAULT_MIN_PART = 5 << 20  # S3's minimum for every part but the last
@@ -179,6 +180,8 @@ class _State:
         self.clock_offset = 0.0  # seconds the server's clock runs ahead of the host's (negative: behind)
         self.refused_code = ""  # an S3 code of refused credentials: every request is answered so
         self.checks_checksums = True  # False: x-amz-checksum-* accepted unchecked, none stored or echoed (Ceph RGW)
+        self.refuses_checksum_headers = False  # True: object requests carrying x-amz-checksum-* are refused (400)
+        self.seen_headers: Optional[Deque[Tuple[str, Dict[str, str]]]] = None  # (op, headers) per request, when kept
 
     def set_clock(self, offset_s: float) -> None:
         """Run the server's clock ``offset_s`` seconds off the host's: a request whose
@@ -199,6 +202,24 @@ class _State:
         part or object whose bytes do not match it is accepted, and no checksum is stored
         or reported back."""
         self.checks_checksums = bool(on)
+
+    def set_checksum_headers_refused(self, on: bool) -> None:
+        """True: refuse every object request (all but DeleteObjects, whose checksum S3
+        requires) that carries an ``x-amz-checksum-*`` header (``-crc32c``, ``-algorithm``,
+        ``-mode``...) with 400 InvalidArgument, as S3-compatible stores without flexible
+        checksums do."""
+        self.refuses_checksum_headers = bool(on)
+
+    def check_checksum_headers(self, op: str, headers: Any) -> None:
+        if self.refuses_checksum_headers and op != "DeleteObjects":
+            said = sorted(k.lower() for k in headers if k.lower().startswith("x-amz-checksum-"))
+            if said:
+                raise S3Error(400, "InvalidArgument", f"this store does not support the header {said[0]}")
+
+    def keep_headers(self, on: bool) -> None:
+        """True: keep each S3 request's operation and headers (lower-cased names; the
+        last 10000) in :attr:`seen_headers`, emptied; False: keep none."""
+        self.seen_headers = collections.deque(maxlen=10000) if on else None
 
     def now(self) -> float:
         """The server's clock."""

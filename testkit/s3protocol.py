@@ -226,6 +226,8 @@ class _S3App(_State):
             r = _Ctx(request, unquote(bucket), unquote(key), body)
             op = _op_name(method, r)
             self.ops[op] = self.ops.get(op, 0) + 1
+            if self.seen_headers is not None:
+                self.seen_headers.append((op, {k.lower(): v for k, v in request.headers.items()}))
             if op in ("PutObject", "UploadPart"):
                 self.bytes_in += body.size
             self.in_flight += 1
@@ -233,6 +235,7 @@ class _S3App(_State):
                 if self.latency_s:
                     await asyncio.sleep(self.latency_s)
                 self.check_credentials(request.headers.get("x-amz-date", ""))
+                self.check_checksum_headers(op, request.headers)
                 self._check_fault(op)
                 resp = await getattr(self, "op_" + op)(r)
                 if self.take_lost_reply(op):  # done, and the client never hears of it

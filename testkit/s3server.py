@@ -33,7 +33,9 @@ stored ``x-amz-checksum-crc32c``, as S3 does.
 than 15 minutes off it: 403 RequestTimeTooSkewed, error answers carry its ``Date``);
 ``POST /_objckpt/refuse_credentials?code=ExpiredToken``: every request refused with that code
 (``code=``: off); ``POST /_objckpt/checksums?checked=false``: checksums accepted unchecked and
-none reported back, as Ceph RGW does.
+none reported back, as Ceph RGW does. In process only (:class:`S3Server`): ``refuse_checksum_headers``
+(object requests carrying ``x-amz-checksum-*`` answered 400, as stores without flexible checksums
+do) and ``keep_headers`` / ``headers_seen`` (each request's operation and headers).
 
 Three modules: ``s3memstore`` (buckets, objects, uploads, stats, faults), ``s3protocol``
 (the S3 REST operations over aiohttp) and this one (running it: :class:`S3Server` on a
@@ -139,6 +141,10 @@ class S3Server:
         """The next ``count`` ``op`` operations answer ``status`` with an S3 XML error."""
         self._call(self.state.add_fault, op, count, status, code)
 
+    def clear_faults(self) -> None:
+        """Forget the faults :meth:`fail` set that were not used up."""
+        self._call(self.state.faults.clear)
+
     def throttle(self, max_in_flight: int) -> None:
         """Answer 503 SlowDown to requests beyond ``max_in_flight`` at once (0: off)."""
         self._call(self.state.set_throttle, max_in_flight)
@@ -162,6 +168,19 @@ class S3Server:
         """False: accept any ``x-amz-checksum-crc32c`` unchecked and report none back, as
         Ceph RGW does; True (the default): refuse a body that does not match it."""
         self._call(self.state.set_checksums_checked, on)
+
+    def refuse_checksum_headers(self, on: bool) -> None:
+        """True: refuse object requests carrying ``x-amz-checksum-*`` headers (400
+        InvalidArgument), as S3-compatible stores without flexible checksums do."""
+        self._call(self.state.set_checksum_headers_refused, on)
+
+    def keep_headers(self, on: bool = True) -> None:
+        """Keep each S3 request's (operation, headers) from now on (:meth:`headers_seen`)."""
+        self._call(self.state.keep_headers, on)
+
+    def headers_seen(self) -> List[Any]:
+        """(operation, headers with lower-cased names) of each S3 request since :meth:`keep_headers`."""
+        return self._call(lambda: list(self.state.seen_headers or ()))
 
     def lose_reply(self, op: str = "*", count: int = 1) -> None:
         """The next ``count`` ``op`` operations are carried out, then their connection is

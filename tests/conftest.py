@@ -14,6 +14,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from rgw_fixture import rgw, rgw_s3  # noqa: F401  (a real Ceph RGW, skipped with the reason where it cannot run)
+
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

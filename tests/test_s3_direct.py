@@ -349,17 +349,18 @@ def _spy_splice(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_bodies_are_copied_unless_splicing_is_asked_for(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Splicing is opt-in, and the variable is read at each send (a change between calls counts)."""
+    """Splicing is opt-in, by the client's ``splice`` (its store's OBJCKPT_SPLICE_BODIES, read
+    when the store opened): the variable alone, set after, changes nothing."""
     client, _ = fast_client
     spliced = _spy_splice(monkeypatch)
-    monkeypatch.delenv("OBJCKPT_SPLICE_BODIES", raising=False)
+    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
     data = os.urandom(1 << 20)
     client.put("k", [memoryview(bytearray(data))], {}, 5.0)
     assert spliced == [] and client.get("k", 5.0) == data
-    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
+    client.splice = True
     client.put("k2", [memoryview(bytearray(data))], {}, 5.0)
     assert sum(spliced) == len(data) and client.get("k2", 5.0) == data
-    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "0")
+    client.splice = False
     client.put("k3", [memoryview(bytearray(data))], {}, 5.0)
     assert sum(spliced) == len(data) and client.get("k3", 5.0) == data
 
@@ -367,8 +368,8 @@ def test_bodies_are_copied_unless_splicing_is_asked_for(fast_client: Any, monkey
 def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Large bodies leave by splice (the kernel sends from the caller's pages); once
     the 2xx answer is in, the server has read them all: the buffer may be reused."""
-    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
     client, _ = fast_client
+    client.splice = True
     spliced = _spy_splice(monkeypatch)
     data = os.urandom(4 << 20)
     buf = bytearray(data)
@@ -384,8 +385,8 @@ def test_a_failed_spliced_put_closes_its_connection(fast_client: Any, monkeypatc
     (abortively), never reused, and the next request goes on a fresh one."""
     from objckpt.storage.s3.request import S3HttpError
 
-    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
     client, srv = fast_client
+    client.splice = True
     client.put("warm", [memoryview(bytearray(10))], {}, 5.0)
     assert len(client._idle) == 1
     srv.fail("PutObject", count=1, status=500)
@@ -400,8 +401,8 @@ def test_a_failed_spliced_put_closes_its_connection(fast_client: Any, monkeypatc
 def test_without_splice_bodies_are_copied(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from objckpt.storage.s3 import wire
 
-    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")  # asked for, but not to be had
     client, _ = fast_client
+    client.splice = True  # asked for, but not to be had
     monkeypatch.setattr(wire, "_get_vmsplice", lambda: False)
     monkeypatch.setattr(wire, "PIPE_SIZES", ())
     data = os.urandom(3 << 20)
@@ -413,7 +414,6 @@ def test_without_splice_bodies_are_copied(fast_client: Any, monkeypatch: pytest.
 def test_a_body_nobody_reads_times_out(splice: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server takes the connection but never reads: the send times out within the
     timeout given (as sendall's would), and the connection is dropped; spliced or copied."""
-    monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", splice)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -421,7 +421,8 @@ def test_a_body_nobody_reads_times_out(splice: str, monkeypatch: pytest.MonkeyPa
     target = Target("http", "127.0.0.1", port, f"127.0.0.1:{port}", "/b", "us-east-1")
     # read_timeout far beyond the bound below: the send must stop on the 0.5 s it was given; the
     # bound is 120 times that (a loaded machine never reaches it), a tenth of the wrong timeout
-    client = DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2, read_timeout=600)
+    client = DirectClient("b", target, CredentialSource(Credentials("a", "b")), connect_timeout=2, read_timeout=600,
+                          splice=splice == "1")
     t0 = time.monotonic()
     try:
         with pytest.raises(TimeoutError):

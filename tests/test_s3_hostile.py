@@ -98,23 +98,33 @@ def test_an_upload_the_server_reads_slowly_runs_out_of_its_deadline(serve: Any) 
     assert client._idle == []  # the connection is not reused
 
 
+def _policy(options: dict[str, Any]) -> RetryPolicy:
+    """The policy a store opened with ``options`` gets (the AWS retry settings left unset)."""
+    import botocore.session
+
+    from objckpt.storage.s3.retry_settings import resolve_retry
+
+    return resolve_retry(dict(options), botocore.session.Session(), "the config file").policy
+
+
 def test_deadline_settings_come_from_options_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
     monkeypatch.delenv("OBJCKPT_S3_DEADLINE_FLOOR", raising=False)
     monkeypatch.delenv("OBJCKPT_S3_MIN_RATE", raising=False)
-    p = RetryPolicy.from_options({})
+    p = _policy({})
     assert (p.deadline_floor, p.min_rate) == (60.0, float(1 << 20))
     assert p.deadline(16 << 20) == 60.0 and p.deadline(1 << 30) == 1024.0
     monkeypatch.setenv("OBJCKPT_S3_DEADLINE_FLOOR", "5")
     monkeypatch.setenv("OBJCKPT_S3_MIN_RATE", "2e6")
-    p = RetryPolicy.from_options({})
+    p = _policy({})
     assert (p.deadline_floor, p.min_rate) == (5.0, 2e6)
-    p = RetryPolicy.from_options({"deadline_floor": "7", "min_rate": 3e6})  # the options win
+    p = _policy({"deadline_floor": "7", "min_rate": 3e6})  # the options win
     assert (p.deadline_floor, p.min_rate) == (7.0, 3e6)
     monkeypatch.setenv("OBJCKPT_S3_MIN_RATE", "fast")
     with pytest.raises(ValueError, match="OBJCKPT_S3_MIN_RATE"):
-        RetryPolicy.from_options({})
+        _policy({})
     with pytest.raises(ValueError, match="deadline_floor"):
-        RetryPolicy.from_options({"deadline_floor": 0, "min_rate": 1})
+        _policy({"deadline_floor": 0, "min_rate": 1})
 
 
 # -- interim answers -------------------------------------------------------------------

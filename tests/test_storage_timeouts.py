@@ -88,11 +88,21 @@ def test_permanent_500_fails_after_the_error_budget() -> None:
             objckpt.read("s3://perm500/run", storage_options=opts)
 
 
-def test_policy_from_options() -> None:
+def test_policy_from_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    import botocore.session
+
+    from objckpt.storage.s3.retry_settings import resolve_retry
+
+    for k in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
+    session = botocore.session.Session()
     opts: dict[str, Any] = {"read_timeout": "2.5", "max_attempts": 3, "throttle_attempts": 9, "other": 1}
-    p = RetryPolicy.from_options(opts)
-    assert (p.read_timeout, p.throttle_attempts, p.error_attempts) == (2.5, 9, 3)
+    p = resolve_retry(opts, session, "the config file").policy
+    # max_attempts caps every kind (botocore's meaning); a per-kind option wins over it
+    assert (p.read_timeout, p.throttle_attempts, p.error_attempts, p.timeout_attempts, p.connect_attempts) == (
+        2.5, 9, 3, 3, 3)
     assert opts == {"other": 1}
     assert p.attempts(Failure.FATAL) == 1
     with pytest.raises(ValueError, match="error_attempts"):
-        RetryPolicy.from_options({"error_attempts": 0})
+        resolve_retry({"error_attempts": 0}, session, "the config file")

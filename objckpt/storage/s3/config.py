@@ -42,7 +42,10 @@ from ...errors import ObjckptError, StorageError
 from ...logs import get_logger, register_secret
 from ...options import switch_word
 from .retry import RetryPolicy
-from .env_state import environment_state, files_state
+from .retry_settings import RetrySettings, resolve_retry
+from .setting import S3ConfigError, Setting, env_source as _env_source
+from .request_settings import RequestSettings, resolve_request_settings
+from .env_state import environment_state as environment_state, files_state  # re-exported for tests
 from . import rules, tls
 from .rules import Resolved
 from ..shape import parse_kind
@@ -50,7 +53,7 @@ from .credentials import CredentialSource, Credentials
 
 log = get_logger("objckpt.storage")
 
-#: the S3 storage options besides the retry budgets (:class:`RetryPolicy`)
+#: the S3 storage options besides the retry budgets (:class:`RetryPolicy` and ``max_attempts``)
 OPTIONS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
            "profile", "addressing_style", "ca_bundle", "verify", "unsigned", "request_payer", "sse_kms_key_id",
            "direct_http", "checksums", "adaptive", "concurrency", "endpoint_kind")
@@ -58,22 +61,6 @@ _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN
 _STYLES = ("auto", "path", "virtual")
 #: operations whose request carries the SSE-KMS headers (the object is created by them)
 _SSE_OPS = ("PutObject", "CreateMultipartUpload")
-
-
-class S3ConfigError(ObjckptError, ValueError):
-    """An S3 setting is wrong; ``setting`` names it and ``source`` where it came from."""
-
-    def __init__(self, setting: str, source: str, message: str) -> None:
-        super().__init__(f"S3 setting {setting} ({source}): {message}")
-        self.setting = setting
-        self.source = source
-
-    @classmethod
-    def from_message(cls, message: str) -> "S3ConfigError":
-        """(The setting and its source are in the text only: both empty.)"""
-        made = cls("", "", "")
-        made.args = (message,)
-        return made
 
 
 class NoCredentialsError(ObjckptError, PermissionError):
@@ -105,14 +92,6 @@ class Target:
     cafile: Optional[str] = None  # CA bundle (file or directory); None: the system's default
     verify: bool = True
     trust: str = ""  # where the CA bundle came from, for a failed verification's message
-
-
-@dataclass(frozen=True)
-class Setting:
-    """A resolved value and where it came from (for logs and error messages)."""
-
-    value: Any
-    source: str
 
 
 def _switch(options: dict[str, Any], name: str, env: Optional[str] = None) -> bool:
@@ -177,13 +156,6 @@ def _session(profile: Optional[str]) -> Any:
     return s
 
 
-def _env_source(value: Any, *names: str) -> Optional[str]:
-    for n in names:
-        if value and os.environ.get(n) == value:
-            return f"environment variable {n}"
-    return None
-
-
 @dataclass(frozen=True)
 class S3Config:
     """Everything a store's requests depend on, resolved once (:meth:`resolve`)."""
@@ -211,8 +183,11 @@ class S3Config:
     adaptive: bool = True
     checksums: bool = True
     endpoint_kind: str = "auto"
+    #: flexible checksums, the User-Agent app id, TCP keepalive, spliced bodies (:mod:`.request_settings`)
+    request_settings: RequestSettings = field(default_factory=RequestSettings)
     static_keys: Optional[Credentials] = field(default=None, repr=False, compare=False)
     _creds: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    retries: Optional[RetrySettings] = None  # the policy's sources (None: built without resolving)
 
     # -- what requests carry ---------------------------------------------------
     def extra_headers(self, op: str) -> dict[str, str]:
@@ -271,10 +246,11 @@ class S3Config:
             with _creds_lock:  # one chain walk at a time (sessions are shared by stores)
                 creds = _session(self.profile).get_credentials()
         if creds is None:
+            name, src = (self.profile, "storage option profile") if self.profile else _profile_env()
             raise NoCredentialsError(
                 f"no AWS credentials for s3://{self.bucket}: none in storage options (aws_access_key_id, "
                 f"aws_secret_access_key), the environment (AWS_ACCESS_KEY_ID...), the profile "
-                f"{self.profile or os.environ.get('AWS_PROFILE') or 'default'!r} of the AWS config and credentials "
+                f"{name or 'default'!r} ({src}) of the AWS config and credentials "
                 "files, SSO, web identity, container or instance roles; for a public bucket pass "
                 "storage option unsigned=True")
         log.debug("s3://%s: credentials from botocore's chain (%s)", self.bucket, getattr(creds, "method", "?"))
@@ -300,7 +276,9 @@ class S3Config:
                 f"endpoint {self.client_endpoint} ({self.endpoint_url.source}), region {self.region.value} "
                 f"({self.region.source}), {self.addressing_style.value} addressing ({self.addressing_style.source}), "
                 f"TLS {'CA ' + str(self.ca_bundle.value) + ' (' + self.ca_bundle.source + ')' if self.verify else 'unverified'}"
-                + (f", proxy {self.proxy.value} ({self.proxy.source})" if self.proxy.value else ""))
+                + (f", proxy {self.proxy.value} ({self.proxy.source})" if self.proxy.value else "")
+                + (f", {self.retries.describe()}" if self.retries is not None else "")
+                + (f"; {self.request_settings.describe()}" if self.request_settings.describe() else ""))
 
     # -- resolution ----------------------------------------------------------------
     @classmethod
@@ -317,16 +295,17 @@ def _opt(options: dict[str, Any], name: str) -> Any:
 
 def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
     concurrency = int(options.pop("concurrency", 32))
-    policy = RetryPolicy.from_options(options)
     adaptive = _switch(options, "adaptive")
+    checksums_given = "checksums" in options  # an explicit option wins over request_checksum_calculation
     checksums = _switch(options, "checksums")
     kind = parse_kind(options.pop("endpoint_kind", None))
     direct_wanted = _switch(options, "direct_http", env="OBJCKPT_S3_DIRECT_HTTP")
-    unknown = sorted(set(options) - set(OPTIONS))
+    retry_names = {f.name for f in dataclasses.fields(RetryPolicy)} | {"max_attempts"}
+    unknown = sorted(set(options) - set(OPTIONS) - retry_names)
     if unknown:  # said at once: a restore may never build the botocore client
         raise S3ConfigError(", ".join(unknown), "storage_options",
                             f"unknown S3 storage_options: {unknown} (known: {', '.join(sorted(OPTIONS))}; and the "
-                            f"retry budgets {', '.join(f.name for f in dataclasses.fields(RetryPolicy))})")
+                            f"retry budgets {', '.join(sorted(retry_names))})")
     for k in ("aws_secret_access_key", "aws_session_token"):  # never logged, whatever error text carries them
         register_secret(options.get(k))
     for k in _SECRET_ENV:
@@ -343,8 +322,7 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
     keys = _static_keys(options)
 
     profile = _opt(options, "profile")
-    profile_src = "storage option profile" if profile else _env_source(
-        os.environ.get("AWS_PROFILE"), "AWS_PROFILE", "AWS_DEFAULT_PROFILE") or "the default profile"
+    profile_src = "storage option profile" if profile else _profile_env()[1]
     walk = direct_wanted and not unsigned and keys is None  # the own path will sign with botocore's chain
     try:
         session, early = _session_and_walk(profile) if walk else (_session(profile), None)
@@ -354,6 +332,8 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
         raise S3ConfigError("profile", profile_src, f"{e} (profiles are read from {where})") from None
     in_file = f"profile {session.profile or 'default'!r} of {_config_file(session)}"
 
+    retries = resolve_retry(options, session, in_file)
+    sends = resolve_request_settings(session, in_file, checksums if checksums_given else None)
     region = _region(options, session, scoped, in_file)
     endpoint = _endpoint(options, session, scoped, in_file)
     s3_section = session.get_config_variable("s3") or {}
@@ -382,7 +362,8 @@ def _resolve(bucket: str, options: dict[str, Any]) -> S3Config:
     target = _target(url, signing.get("region") or region.value, ca.value, verify, ca.source)
     transport, why = _transport(direct_wanted, proxy, signing, url, client_endpoint)
     cfg = S3Config(bucket, profile, region, endpoint, client_endpoint, addressing, fips, dual, accel, verify, ca, proxy,
-                   target, transport, why, unsigned, payer, kms, concurrency, policy, adaptive, checksums, kind, keys)
+                   target, transport, why, unsigned, payer, kms, concurrency, retries.policy, adaptive,
+                   sends.part_checksums.value, kind, static_keys=keys, retries=retries, request_settings=sends)
     if early is not None:
         cfg._creds["early"] = early
     if target.scheme == "https" and transport is Transport.DIRECT:  # the first connection's context, loaded meanwhile
@@ -418,6 +399,17 @@ def _session_and_walk(profile: Optional[str]) -> tuple[Any, "concurrent.futures.
 
     early = _runtime.aside_pool().submit(job)
     return made.result(), early
+
+
+def _profile_env() -> tuple[Optional[str], str]:
+    """(profile, source) botocore takes from the environment: the first of its ``profile``
+    variables that is set, ``AWS_DEFAULT_PROFILE`` before ``AWS_PROFILE``."""
+    from botocore.configprovider import BOTOCORE_DEFAUT_SESSION_VARIABLES as variables
+
+    for name in variables["profile"][1]:
+        if name in os.environ:
+            return os.environ[name], f"environment variable {name}"
+    return None, "the default profile"
 
 
 def _config_file(session: Any) -> str:

@@ -38,13 +38,10 @@ import hashlib
 import socket
 import ssl
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 from xml.sax.saxutils import escape
-from urllib.parse import urlsplit
 
 from ...runtime import loop as _runtime
-from ...options import switch_word
 from .answers import WrongRegion, not_s3_error, not_s3_reason, region_of, says_wrong_region
 from . import config, refusals, request, tls
 from .request import DeleteError, ListPage, MalformedAnswer, S3HttpError, UploadsPage, xml_field
@@ -99,8 +96,12 @@ class DirectClient:
 
     def __init__(self, bucket: str, target: Target, creds: CredentialSource, *, connect_timeout: float,
                  read_timeout: float, deadline_floor: float = 60.0, min_rate: float = float(1 << 20),
-                 extra_headers: Optional[Callable[[str], Mapping[str, str]]] = None) -> None:
+                 extra_headers: Optional[Callable[[str], Mapping[str, str]]] = None, user_agent: str = "objckpt",
+                 keepalive: bool = False, splice: bool = False) -> None:
         self.bucket = bucket
+        self.user_agent = user_agent  # "objckpt", then botocore's "app/<id>" (sdk_ua_app_id)
+        self.keepalive = keepalive  # SO_KEEPALIVE on every connection (botocore's tcp_keepalive)
+        self.splice = splice  # request bodies spliced on plain TCP (OBJCKPT_SPLICE_BODIES, read when the store opened)
         self.extra_headers = extra_headers  # per operation: requester-pays, SSE-KMS (S3Config.extra_headers)
         self.target = target
         self.creds = creds
@@ -119,8 +120,13 @@ class DirectClient:
     # -- connections ------------------------------------------------------
     def _connect(self) -> Conn:
         t = self.target
-        sock = socket.create_connection((t.host, t.port), timeout=self.connect_timeout)
+        try:
+            sock = socket.create_connection((t.host, t.port), timeout=self.connect_timeout)
+        except OSError as e:
+            raise _naming_host(e, t) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.keepalive:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if self._ssl is not None:
             try:
                 sock = self._ssl.wrap_socket(sock, server_hostname=t.host)
@@ -190,14 +196,14 @@ class DirectClient:
                                                             extra=extra)
         target = f"{path}?{query}" if query else path
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.target.host_header}", "Accept-Encoding: identity",
-                 "User-Agent: objckpt"]
+                 f"User-Agent: {self.user_agent}"]
         if method in ("PUT", "POST"):
             lines.append(f"Content-Length: {sum(len(v) for v in body)}")
         lines += [f"{k}: {v}" for k, v in {**hdrs, **extra}.items()]
         conn.sock.settimeout(rd.dl.bound(rd.first_byte))
         conn.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         # straight from the caller's memory (tensors, staging buffers)
-        send_views(conn, body, rd.dl, rd.first_byte)
+        send_views(conn, body, rd.dl, rd.first_byte, splice=self.splice)
         head = rd.head()
         if 200 <= head.status < 300:
             conn.lent = False  # the server read the whole body: the socket holds none of it
@@ -388,10 +394,10 @@ class DirectClient:
             if refusals.says_why(why):
                 raise refusals.mark_explains_head(why) from None
 
-    def stored(self, key: str, first_byte: float) -> Optional[request.Stored]:
+    def stored(self, key: str, first_byte: float, checksum: bool = True) -> Optional[request.Stored]:
         """Size, ETag and stored crc32c of ``key`` (HEAD with ``x-amz-checksum-mode:
-        ENABLED``); ``None`` if absent."""
-        h = self._head_if_present(key, first_byte, {"x-amz-checksum-mode": "ENABLED"})
+        ENABLED``; ``checksum=False``: without it, and no crc32c); ``None`` if absent."""
+        h = self._head_if_present(key, first_byte, {"x-amz-checksum-mode": "ENABLED"} if checksum else {})
         if h is None:
             return None
         what = f"HEAD s3://{self.bucket}/{key}"
@@ -531,6 +537,20 @@ class DirectClient:
             if e.status == 404:
                 raise
             return e.region
+
+
+def _naming_host(e: OSError, t: Target) -> OSError:
+    """``e``, a failure to connect, saying the host and port it was for: with virtual-host
+    addressing that is the bucket's host (``bucket.endpoint``), not the endpoint's, and
+    the resolver's text (``Name or service not known``) names neither.  Same type, so
+    the retry budgets classify it as before."""
+    where = f"connecting to {t.host}:{t.port}" + (" (the bucket's virtual host)" if not t.prefix else "")
+    text = f"{e.strerror or e}: {where}"
+    try:
+        named = type(e)(e.errno, text) if e.errno is not None else type(e)(text)
+    except Exception:  # an OSError subclass with another signature: keep it as it was
+        return e
+    return named
 
 
 def _hint(head: Head, code: str) -> str:

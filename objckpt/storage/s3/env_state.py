@@ -65,11 +65,12 @@ def _read_digest(path: str) -> Optional[str]:
 
 
 #: variables outside AWS_* and OBJCKPT_S3* that a resolved configuration depends on:
-#: proxies (botocore's ``get_environ_proxies``), CA files, the CRT switch, and HOME
+#: proxies (botocore's ``get_environ_proxies``), CA files, the CRT switch, botocore's
+#: ``tcp_keepalive`` and objckpt's splice switch (:mod:`.request_settings`), and HOME
 #: (where ``~/.aws`` is)
 _OTHER_ENV = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy",
               "no_proxy", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "BOTO_DISABLE_CRT",
-              "OBJCKPT_SPLICE_BODIES", "HOME")
+              "BOTOCORE_TCP_KEEPALIVE", "OBJCKPT_SPLICE_BODIES", "HOME")
 
 
 def environment_state() -> tuple[Any, ...]:

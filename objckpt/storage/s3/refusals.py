@@ -40,7 +40,8 @@ _SECRET = ("the server computed another signature with the secret key it holds f
            "aws_secret_access_key; stray whitespace, another key's secret); an endpoint that wants another signing "
            "than SigV4 is served through botocore with storage option direct_http=False")
 _KEY_ID = ("the server knows no such access key id: check the access key id (storage option aws_access_key_id, "
-           "AWS_ACCESS_KEY_ID, or the profile chosen by storage option profile / AWS_PROFILE) and that the keys "
+           "AWS_ACCESS_KEY_ID, or the profile chosen by storage option profile, else AWS_DEFAULT_PROFILE, else "
+           "AWS_PROFILE, as botocore reads them) and that the keys "
            "belong to this endpoint (AWS keys do not work on another S3 service, nor the reverse)")
 
 #: S3's codes for refused credentials -> what to fix

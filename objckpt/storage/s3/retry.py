@@ -18,24 +18,19 @@ applies them to every request of an S3 store, on either transport, is
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
 import random
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
 # BadDigest / XAmzContentChecksumMismatch / IncompleteBody: the body arrived damaged or
 # short (it left objckpt intact: its checksum was computed here); sending it again may pass.
 # (RequestTimeTooSkewed is not here: requests are signed with this machine's clock, so sending
 # again cannot pass; .refusals names it at once.)
+# ConditionalRequestConflict (409): a conditional write raced another write of the key; S3
+# asks for a retry, which then succeeds or meets the winner's object (412).
 _SERVER_CODES = {"InternalError", "ServiceUnavailable", "RequestTimeout", "BadDigest",
-                 "XAmzContentChecksumMismatch", "IncompleteBody"}
-
-
-#: where the deadline settings come from when ``storage_options`` do not give them
-DEADLINE_ENV = {"deadline_floor": "OBJCKPT_S3_DEADLINE_FLOOR", "min_rate": "OBJCKPT_S3_MIN_RATE"}
+                 "XAmzContentChecksumMismatch", "IncompleteBody", "ConditionalRequestConflict"}
 
 
 class Failure(Enum):
@@ -50,7 +45,8 @@ class Failure(Enum):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retry and timeout budgets of one S3 store (all settable via ``storage_options``).
+    """Retry and timeout budgets of one S3 store (all settable via ``storage_options``;
+    resolved with the AWS retry settings by :mod:`.retry_settings`).
 
     Attempts count the first try.  With the defaults a refused connection is
     reported in well under 2 s, a silent endpoint after about 2 x read_timeout
@@ -67,7 +63,8 @@ class RetryPolicy:
     a second never trips ``read_timeout``, but it trips this.  The defaults
     (60 s, 1 MiB/s) let a 16 MiB part or an 8 MiB ranged GET take a minute;
     ``OBJCKPT_S3_DEADLINE_FLOOR`` and ``OBJCKPT_S3_MIN_RATE`` set them where
-    the options do not."""
+    the options do not.  ``max_attempts`` (option or AWS setting) caps the four
+    attempt budgets at once."""
 
     connect_timeout: float = 5.0  #: seconds to open a TCP/TLS connection
     read_timeout: float = 20.0  #: seconds to wait for the first (or next) byte of a response
@@ -84,36 +81,6 @@ class RetryPolicy:
     def deadline(self, size: int) -> float:
         """Seconds a request moving ``size`` bytes may take in all (see the class docstring)."""
         return max(self.deadline_floor, size / self.min_rate)
-
-    @classmethod
-    def from_options(cls, options: dict[str, Any]) -> "RetryPolicy":
-        """Pop this policy's keys (and the older ``max_attempts``) from ``options``."""
-        kw: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name in options:
-                value = options.pop(f.name)
-                try:
-                    kw[f.name] = type(f.default)(value)  # type: ignore[operator]
-                except (TypeError, ValueError):
-                    raise ValueError(f"storage option {f.name}={value!r}: expected a number") from None
-        if "max_attempts" in options:  # earlier single budget: applies to throttling and errors
-            n = int(options.pop("max_attempts"))
-            kw.setdefault("throttle_attempts", n)
-            kw.setdefault("error_attempts", n)
-        for name in ("throttle_attempts", "error_attempts", "timeout_attempts", "connect_attempts"):
-            if name in kw and kw[name] < 1:
-                raise ValueError(f"storage option {name} must be >= 1, got {kw[name]}")
-        for name, var in DEADLINE_ENV.items():
-            where = f"storage option {name}"
-            if name not in kw and os.environ.get(var, "").strip():
-                where = f"environment variable {var}"
-                try:
-                    kw[name] = float(os.environ[var])
-                except ValueError:
-                    raise ValueError(f"{where}={os.environ[var]!r}: expected a number") from None
-            if name in kw and not 0 < kw[name] < float("inf"):
-                raise ValueError(f"{where} must be a positive number, got {kw[name]}")
-        return cls(**kw)
 
     def attempts(self, kind: Failure) -> int:
         return {
@@ -147,8 +114,10 @@ def is_no_bucket(e: BaseException) -> bool:
 
 
 def is_precondition(e: BaseException) -> bool:
-    """A conditional request refused (``If-None-Match: *`` on an object that exists)."""
-    return error_code(e) in ("PreconditionFailed", "ConditionalRequestConflict") or http_status(e) in (409, 412)
+    """A conditional request refused (``If-None-Match: *`` on an object that exists): 412
+    only.  A 409 ConditionalRequestConflict says nothing of what is at the key (a write
+    raced this one), so it is retried (:data:`_SERVER_CODES`), never taken for this."""
+    return error_code(e) == "PreconditionFailed" or http_status(e) == 412
 
 
 def is_past_end(e: BaseException) -> bool:
@@ -176,6 +145,8 @@ def classify(e: BaseException) -> Failure:
     code, status = error_code(cause), http_status(cause)
     if code in _THROTTLE_CODES or status == 429:
         return Failure.THROTTLE
+    if code == "NotImplemented" or status == 501:  # the store lacks the operation: asking again cannot help
+        return Failure.FATAL
     if code in _SERVER_CODES or status >= 500:
         return Failure.SERVER
     if status:

@@ -81,8 +81,11 @@ class S3Store(ObjectStore):
         cfg = self.config
         self.concurrency = cfg.concurrency
         self.policy = cfg.policy
-        # checksums=False: send no x-amz-checksum-crc32c (some S3-compatible stores refuse it)
+        # checksums=False (or request_checksum_calculation=when_required): send no x-amz-checksum-crc32c
+        # (some S3-compatible stores refuse it)
         self.checksums = cfg.checksums
+        # response_checksum_validation=when_required: no x-amz-checksum-mode on the HEAD that asks for it
+        self.asks_stored_checksum = cfg.request_settings.asks_stored_checksum
         self.endpoint_kind = cfg.endpoint_kind
         self.pipeline = Pipeline(cfg)
         self.limiter = self.pipeline.limiter
@@ -238,7 +241,7 @@ class S3Store(ObjectStore):
     async def _write(self, what: str, op: Callable[[S3Transport, float], Awaitable[T]], *, has_body: bool = False,
                      conditional: bool = False, upload_id: Optional[str] = None) -> T:
         """A write through the pipeline, whose unretried answers that readers map (404,
-        416, and 412/409 unless the write is ``conditional``: its caller maps those)
+        416, and 412 unless the write is ``conditional``: its caller maps those)
         never go up bare: see :meth:`_refused_write`."""
         try:
             return await self.pipeline.send(what, op, has_body=has_body)
@@ -296,7 +299,7 @@ class S3Store(ObjectStore):
                 raise await self._refused_write(what, e, upload_id) from None
             gone = e
         found = await self.pipeline.send(f"HEAD s3://{self.bucket}/{key} (after {what} answered NoSuchUpload)",
-                                         lambda t, f: t.stored(key, f))
+                                         lambda t, f: t.stored(key, f, self.asks_stored_checksum))
         differs = expect.differs(found)
         if differs is None:
             log.info("S3 %s (upload %s) answered %s: an earlier attempt completed it (its answer was lost); the "

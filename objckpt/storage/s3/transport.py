@@ -55,7 +55,7 @@ class S3Transport(Protocol):
     async def get(self, key: str, first: float) -> bytes: ...
     async def read_range(self, key: str, start: int, sink: Sink, first: float) -> None: ...
     async def head(self, key: str, first: float) -> Optional[tuple[int, Optional[str]]]: ...
-    async def stored(self, key: str, first: float) -> Optional[Stored]: ...
+    async def stored(self, key: str, first: float, checksum: bool = True) -> Optional[Stored]: ...
     async def bucket_exists(self, first: float) -> bool: ...
     async def server_header(self, first: float) -> Optional[str]: ...
     async def put(self, key: str, views: Sequence[memoryview], headers: dict[str, str],
@@ -133,9 +133,12 @@ class DirectTransport:
         if region is not None and region != target.region:  # learned from a redirect earlier in this process
             target = retargeted(target, region)
         p = config.policy
+        sends = config.request_settings
         client = direct.DirectClient(config.bucket, target, creds, connect_timeout=p.connect_timeout,
                                         read_timeout=p.read_timeout, deadline_floor=p.deadline_floor,
-                                        min_rate=p.min_rate, extra_headers=config.extra_headers)
+                                        min_rate=p.min_rate, extra_headers=config.extra_headers,
+                                        user_agent=sends.user_agent(), keepalive=bool(sends.tcp_keepalive.value),
+                                        splice=bool(sends.splice_bodies.value))
         return cls(client, endpoint)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -167,8 +170,8 @@ class DirectTransport:
     async def head(self, key: str, first: float) -> Optional[tuple[int, Optional[str]]]:
         return await self._run(self.client.head, key, first)
 
-    async def stored(self, key: str, first: float) -> Optional[Stored]:
-        return await self._run(self.client.stored, key, first)
+    async def stored(self, key: str, first: float, checksum: bool = True) -> Optional[Stored]:
+        return await self._run(self.client.stored, key, first, checksum)
 
     async def bucket_exists(self, first: float) -> bool:
         return await self._run(self.client.bucket_exists, first)
@@ -210,6 +213,29 @@ class DirectTransport:
 
 # -- botocore ---------------------------------------------------------------------------
 
+def _keepalive_connector() -> dict[str, Any]:
+    """``AioConfig`` arguments that put ``SO_KEEPALIVE`` on the client's sockets (botocore's
+    ``tcp_keepalive``, which aiobotocore does not apply): aiohttp's ``socket_factory``, where
+    this aiohttp has one (3.12+); else none, said once per store at INFO."""
+    import inspect
+
+    import aiohttp
+    from aiobotocore.config import AioConfig
+
+    from .request_settings import keepalive_socket
+
+    args = {"connector_args": {"socket_factory": keepalive_socket}}
+    if "socket_factory" in inspect.signature(aiohttp.TCPConnector.__init__).parameters:
+        try:
+            AioConfig(**args)  # an aiobotocore that does not know the argument refuses it
+            return args
+        except Exception:  # noqa: BLE001 - botocore's ParamValidationError
+            pass
+    log.info("tcp_keepalive is on, but this aiohttp %s / aiobotocore cannot set socket options (socket_factory): "
+             "the botocore transport's connections go without SO_KEEPALIVE", aiohttp.__version__)
+    return {}
+
+
 class BotocoreTransport:
     """Every request through one aiobotocore client (see the module docstring)."""
 
@@ -235,6 +261,8 @@ class BotocoreTransport:
             parameter_validation=False,
             **extra,
         )
+        if config.request_settings.tcp_keepalive.value:  # aiobotocore drops botocore's socket options: ours
+            cfg.update(_keepalive_connector())
         try:
             aio = AioConfig(**cfg, request_checksum_calculation="when_required",
                             response_checksum_validation="when_required")
@@ -326,9 +354,9 @@ class BotocoreTransport:
         async with r["Body"]:
             pass
 
-    async def stored(self, key: str, first: float) -> Optional[Stored]:
+    async def stored(self, key: str, first: float, checksum: bool = True) -> Optional[Stored]:
         try:
-            r = await self._call("head_object", first, Key=key, ChecksumMode="ENABLED")
+            r = await self._call("head_object", first, Key=key, **({"ChecksumMode": "ENABLED"} if checksum else {}))
         except Exception as e:
             if is_missing(e):
                 return None

@@ -30,7 +30,6 @@ except ImportError:  # not a Unix: no low-water mark (see Conn.lowat)
     fcntl = termios = None  # type: ignore[assignment]
 
 from ...checksum import CellCrcs
-from ...options import switch_word
 
 #: bytes a plain-TCP body receive waits for before it wakes (see :func:`receive`)
 RECV_LOWAT = 1 << 20
@@ -298,20 +297,6 @@ class _Iovec(ctypes.Structure):
 _vmsplice: Any = None  # libc's, once found; False where there is none
 #: splicing is possible here (False for good once the kernel refused it)
 SPLICE = hasattr(os, "splice") and _LINUX
-#: the environment variable that turns spliced bodies on (read at every send)
-SPLICE_ENV = "OBJCKPT_SPLICE_BODIES"
-
-
-def splice_wanted() -> bool:
-    """Whether bodies are spliced: opt-in (``OBJCKPT_SPLICE_BODIES=1``), off by default.
-
-    Why off: splicing saves the client about a quarter of a save's CPU (0.40 -> 0.29
-    CPU-s/GB, 1.03 GiB, local server), but in the same runs it made saves no faster
-    warm, 12% slower cold, and 2-rank saves 15-25% slower (ranks and server sharing
-    the cores), and wall time is what a training job waits on
-    (``benchmarks/results/splice-cold-warm.json``, docs/benchmarks.md).  Read at
-    every send, so a change between calls takes effect."""
-    return SPLICE and switch_word(os.environ.get(SPLICE_ENV, "0")) is True
 
 
 def _get_vmsplice() -> Any:
@@ -346,8 +331,9 @@ def _pipe(conn: Conn) -> Optional[tuple[int, int]]:
 
 
 def send_views(conn: Conn, views: "list[memoryview] | tuple[memoryview, ...]", deadline: Optional[Deadline] = None,
-               stall: Optional[float] = None) -> None:
-    """Send ``views`` in order.  With :func:`splice_wanted`, on plain TCP (Linux) each large
+               stall: Optional[float] = None, splice: bool = False) -> None:
+    """Send ``views`` in order.  With ``splice`` (the store's ``OBJCKPT_SPLICE_BODIES``, read
+    when it opened: :mod:`.request_settings`, off by default), on plain TCP (Linux) each large
     writable buffer is spliced: ``vmsplice`` lends its pages to a pipe and ``splice`` moves them into the
     socket, so the kernel sends from the caller's memory instead of copying it first
     (the copy was ~40% of a save's client CPU on a local server).  The caller's bytes
@@ -361,7 +347,7 @@ def send_views(conn: Conn, views: "list[memoryview] | tuple[memoryview, ...]", d
     socket's timeout bounds each body buffer whole (as ``sendall`` does).  A
     64 MiB body leaves in about 40 ``send`` calls on loopback: the loop costs
     nothing measurable next to ``sendall``."""
-    splice = splice_wanted() and _plain_tcp(conn.sock)
+    splice = splice and SPLICE and _plain_tcp(conn.sock)
     per = conn.sock.gettimeout() if stall is None else stall
     for v in views:
         if splice and len(v) >= SPLICE_MIN and not v.readonly and v.contiguous and _splice(conn, v, deadline, per):

@@ -1,7 +1,7 @@
 """What an S3 write's 404 (or other answer readers map) means, and how a completed
 multipart upload whose answer was lost is told from anything else at its key.
 
-The pipeline (:mod:`.send`) passes a 404, a 412/409 and a 416 up unretried for the
+The pipeline (:mod:`.send`) passes a 404, a 412 and a 416 up unretried for the
 caller to map: a read maps them to "not found" or "past the end".  A write has no
 such meaning for them, so the store maps them here into a named
 :class:`~objckpt.errors.StorageError` (a missing bucket being
@@ -78,7 +78,7 @@ def upload_gone(upload_id: Optional[str]) -> str:
 
 
 def refusal(e: BaseException, upload_id: Optional[str] = None) -> str:
-    """Why S3 refused a write with an answer readers map (404, 412/409, 416), and what
+    """Why S3 refused a write with an answer readers map (404, 412, 416), and what
     to check; a missing bucket is decided by the store before this is asked."""
     if error_code(e) == "NoSuchUpload":
         return upload_gone(upload_id)
@@ -86,5 +86,5 @@ def refusal(e: BaseException, upload_id: Optional[str] = None) -> str:
         return ("the bucket exists, yet the endpoint answered 404 to a write: is endpoint_url the S3 API's "
                 "address, with nothing in between rewriting paths?")
     if is_precondition(e):
-        return "a write objckpt sent without a condition was refused as a failed precondition or a conflict"
+        return "a write objckpt sent without a condition was refused as a failed precondition"
     return "a write was refused as if it were a ranged read past an object's end"
