@@ -245,6 +245,24 @@ def test_s3_is_one_package() -> None:
     assert not [p for p in (ROOT / "storage").glob("*.py") if p.stem.startswith(("s3_", "sigv4", "wire", "http_"))]
 
 
+#: the S3 modules that read the environment: the one configuration resolution and its parts
+S3_ENV_READERS = {"config", "env_state", "setting", "retry_settings", "request_settings"}
+
+
+def test_s3_reads_the_environment_in_one_place() -> None:
+    """Every S3 setting from the environment is read when a store opens, by the configuration
+    resolution, so the store cache (keyed on that environment) follows it; a module that read
+    ``os.environ`` on its own would keep using a value the cache no longer stands for."""
+    bad = []
+    for module, path in _modules():
+        parts = module.split(".")
+        if parts[:2] == ["storage", "s3"] and parts[-1] not in S3_ENV_READERS:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                    bad.append(f"{module} line {node.lineno}: os.{node.attr}")
+    assert not bad, "; ".join(bad)
+
+
 def test_test_kit_is_not_installed() -> None:
     """The S3 server, fault campaign, proxies and meters live in the checkout's testkit/, which
     the wheel leaves out: objckpt.testing holds only the public test doubles, and no installed
