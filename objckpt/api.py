@@ -171,6 +171,7 @@ def load(
     collective_timeout: Optional[float] = None,
     cast: bool = False,
     memory_bytes: Optional[int] = None,
+    allow_optimizer_change: bool = False,
 ) -> LoadResult:
     """Fill ``state_dict``'s tensors in place (any device) from the checkpoint.
 
@@ -196,7 +197,13 @@ def load(
     modules, optimizers, schedulers...) are loaded through them: their current
     ``state_dict()`` is the template, then ``load_state_dict()`` receives it
     filled.  A freshly built optimizer's missing per-parameter state is created
-    from the checkpoint (see :mod:`objckpt.state` for the rule).
+    from the checkpoint (see :mod:`objckpt.state` for the rule).  A checkpoint of another
+    kind of optimizer (an AdamW checkpoint into SGD: each side's param groups, or the
+    per-parameter state where the template has some, have names the other lacks) is
+    refused with :class:`~objckpt.errors.OptimizerMismatchError` before anything is
+    loaded, where torch would load it silently; ``allow_optimizer_change=True`` loads it
+    anyway (see :mod:`objckpt.load.optimizer_match`).  The same optimizer built with
+    other hyperparameter values loads, and takes the stored values.
 
     ``read_strategy`` says how ranks that need the same bytes (replicated
     tensors, the DP groups of a DP x TP layout) read them: ``"direct"`` (each
@@ -224,7 +231,8 @@ def load(
     return load_session(state_dict, lambda: ReadSession(uri, storage_options, store), uri, strict=strict,
                         allow_pickle=allow_pickle, process_group=process_group, read_strategy=read_strategy,
                         collective_bytes=collective_bytes, no_dist=no_dist,
-                        collective_timeout=collective_timeout, cast=cast, memory_bytes=memory_bytes)
+                        collective_timeout=collective_timeout, cast=cast, memory_bytes=memory_bytes,
+                        allow_optimizer_change=allow_optimizer_change)
 
 
 def load_session(
@@ -242,6 +250,7 @@ def load_session(
     cast: bool = False,
     memory_bytes: Optional[int] = None,
     prepared: Optional[PreparedLoad] = None,
+    allow_optimizer_change: bool = False,
 ) -> LoadResult:
     """:func:`load` from the session ``session()`` opens on ``uri``'s checkpoint (opened
     inside the ranks' guard, so a failure to open it reaches every rank): the seam a
@@ -256,16 +265,17 @@ def load_session(
     reader = CollectiveReader(comm, ReadStrategy(strategy), Budget(max(collective_bytes, 1)))
     with reader.failing_together(uri):
         opts = LoadOptions(strict, allow_pickle, read_strategy, collective_bytes,  # type: ignore[arg-type]
-                           no_dist, collective_timeout, cast, memory_bytes)
+                           no_dist, collective_timeout, cast, memory_bytes, allow_optimizer_change)
         reader.memory = load_budget(opts.memory_bytes, opts.collective_bytes)  # the load's one budget
         return load_into(state_dict, session(), reader, opts, prepared)
 
 
 def delete(uri: str, *, storage_options: Optional[dict[str, Any]] = None,
            store: Optional[ObjectStore] = None) -> DeleteReport:
-    """Delete the checkpoint at ``uri``: its manifest first (the checkpoint stops
-    existing at once, never half-visible), then the blobs and index objects that
-    manifest names.  :class:`NotFoundError` when no checkpoint is committed there.
+    """Delete the checkpoint at ``uri`` and every object it owns (:mod:`objckpt.ops.owned`):
+    the Lightning plugin's marker at ``uri`` first, when there is one, then its manifest
+    (the checkpoint stops existing at once, never half-visible), then the blobs and index
+    objects that manifest names.  :class:`NotFoundError` when no checkpoint is committed there.
     Objects the manifest does not name (a killed save's leftovers) are ``gc``'s.
     Not a collective: call it from one rank."""
     st, prefix = open_location(uri, storage_options, store)

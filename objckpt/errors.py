@@ -136,8 +136,26 @@ class UnsupportedFormatError(ObjckptError, ValueError):
     """The manifest is of a format version this release cannot read."""
 
 
+class DcpDirectoryError(UnsupportedFormatError):
+    """A :class:`~objckpt.CheckpointManager`'s root is a torch.distributed.checkpoint (DCP)
+    directory (a ``.metadata``, at the root or in a folder right under it) and holds no
+    objckpt step.  Raised where the manager would otherwise answer "no step yet"
+    (``latest_step()`` None), so that a job does not start from scratch beside the run
+    it means to resume; the message names the DCP folders and ``objckpt convert``.  Not
+    a ``FileNotFoundError``: code that starts afresh on one must not swallow it."""
+
+
 class StateDictMismatchError(ObjckptError, ValueError):
     """The caller's state dict does not fit the checkpoint (keys, dtypes, shapes)."""
+
+
+class OptimizerMismatchError(StateDictMismatchError):
+    """The checkpoint holds another kind of optimizer's state than the template's optimizer
+    (an AdamW checkpoint loaded into SGD): each side has hyperparameter names (or
+    per-parameter state names) the other lacks.  Raised before anything is loaded; the
+    message names the optimizer's key, the param group or parameter, and both sides'
+    names.  ``load(..., allow_optimizer_change=True)`` loads it anyway, as torch's
+    ``load_state_dict`` would (see :mod:`objckpt.load.optimizer_match`)."""
 
 
 class MissingKeyError(ObjckptError, KeyError):
@@ -188,6 +206,14 @@ class StorageTimeoutError(StorageError, TimeoutError):
     """A storage request ran out of time on every attempt its retry budget allowed:
     no answer within the first-byte or read timeout, or an answer slower than the
     minimum rate (the per-request deadline, see docs/reliability.md)."""
+
+
+class PlainHttpEndpointError(StorageError, ConnectionError):
+    """An ``https://`` endpoint answered the TLS handshake with bytes that are not TLS
+    (OpenSSL: "wrong version number", "record layer failure", "packet length too
+    long"): it serves plain HTTP on that port.  Raised at once, never retried, on
+    either S3 transport; the message names the endpoint, where its URL came from and
+    the ``http://`` URL to use instead."""
 
 
 class NotS3EndpointError(ObjckptError, ConnectionError):

@@ -161,6 +161,9 @@ class LoadOptions:
     #: it.  None: each part its default (objckpt.runtime.memory: 256 MiB each, ``collective_bytes``
     #: for the batches, about 1 GiB in all), and a piece larger than its part is read alone
     memory_bytes: Optional[int] = None
+    #: load another kind of optimizer's state (an AdamW checkpoint into SGD) instead of refusing
+    #: it with an OptimizerMismatchError (objckpt.load.optimizer_match)
+    allow_optimizer_change: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "read_strategy", ReadStrategy.parse(self.read_strategy))

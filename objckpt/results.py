@@ -55,9 +55,10 @@ class LoadResult:
     strategy: str = "direct"  # how replicated tensors were read: direct, broadcast, allgather ("+"-joined if mixed)
     #: seconds of each phase: manifest, plan, fetch, fill
     timings: Timings = field(default_factory=Timings)
-    #: CheckpointManager with a local tier: the step restored, where this rank's share came
-    #: from ("local", "peer": repaired from other nodes, "object": object storage), and every
-    #: rank's source (see docs/tiering.md); None / "" / {} for a plain load
+    #: CheckpointManager.load: the step loaded (with a local tier or without; None for
+    #: objckpt.load).  With a local tier also where this rank's share came from ("local",
+    #: "peer": repaired from other nodes, "object": object storage), and every rank's source
+    #: (see docs/tiering.md); "" / {} otherwise
     step: Optional[int] = None
     source: str = ""
     tiers: dict[int, str] = field(default_factory=dict)

@@ -109,13 +109,13 @@ def test_packed_fp4_round_trips_as_its_bytes(tmp_path: Any) -> None:
 
 
 def test_info_into_a_closed_pipe_ends_without_a_traceback(tmp_path: Any) -> None:
-    """``objckpt info ... | head -1``: the reader leaves after one line of some 160 KB (more
+    """``objckpt info --all ... | head -1``: the reader leaves after one line of some 160 KB (more
     than a pipe holds, so the command is still writing when the pipe closes)."""
     uri = str(tmp_path / "ck")
     name = "encoder.layers.{:04d}.self_attention.query_key_value.some_rather_long_parameter_name.weight"
     objckpt.save({name.format(i): torch.zeros(1) for i in range(1200)}, uri)
     code = "import sys; from objckpt.cli import main; sys.exit(main())"
-    p = subprocess.Popen([sys.executable, "-c", code, "info", uri], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", code, "info", "--all", uri], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          cwd=str(tmp_path))
     assert p.stdout is not None and p.stderr is not None
     assert p.stdout.readline().decode().strip() == uri

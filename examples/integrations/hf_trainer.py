@@ -5,12 +5,16 @@ Run::
     python examples/integrations/hf_trainer.py s3://bucket/run-1 --stop-at 4     # saves steps 2 and 4, stops
     python examples/integrations/hf_trainer.py s3://bucket/run-1 --resume latest  # continues at 5
     python examples/integrations/hf_trainer.py s3://bucket/run-2 --resume s3://bucket/run-1/step-0000000002
+    python examples/integrations/hf_trainer.py --from-pretrained s3://bucket/run-1/step-0000000006
 
 The S3 endpoint and credentials come from the environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...).  The model is a tiny GPT-2 built from a config
 (random weights, dropout on), the data fixed and shuffled by the Trainer, so a
 run that stops and resumes logs exactly the losses of a run that never stopped;
 ``tests/test_hf_trainer.py`` checks that against moto S3, in fresh processes.
+``--from-pretrained`` builds the model from a step in one call
+(``objckpt.integrations.hf_pretrained.from_pretrained``, no export first);
+``tests/test_hf_pretrained.py`` runs it.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ import tempfile
 from typing import Any, Optional
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
+from objckpt.integrations.hf_pretrained import from_pretrained, training_arguments
 from objckpt.integrations.hf_trainer import ObjckptTrainer
 
 MAX_STEPS = 6
@@ -32,7 +37,9 @@ def model() -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
                         eos_token_id=0)  # dropout 0.1 (the default)
-    return GPT2LMHeadModel(config)
+    m = GPT2LMHeadModel(config)
+    m.generation_config.update(max_new_tokens=8, do_sample=True, top_k=4)  # stored with each step
+    return m
 
 
 def dataset(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -90,16 +97,33 @@ def train(root: str, *, resume: Optional[str] = None, stop_at: Optional[int] = N
         trainer.train(resume_from_checkpoint=resume)  # "latest", an objckpt URI, or None
         losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
         return {"losses": losses, "weights": record.weights, "global_step": trainer.state.global_step,
-                "best": trainer.state.best_model_checkpoint, "steps": trainer.checkpoint_manager.steps()}
+                "best": trainer.state.best_model_checkpoint, "steps": trainer.checkpoint_manager.steps(),
+                "args": args.to_dict()}
+
+
+def pretrained(step_uri: str, storage_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The model of a step, built by ``from_pretrained`` in one call, and the run's arguments."""
+    m = from_pretrained(AutoModelForCausalLM, step_uri, storage_options=storage_options)
+    args = training_arguments(step_uri, storage_options=storage_options)
+    return {"class": type(m).__name__, "weights": digest(m), "generation_config": m.generation_config.to_dict(),
+            "tied": m.lm_head.weight.data_ptr() == m.transformer.wte.weight.data_ptr(),
+            "args": args.to_dict(), "name_or_path": m.name_or_path}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("root", help="checkpoint root, e.g. s3://bucket/run-1")
+    p.add_argument("root", nargs="?", help="checkpoint root, e.g. s3://bucket/run-1")
+    p.add_argument("--from-pretrained", metavar="STEP_URI", default=None,
+                   help="build the model of a step with from_pretrained and print what it holds")
     p.add_argument("--resume", default=None, help='"latest" or a checkpoint URI')
     p.add_argument("--stop-at", type=int, default=None)
     a = p.parse_args()
-    print(json.dumps(train(a.root, resume=a.resume, stop_at=a.stop_at)))
+    if a.from_pretrained:
+        print(json.dumps(pretrained(a.from_pretrained)))
+    elif a.root:
+        print(json.dumps(train(a.root, resume=a.resume, stop_at=a.stop_at)))
+    else:
+        p.error("give a checkpoint root, or --from-pretrained STEP_URI")
 
 
 if __name__ == "__main__":

@@ -1,39 +1,19 @@
-"""``objckpt info | gc | cp | diff | verify``: commands on checkpoints as a whole.
+"""``objckpt gc | cp | diff | verify``: commands on checkpoints as a whole (``info``: :mod:`.info`).
 
-The work itself is :mod:`objckpt.ops` (copy, diff, gc, block-crc verify) and
-:mod:`objckpt.api` (inspect, read); these functions turn flags into calls and
-results into lines on stdout.  ``diff`` exits 1 when the checkpoints differ.
+The work itself is :mod:`objckpt.ops` (copy, diff, gc, block-crc verify); these functions
+turn flags into calls and results into lines on stdout, every tensor count as
+:class:`objckpt.format.manifest.TensorCount` prints it.  ``diff`` exits 1 when the
+checkpoints differ.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 from .options import add_command, bar, json_object, second_store_options, storage_options
 
 MB = 1 << 20
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    """A checkpoint's manifest: a summary and one line per tensor, or (``--json``) the raw manifest."""
-    from ..api import inspect
-
-    m = inspect(args.uri, storage_options=storage_options(args))
-    if args.json:
-        from ..format.manifest import to_json_obj
-
-        print(json.dumps(to_json_obj(m), indent=1))
-        return 0
-    created = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m.created))
-    print(f"{args.uri}\n  format v{m.format_version}, written by {m.writer or '?'} at {created}")
-    print(f"  {len(m.tensors)} tensors, {m.nbytes() / 1e6:.2f} MB in {len(m.blobs)} blob(s); metadata {json.dumps(m.metadata)}")
-    width = max((len(k) for k in m.tensors), default=10)
-    for k, t in m.tensors.items():
-        extra = f" -> {t.alias_of}" if t.alias_of else f" {len(t.chunks)} chunk(s)"
-        print(f"  {k:<{width}} {t.dtype:<14} {str(list(t.shape)):<20}{extra}")
-    return 0
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -45,8 +25,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     store, prefix = open_store(args.uri, storage_options(args))
     r = _runtime.run(collect_garbage(store, prefix, grace=args.grace_hours * 3600, dry_run=args.dry_run))
     verb = "would delete" if args.dry_run else "deleted"
+    markers = set(r.markers)
     for k in r.deleted:
-        print(f"  {verb} {k}")
+        print(f"  {verb} {k}" + (" (Lightning marker of a deleted checkpoint)" if k in markers else ""))
     for k in r.aborted_uploads:
         print(f"  {'would abort' if args.dry_run else 'aborted'} upload {k}")
     for k in r.unreadable:
@@ -65,7 +46,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
                  dst_storage_options=second_store_options(args, args.dst_storage_options, args.dst_endpoint_url),
                  overwrite=args.overwrite, part_size=int(args.part_size_mb * MB),
                  memory_bytes=int(args.memory_mb * MB), progress=pb.update)
-    print(f"copied {r.src} -> {r.dst}: {r.tensors} tensors, {r.bytes / 1e6:.2f} MB in {r.blobs} blob(s), "
+    print(f"copied {r.src} -> {r.dst}: {r.count}, {r.bytes / 1e6:.2f} MB in {r.blobs} blob(s), "
           f"{r.chunks_verified} chunk crc(s) verified, {r.objects} object(s) written in {r.seconds:.2f} s")
     return 0
 
@@ -84,7 +65,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     for k in r.differing:
         print(f"tensor differs: {k} (decided by {r.decided[k]})")
     by = {how: sum(1 for k, v in r.decided.items() if v == how and k not in r.differing) for how in ("crc", "bytes")}
-    print(f"{'equal' if r.equal else 'different'}: {len(r.decided) - len(r.differing)} tensor(s) equal "
+    counts = f"{r.a_tensors}" if r.a_tensors == r.b_tensors else f"A {r.a_tensors}, B {r.b_tensors}"
+    print(f"{'equal' if r.equal else 'different'}: {counts}; {len(r.decided) - len(r.differing)} tensor(s) equal "
           f"({by['crc']} by crc without reading, {by['bytes']} by bytes), {len(r.differing)} differ, "
           f"{len(r.only_a)} only in A, {len(r.only_b)} only in B, {len(r.mismatched)} dtype/shape, "
           f"{len(r.values_differing)} value(s); {r.bytes_read / 1e6:.2f} MB read")
@@ -102,15 +84,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     m = session.inspect(True)  # chunks listed: the bytes to verify
     with bar(args, "verify", sum(m.nbytes(k) for k in m.tensors if session.stored_key(k) == k)) as pb:
         rep = verify_checkpoint(session, int(args.memory_mb * MB), pb.update)
-    print(f"ok: {rep.tensors} tensors, {rep.nbytes / 1e6:.2f} MB, {rep.block_crcs} block crc(s) verified in "
+    print(f"ok: {rep.count}, {rep.nbytes / 1e6:.2f} MB, {rep.block_crcs} block crc(s) verified in "
           f"{time.perf_counter() - t:.2f} s")
     return 0
-
-
-def add_info(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = add_command(sub, common, "info", "show a checkpoint's manifest", cmd_info)
-    p.add_argument("uri")
-    p.add_argument("--json", action="store_true", help="print the raw manifest")
 
 
 def add_gc(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -133,7 +133,7 @@ def run_demo(uri: Optional[str] = None, storage_options: Optional[dict[str, Any]
     for name, nbytes, secs, reqs in rows:
         print(f"{name:<22} {nbytes / 1e6:9.2f} {secs:9.3f} {nbytes / secs / 1e9 if secs else 0:7.3f} {reqs:9d}")
     print()
-    print(f"checkpoint: {len(m.tensors)} tensors in {len(m.blobs)} blob(s), {m.total_blob_bytes / 1e6:.1f} MB, "
+    print(f"checkpoint: {m.tensor_count()} in {len(m.blobs)} blob(s), {m.total_blob_bytes / 1e6:.1f} MB, "
           f"manifest format v{m.format_version}")
     ok = all(checks.values())
     for name, good in checks.items():

@@ -12,11 +12,11 @@ import sys
 from typing import Optional, Sequence
 
 from ..errors import ObjckptError
-from . import bench, checkpoints, convert, demo, manager
+from . import bench, checkpoints, convert, demo, info, manager
 from .options import common_options
 
 #: every sub-command, in the order of ``objckpt --help``
-ADDERS = (demo.add_demo, bench.add_bench, convert.add_convert, convert.add_export, checkpoints.add_info,
+ADDERS = (demo.add_demo, bench.add_bench, convert.add_convert, convert.add_export, info.add_info,
           manager.add_ls, checkpoints.add_gc, checkpoints.add_cp, checkpoints.add_diff, checkpoints.add_verify,
           manager.add_rm, manager.add_prune)
 

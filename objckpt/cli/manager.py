@@ -9,8 +9,9 @@
   is: ``object`` (indexed under ROOT), ``local`` (this node's folder holds it
   whole) or ``local-partial`` (its manifest and some files: the rest is on other
   nodes), and steps held only locally are listed too.
-* ``rm URI``: :func:`objckpt.delete` (manifest first, then its objects); when
-  URI is a step of a manager root, the step leaves the index first.
+* ``rm URI``: :func:`objckpt.delete` (every object the checkpoint owns,
+  :mod:`objckpt.ops.owned`: a Lightning marker first, the manifest, then its
+  objects); when URI is a step of a manager root, the step leaves the index first.
 * ``prune ROOT --keep-last M --keep-every K [--keep-best N --best-key KEY]
   [--keep-every-seconds T] [--dry-run]``: apply a retention policy once (same rules and order as the
   manager's background retention), over every committed step: steps missing
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -45,13 +47,24 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
+def natural_key(name: str) -> tuple[list[Any], str]:
+    """Sort key that orders the numbers in names as numbers: ``step-5`` before ``step-10``
+    (text order puts ``step-10`` first), ``epoch=2-step=50`` before ``epoch=10-step=5``.
+    The runs of digits compare as integers, the text between them as text (``re.split``
+    alternates the two, so like compares with like); ties (``step-05``, ``step-5``) by text."""
+    parts: list[Any] = [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", name))]
+    return parts, name
+
+
 def raw_listing(uri: str, options: Optional[dict[str, Any]]) -> list[str]:
-    """URIs of the committed checkpoints under ``uri`` (one LIST): every ``.../manifest.json``."""
+    """URIs of the committed checkpoints under ``uri`` (one LIST): every ``.../manifest.json``,
+    numbers in their names in numeric order (:func:`natural_key`)."""
     store, prefix = open_store(uri, options)
     scheme, root, _ = split_uri(uri)
     base = "/" if scheme == "file" else f"{scheme}://{root}/"
     objs = _runtime.run(store.list(prefix.rstrip("/") + "/" if prefix else ""))
-    found = sorted(o.key[: -len(keys.MANIFEST_NAME) - 1] for o in objs if o.key.endswith("/" + keys.MANIFEST_NAME))
+    found = sorted((o.key[: -len(keys.MANIFEST_NAME) - 1] for o in objs if o.key.endswith("/" + keys.MANIFEST_NAME)),
+                   key=natural_key)
     return [base + p for p in found]
 
 
@@ -135,7 +148,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
             _runtime.run(index.remove({step}))
             print(f"removed step {step} from the index of {parent or '/'}")
     report = _runtime.run(delete_checkpoint(store, prefix, args.uri))
-    print(f"deleted {args.uri}: manifest and {len(report.deleted)} object(s)"
+    print(f"deleted {args.uri}: " + ("Lightning marker, " if report.marker else "")
+          + f"manifest and {len(report.deleted)} object(s)"
           + (" (manifest was unreadable: run gc for its objects)" if report.manifest_unreadable else ""))
     return 0
 

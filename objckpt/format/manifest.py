@@ -152,6 +152,27 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class TensorCount:
+    """How many tensors a checkpoint holds, counted one way by every command and report.
+
+    ``tensors`` counts keys: every tensor ``load`` fills and ``read`` returns, tied ones
+    included (a tied ``lm_head.weight`` is a tensor of the state like any other).  ``tied``
+    of them share their bytes with another key and are stored once, under that key; so
+    ``stored`` tensors have bytes of their own.  Printed as ``113 tensors (1 tied: stored
+    once)``."""
+
+    tensors: int
+    tied: int = 0
+
+    @property
+    def stored(self) -> int:
+        return self.tensors - self.tied
+
+    def __str__(self) -> str:
+        return f"{self.tensors} tensors" + (f" ({self.tied} tied: stored once)" if self.tied else "")
+
+
+@dataclass(frozen=True)
 class Blob:
     name: str  # path relative to the checkpoint prefix (spread: see ``spread``)
     size: int
@@ -217,6 +238,10 @@ class Manifest:
     @property
     def keys(self) -> list[str]:
         return list(self.tensors)
+
+    def tensor_count(self) -> TensorCount:
+        """The checkpoint's tensors as every command counts them (see :class:`TensorCount`)."""
+        return TensorCount(len(self.tensors), sum(1 for t in self.tensors.values() if t.alias_of is not None))
 
     def nbytes(self, key: Optional[str] = None) -> int:
         """Stored bytes of one tensor, or of all (aliases counted once)."""

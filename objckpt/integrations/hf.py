@@ -11,6 +11,10 @@ Memory: tensors are read one at a time (a resharding read of the whole tensor:
 from a multi-rank checkpoint it is assembled from every rank's pieces, only those
 bytes fetched), cast if asked, written and dropped; shard files are written
 under a temporary name and renamed, and the index last.
+
+The whole folder ``from_pretrained`` reads (the step's ``config.json`` and
+``generation_config.json`` too), or the model in one call:
+:mod:`objckpt.integrations.hf_pretrained`.
 """
 from __future__ import annotations
 
@@ -82,10 +86,15 @@ def export_safetensors(uri: str, directory: str, opts: ExportOptions = ExportOpt
                        storage_options: Optional[dict[str, Any]] = None,
                        store: Optional[ObjectStore] = None) -> ExportResult:
     """Export the tensors of checkpoint ``uri`` to ``directory`` in the Hugging Face layout."""
+    return export_session(ReadSession.open(uri, storage_options, store), directory, opts)
+
+
+def export_session(ck: ReadSession, directory: str, opts: ExportOptions) -> ExportResult:
+    """:func:`export_safetensors` of a checkpoint already open (its manifest read once)."""
+    uri = ck.uri
     limit = parse_size(opts.max_shard_size)
     if limit <= 0:
         raise UnsupportedValueError(f"max shard size must be positive, got {opts.max_shard_size!r}")
-    ck = ReadSession.open(uri, storage_options, store)
     picked: list[tuple[str, str, torch.dtype, tuple[int, ...]]] = []  # (checkpoint key, name, out dtype, shape)
     for key in ck.manifest.tensors:
         if not key.startswith(opts.prefix):

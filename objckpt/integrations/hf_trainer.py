@@ -9,8 +9,13 @@
 Every checkpoint the Trainer decides to write (``save_strategy``, ``save_steps``,
 ``save_strategy="best"``) becomes one step of an :class:`objckpt.CheckpointManager`
 under ``checkpoint_root``: ``<root>/step-0000000100`` holds the model, optimizer,
-LR scheduler, gradient scaler, every random generator (per rank) and the
-``TrainerState`` (``trainer_state.json``'s content, callbacks' state included).
+LR scheduler, gradient scaler, every random generator (per rank), the
+``TrainerState`` (``trainer_state.json``'s content, callbacks' state included) and
+what a Trainer's checkpoint folder holds beside them: the training arguments (the
+Trainer pickles them; here ``TrainingArguments.to_dict()``), ``config.json`` and
+``generation_config.json``, all as JSON values.
+:func:`objckpt.integrations.hf_pretrained.from_pretrained` builds the model from a
+step in one call.
 ``save_total_limit`` becomes the manager's ``keep_last`` and, with
 ``metric_for_best_model``, ``keep_best=1`` ranked by that metric, so rotation
 never deletes the best step; ``load_best_model_at_end`` loads it back from the
@@ -49,6 +54,7 @@ from ..api import load as _load
 from ..api import read as _read
 from ..errors import NotFoundError, ObjckptError, StateDictMismatchError
 from ..manager import CheckpointManager
+from .hf_pretrained import config_json, generation_config_json, training_args_json
 from .rng_state import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
@@ -157,10 +163,13 @@ class ObjckptTrainerMixin:
         best = t.state.best_global_step
         if best and (best == step or best in self._objckpt_saved):
             t.state.best_model_checkpoint = mgr.step_uri(best)
-        state: dict[str, Any] = {"model": t.model, "trainer_state": self._objckpt_trainer_state()}
-        config = getattr(t.model, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            state["model_config"] = json.loads(config.to_json_string())
+        state: dict[str, Any] = {"model": t.model, "trainer_state": self._objckpt_trainer_state(),
+                                 "training_args": training_args_json(t.args)}
+        # the files save_pretrained writes beside the weights (hf_pretrained.STEP_FILES), as JSON values
+        for key, value in (("model_config", config_json(t.model)),
+                           ("generation_config", generation_config_json(t.model))):
+            if value is not None:
+                state[key] = value
         if not t.args.save_only_model:
             state["rng"] = capture_rng(all_cuda_devices=t.args.parallel_mode.value == "distributed")
             state["optimizer"] = t.optimizer

@@ -17,8 +17,10 @@ Lightning's view of the bucket are handled here:
   (s3fs has no modification time for a prefix).  The marker is a ``torch.save`` file whose
   loading fails with advice (:mod:`objckpt.integrations.lightning_marker`), so
   ``LightningModule.load_from_checkpoint`` on it says to call
-  :func:`objckpt.lightning.load_from_checkpoint` instead.  Remove deletes the marker
-  first, then the checkpoint (:func:`objckpt.delete`: manifest first).
+  :func:`objckpt.lightning.load_from_checkpoint` instead.  The marker belongs to the
+  checkpoint (:mod:`objckpt.ops.owned`): remove, ``objckpt rm`` / ``prune`` and
+  :func:`objckpt.delete` delete it first, then the manifest, then the rest; ``objckpt gc``
+  removes a marker whose checkpoint is gone.
 * objckpt writes behind fsspec's back, so after each save and remove the
   plugin drops fsspec's cached listing of the path, or a later ``exists`` /
   ``ls`` in the same process would answer from a stale cache.
@@ -48,8 +50,10 @@ from ..api import delete as _delete
 from ..api import read as _read
 from ..api import save as _save
 from ..errors import NotFoundError, ObjckptError
+from ..ops.owned import orphaned_marker
 from ..save.background import SaveHandle
 from ..storage import open_store, split_uri
+from .lightning_last import newest_committed
 from .lightning_marker import marker_body
 from .plain_values import TypeNote, from_plain, to_plain
 
@@ -299,19 +303,21 @@ class ObjckptCheckpointIO(CheckpointIO):
         return apply_map_location(value, map_location)  # type: ignore[no-any-return]
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path``: the marker, then (after its save in flight,
-        if any) the manifest and the objects it names.  A path with no checkpoint is left
-        as it is, as Lightning's own plugin does."""
+        """Delete the checkpoint at ``path`` (after its save in flight, if any) as
+        :func:`objckpt.delete` does: the marker, the manifest, then the objects it names
+        (:mod:`objckpt.ops.owned`).  A path with no checkpoint is left as it is, as
+        Lightning's own plugin does, but for a marker whose checkpoint is gone."""
         uri = _uri(path)
         self._wait_for(uri)
         with self._saving(uri):
-            if _on_object_store(uri):
-                store, key = open_store(uri, self.storage_options)
-                _runtime.run(store.delete([key]))
             try:
                 _delete(uri, storage_options=self.storage_options)
             except NotFoundError:
                 log.debug("objckpt: no checkpoint to remove at %s", uri)
+                if _on_object_store(uri):
+                    store, key = open_store(uri, self.storage_options)
+                    if _runtime.run(orphaned_marker(store, key)):
+                        _runtime.run(store.delete([key]))
             _invalidate_fsspec(uri)
 
     def teardown(self) -> None:
@@ -345,6 +351,16 @@ class _InFlight:
         self.fut.set_result(None)
 
 
+def _objckpt_io(trainer: Any) -> Optional[ObjckptCheckpointIO]:
+    """The trainer's :class:`ObjckptCheckpointIO`, also inside a wrapper (``AsyncCheckpointIO``), or None."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    for _ in range(4):  # wrappers hold the plugin they wrap as .checkpoint_io
+        if isinstance(io, ObjckptCheckpointIO) or io is None:
+            return io
+        io = getattr(io, "checkpoint_io", None)
+    return None
+
+
 class ModelCheckpoint(_LightningModelCheckpoint):
     """Lightning's ``ModelCheckpoint``, with ``ckpt_path="last"`` working on remote paths.
 
@@ -354,14 +370,22 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     ``fit(ckpt_path="last")`` silently starts from scratch.  It also lists with the
     filesystem picked in ``__init__``, a local one when ``dirpath`` is left to
     default to ``default_root_dir``.  This subclass lists with the directory's own
-    filesystem and keeps the protocol; everything else is Lightning's.  With
-    :class:`ObjckptCheckpointIO` the marker object gives each checkpoint the
-    modification time Lightning compares.
+    filesystem and keeps the protocol; everything else is Lightning's.
+
+    With :class:`ObjckptCheckpointIO` (also inside Lightning's ``AsyncCheckpointIO``),
+    ``"last"`` is the newest *committed* checkpoint of the directory, whatever its name
+    (:mod:`objckpt.integrations.lightning_last`): after a job killed with async saves in
+    flight, ``last.ckpt`` may lag the step's top-k checkpoint, which committed first.
     """
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         resolve = getattr(self, "_ModelCheckpoint__resolve_ckpt_dir", None)
         ckpt_dir = str(resolve(trainer) if resolve is not None else self.dirpath or "")
+        io = _objckpt_io(trainer)
+        if io is not None and ckpt_dir:
+            newest = newest_committed(ckpt_dir, extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,
+                                      tree_key=TYPES_KEY, storage_options=io.storage_options)
+            return {newest} if newest is not None else set()
         if "://" not in ckpt_dir or ckpt_dir.startswith("file://"):
             return super()._find_last_checkpoints(trainer)
         fs = _fsspec(ckpt_dir)

@@ -17,7 +17,8 @@ So the marker is a ``torch.save`` file whose only content is a call to
   :class:`NotATorchCheckpointError` saying what to call instead.
 
 The marker still carries the JSON fields it had (``objckpt``, ``format``, ``manifest``),
-as the call's argument.
+as the call's argument.  Its record (kind, call, fields) is :mod:`objckpt.format.marker`,
+which the deletes and ``gc`` read it with (they lie below the integrations).
 """
 from __future__ import annotations
 
@@ -28,11 +29,10 @@ from typing import Any
 import torch
 
 from ..errors import ObjckptError
+from ..format.marker import CALL_MODULE, marker_fields
 
-#: what a marker says it is (and what :func:`is_marker` looks for)
-KIND = "lightning-checkpoint"
 #: the module the marker's pickle names: the public one, importable wherever Lightning is
-PUBLIC_MODULE = "objckpt.lightning"
+PUBLIC_MODULE = CALL_MODULE
 
 ADVICE = ("this path holds an objckpt checkpoint (written by objckpt.lightning.ObjckptCheckpointIO), not a "
           "torch.save file, so torch.load cannot read it. Load a module with "
@@ -52,7 +52,7 @@ def objckpt_checkpoint_load_it_with_objckpt_lightning_load_from_checkpoint(info:
     raise NotATorchCheckpointError(f"{ADVICE}{where}")
 
 
-# pickled by this name, from the public module that re-exports it
+# pickled by this name, from the public module that re-exports it (the record format/marker.py reads)
 objckpt_checkpoint_load_it_with_objckpt_lightning_load_from_checkpoint.__module__ = PUBLIC_MODULE
 
 
@@ -67,5 +67,5 @@ class _Marker:
 def marker_body(manifest_key: str, fmt: int) -> bytes:
     """The marker object's bytes: a ``torch.save`` file that refuses to load, with advice."""
     buf = io.BytesIO()
-    torch.save(_Marker({"objckpt": KIND, "format": fmt, "manifest": manifest_key}), buf)
+    torch.save(_Marker(marker_fields(manifest_key, fmt)), buf)
     return buf.getvalue()

@@ -21,6 +21,7 @@ from ..runtime.memory import CAST_BATCH_BYTES
 from ..state import Slot, StatefulValue, template_slots
 from .fill import FillTarget
 from .key_match import KeyCheck, check_key_match, reconcile, renamed_leaves
+from .reshard_hint import rank_local_hint
 from .session import stored_key
 
 
@@ -107,8 +108,11 @@ def _under_value_leaves(keys: Iterable[str], leaves: dict[str, Any]) -> tuple[di
 
 
 def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: str, strict: bool,
-                   cast: bool = False, stateful: Optional[dict[str, StatefulValue]] = None) -> Match:
-    """Pair every template leaf with the checkpoint, or raise naming what does not fit."""
+                   cast: bool = False, stateful: Optional[dict[str, StatefulValue]] = None,
+                   world_size: Optional[int] = None) -> Match:
+    """Pair every template leaf with the checkpoint, or raise naming what does not fit.
+    ``world_size``: how many ranks load, when known (a plain tensor shaped like one rank's
+    part of the stored one is told what reshards, :mod:`.reshard_hint`)."""
     slots = list(template_slots(state_dict, stateful))
     tkeys = {s.key for s in slots}
     keymap = reconcile(tkeys, leaves)  # torch's wrapper prefixes (_orig_mod., module.) on one side only
@@ -141,7 +145,7 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
         local = part.local
         stored = dtype_from_name(e.dtype, s.key)
         if tuple(part.shape) != e.shape or (part.dtype != stored and not (cast and castable(part.dtype, stored))):
-            hint = ""
+            hint = rank_local_hint(s.key, s.value, tuple(part.shape), e, m, world_size)
             if tuple(part.shape) == e.shape and castable(part.dtype, stored):
                 hint = " (pass cast=True to convert between floating dtypes)"
             elif tuple(part.shape) == e.shape and cast:

@@ -44,7 +44,8 @@ def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, o
     raise, saying the checkpoint was replaced)."""
     tries = 0
     uri, st, prefix = session.uri, session.store, session.prefix
-    rank, options = reader.comm.rank, ReadOptions(opts.strict, opts.cast, opts.allow_pickle)
+    rank, options = reader.comm.rank, ReadOptions(opts.strict, opts.cast, opts.allow_pickle,
+                                                  opts.allow_optimizer_change)
     # each Stateful value's state_dict(), taken once (by the preparation, when there is one)
     stateful = prepared.stateful if prepared is not None else find_stateful(state_dict)
     # A restarting job's template was just allocated: its large pieces are advised huge
@@ -62,7 +63,8 @@ def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, o
             frozen.now()  # the manifest and the program's objects: out of the collector's walks until the end
             if prepared is None or tries or not prepared.serves(m, rank, options):
                 with stats.timings.timed("plan"):
-                    prepared = prepare(state_dict, session, rank, options, stateful, m)
+                    prepared = prepare(state_dict, session, rank, options, stateful, m,
+                                       world_size=reader.comm.world_size)
             if prepared.resolver is None:
                 prepared.resolver = session.resolver
             try:

@@ -41,6 +41,7 @@ from ..storage import ObjectStore
 from .fill import TEMP_BUDGET, FillTarget, plan_fill
 from .match import Match, match_template
 from .needs import LoadReads, in_place
+from .optimizer_match import check_optimizers
 from .session import ReadSession
 
 
@@ -51,12 +52,14 @@ class ReadOptions:
     strict: bool = True
     cast: bool = False
     allow_pickle: bool = False
+    #: load another kind of optimizer's state (:mod:`.optimizer_match`) instead of refusing it
+    allow_optimizer_change: bool = False
 
     @classmethod
     def of(cls, kwargs: dict[str, Any]) -> "ReadOptions":
         """From ``objckpt.load``'s keyword arguments (the others are ignored)."""
         return cls(bool(kwargs.get("strict", True)), bool(kwargs.get("cast", False)),
-                   bool(kwargs.get("allow_pickle", False)))
+                   bool(kwargs.get("allow_pickle", False)), bool(kwargs.get("allow_optimizer_change", False)))
 
 
 @dataclass
@@ -135,15 +138,20 @@ class PreparedLoad:
 
 def prepare(state: Any, session: ReadSession, rank: int, options: ReadOptions,
             stateful: Optional[dict[str, StatefulValue]] = None, manifest: Optional[Manifest] = None,
-            stats: Optional[IOStats] = None) -> PreparedLoad:
+            stats: Optional[IOStats] = None, world_size: Optional[int] = None) -> PreparedLoad:
     """``state``'s load on ``rank`` from ``session``'s checkpoint, prepared: ``manifest`` (else the
     session's first one: held, or fetched and decoded now) and ``stateful`` (else each Stateful
     value's ``state_dict()`` taken now) as given.  Raises what the load would raise before
     reading (no manifest: :class:`~objckpt.errors.NotFoundError`; a template that does not
-    match: :class:`~objckpt.errors.StateDictMismatchError`)."""
+    match: :class:`~objckpt.errors.StateDictMismatchError`; another kind of optimizer:
+    :class:`~objckpt.errors.OptimizerMismatchError`).  ``world_size``: how many ranks load, when
+    known (a shape mismatch then says whether the template looks like one rank's part)."""
     m = manifest if manifest is not None else session.first(stats)
     stateful = find_stateful(state) if stateful is None else stateful
     tree = m.rank_trees[rank] if m.rank_trees and rank < len(m.rank_trees) else m.tree
+    # before anything is created in the template: another kind of optimizer is refused untouched
+    check_optimizers(state, stateful, tree, session.uri, options.allow_optimizer_change)
     create_optimizer_state(stateful, tree, m, options.allow_pickle, repr(session.uri))
-    match = match_template(state, m, dict(iter_leaves(tree)), session.uri, options.strict, options.cast, stateful)
+    match = match_template(state, m, dict(iter_leaves(tree)), session.uri, options.strict, options.cast, stateful,
+                           world_size)
     return PreparedLoad(session.uri, m, session.manifest_raw, rank, options, stateful, match)

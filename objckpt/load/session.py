@@ -78,9 +78,16 @@ async def manifest_bytes(store: ObjectStore, prefix: str, uri: str) -> bytes:
     if await _is_dcp_directory(store, prefix):
         raise NotFoundError(
             f"no objckpt checkpoint at {uri!r}: it is a torch.distributed.checkpoint (DCP) directory (a .metadata, "
-            f"no {objkeys.MANIFEST_NAME}). Convert it once, streaming: objckpt convert {uri} <new uri> "
-            "(objckpt.integrations.convert.convert in Python); or load it with torch.distributed.checkpoint")
+            f"no {objkeys.MANIFEST_NAME}). {dcp_convert_hint(uri)}")
     raise NotFoundError(f"no checkpoint at {uri!r} (no {objkeys.MANIFEST_NAME} under it)")
+
+
+def dcp_convert_hint(uri: str, target: str = "<new uri>") -> str:
+    """What to do with the torch.distributed.checkpoint (DCP) directory at ``uri``: the one
+    wording of a load that finds one and of a manager whose root is one (``target``: where
+    the command would write)."""
+    return (f"Convert it once, streaming: objckpt convert {uri} {target} "
+            "(objckpt.integrations.convert.convert in Python); or load it with torch.distributed.checkpoint")
 
 
 async def _is_dcp_directory(store: ObjectStore, prefix: str) -> bool:

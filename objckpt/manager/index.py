@@ -33,7 +33,9 @@ read) falls back to one LIST of ``_objckpt_index/``, takes the newest version
 that decodes, and rewrites the hint.  Without any version at all, the index
 is rebuilt from the checkpoints themselves (a LIST of the root and a GET of
 each ``manifest.json``): the index is a cache of what the manifests say, so it
-can always be rebuilt (:func:`rebuild`).
+can always be rebuilt (:func:`rebuild`).  A listing that finds no version and no
+step also tells whether the root is a torch.distributed.checkpoint run
+(:attr:`IndexDoc.dcp`, :func:`refuse_dcp`): at no extra request.
 
 Old versions are deleted :data:`KEEP_VERSIONS` behind the head, so a reader
 walking forward from a hint that lags by fewer than that many commits never
@@ -52,16 +54,19 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
-from ..errors import (ConditionalWriteIgnoredError, CorruptCheckpointError, NotFoundError, ObjckptError,
-                      PreconditionFailed)
+from ..errors import (ConditionalWriteIgnoredError, CorruptCheckpointError, DcpDirectoryError, NotFoundError,
+                      ObjckptError, PreconditionFailed)
 from ..format import keys
 from ..format.manifest import decode
 from ..format.sealed_json import load_json, seal, verify
+from ..load.session import dcp_convert_hint
 from ..storage import ObjectInfo, ObjectStore
 from .naming import (DEFAULT_STEP_FORMAT, InvalidStepError, StepFormatError, StepNaming,  # noqa: F401
                      parse_step_name, step_name)  # re-exported: their home was this module
 
 INDEX_DIR = "_objckpt_index"
+#: torch.distributed.checkpoint's metadata file: a folder holding it is a DCP checkpoint
+DCP_METADATA = ".metadata"
 HEAD_NAME = "head.json"
 STEP_FORMAT = DEFAULT_STEP_FORMAT
 _VERSION_RE = re.compile(r"v-(\d+)\.json")
@@ -97,6 +102,9 @@ class IndexDoc:
     steps: tuple[StepEntry, ...] = ()
     #: how the steps' folders are named (:mod:`objckpt.manager.naming`)
     step_format: str = DEFAULT_STEP_FORMAT
+    #: with no version and no step: the torch.distributed.checkpoint directories the root's
+    #: listing showed (``""`` the root itself, else a folder right under it; see :func:`refuse_dcp`)
+    dcp: tuple[str, ...] = ()
 
     def __iter__(self) -> Iterator[StepEntry]:
         """The entries, oldest step first."""
@@ -155,6 +163,38 @@ def decode_doc(data: bytes, where: str) -> IndexDoc:
     except StepFormatError as e:
         raise bad(f"bad step_format ({e})") from None
     return IndexDoc(seq, tuple(sorted(entries, key=lambda e: e.step)), fmt)
+
+
+def dcp_folders(listing: "list[ObjectInfo]", root: str) -> tuple[str, ...]:
+    """The torch.distributed.checkpoint directories in a listing of ``root``: the root
+    itself (``""``) and the folders right under it that hold DCP's ``.metadata``, sorted."""
+    base = root + "/" if root else ""
+    found = set()
+    for o in listing:
+        parts = o.key[len(base):].split("/") if o.key.startswith(base) else []
+        if 0 < len(parts) <= 2 and parts[-1] == DCP_METADATA:
+            found.add("/".join(parts[:-1]))
+    return tuple(sorted(found))
+
+
+def refuse_dcp(doc: IndexDoc, root_uri: str, naming: StepNaming) -> None:
+    """:class:`DcpDirectoryError` when ``doc`` (a read of a root with no index and no step)
+    found DCP checkpoints there.  Why refuse: ``latest_step()`` None is how a job decides to
+    start from scratch, so a manager pointed at a DCP run would silently leave it behind."""
+    if not doc.dcp:
+        return
+    uris = [root_uri if not d else f"{root_uri}/{d}" for d in doc.dcp]
+    step_dir = re.sub(r"\{[^}]*\}", "<step>", naming.fmt)
+    if uris[0] == root_uri:
+        what = "is a torch.distributed.checkpoint (DCP) directory (a .metadata) with no objckpt step"
+    else:
+        more = f" and {len(uris) - 3} more" if len(uris) > 3 else ""
+        what = (f"holds torch.distributed.checkpoint (DCP) checkpoints ({', '.join(doc.dcp[:3])}{more}: a .metadata "
+                "in each) and no objckpt step")
+    raise DcpDirectoryError(
+        f"CheckpointManager root {root_uri!r} {what}, so the manager would find no step there and start from "
+        f"scratch. {dcp_convert_hint(uris[0], f'<new root>/{step_dir}')}. A manager of <new root> then resumes "
+        "from that step; for a new run, give the manager another root")
 
 
 @dataclass
@@ -252,6 +292,8 @@ class StepIndex:
             if head.steps and repair:
                 listed = head
                 head = await self._append(IndexDoc(-1), lambda d: d.adopt(listed.steps))
+        if head.seq < 0 and not head.steps:  # nothing of objckpt's: is it someone's DCP run? (no request)
+            head = replace(head, dcp=dcp_folders(listing, self.root))
         if not repair:
             return head
         stats.repaired = True

@@ -46,7 +46,7 @@ from ..format import keys
 from ..results import LoadResult
 from ..save.background import SaveHandle
 from ..storage import open_store
-from .index import IndexDoc, StepIndex
+from .index import IndexDoc, StepIndex, refuse_dcp
 from .leftovers import LEFTOVER_GRACE
 from .naming import (DEFAULT_STEP_FORMAT, InvalidStepError, StepNaming, SwappedArgumentsError, check_step, describe,
                      looks_like_step)
@@ -231,7 +231,7 @@ class CheckpointManager:
     def _known_steps(self) -> dict[int, Candidate]:
         """The run's steps (see the module docstring): read once (rank 0, broadcast)."""
         if self._known is None:
-            entries = self._on_root(lambda: candidates(_runtime.run(self.index.read())))
+            entries = self._on_root(lambda: candidates(self._checked(_runtime.run(self.index.read()))))
             self._known = {c[0]: c for c in entries}
         return self._known
 
@@ -345,7 +345,13 @@ class CheckpointManager:
 
     def _read(self) -> IndexDoc:
         self._flush()
-        return _runtime.run(self.index.read())
+        return self._checked(_runtime.run(self.index.read()))
+
+    def _checked(self, doc: IndexDoc) -> IndexDoc:
+        """``doc``, unless the root is someone's torch.distributed.checkpoint run and has no
+        objckpt step (:class:`~objckpt.errors.DcpDirectoryError`, not "no step yet")."""
+        refuse_dcp(doc, self.root, self.naming)
+        return doc
 
     def steps(self) -> list[int]:
         """Committed (and indexed) steps, ascending: a GET or two on rank 0, no LIST."""
@@ -413,7 +419,8 @@ class CheckpointManager:
     # -- loading and deleting ---------------------------------------------------------------
     def load(self, state: Any, step: Optional[int] = None, **load_kwargs: Any) -> LoadResult:
         """Load ``step`` (the latest when None) into ``state`` in place, any world size;
-        ``load_kwargs`` go to :func:`objckpt.load`.  :class:`NotFoundError` when there is none."""
+        ``load_kwargs`` go to :func:`objckpt.load`.  :class:`NotFoundError` when there is none.
+        The result's ``step`` is the step loaded (with a local tier or without)."""
         if step is not None:
             step = _step_arg("load(state, step)", step, state, "load(state, step=...)", state_first=True)
         elif looks_like_step(state):

@@ -180,7 +180,9 @@ class PlainSteps(RootSteps):
                 raise NotFoundError(f"no committed step under {h.root!r} to load")
         kw = {"storage_options": h.storage_options, "process_group": h.process_group, "no_dist": h.no_dist,
               **load_kwargs}
-        return _load(state, h.step_uri(step), **kw)
+        res = _load(state, h.step_uri(step), **kw)
+        res.step = step  # the step loaded, as a tiered restore's result says it
+        return res
 
     def wait(self) -> None:
         self._settle()

@@ -22,7 +22,7 @@ from ..api import load_session
 from ..api import save as _save
 from ..distributed.comm import Comm, RankError, background_comm, refusal_class
 from ..distributed.join import collective_timeout
-from ..errors import CollectiveError, ObjckptError
+from ..errors import CollectiveError, DcpDirectoryError, ObjckptError
 from ..format import manifest as _manifest
 from ..format import keys
 from ..load.session import ReadSession
@@ -260,6 +260,8 @@ class TieredSaves(RootSteps):
             return None
         try:
             return self.host.known_steps()  # rank 0's read, its error on every rank alike
+        except DcpDirectoryError:
+            raise  # not an outage: the root is someone's DCP run, never saved beside unseen
         except (ObjckptError, OSError) as e:
             self._known_skip = KNOWN_RETRY
             log.warning("objckpt: cannot read the steps under %s (%s: %s): saving to the local tier anyway",
@@ -451,6 +453,8 @@ class TieredSaves(RootSteps):
                                     "is skipped, the step taken from the next source", s, self.root, why)
         try:
             drained = self.host.steps()  # rank 0's read: its error reaches every rank alike
+        except DcpDirectoryError:
+            raise  # not an outage: restoring from the local tiers would pass that run over
         except (ObjckptError, OSError) as e:  # object storage down: the local tiers may still do
             log.warning("objckpt: cannot read the steps under %s (%s: %s): choosing among the local tiers only",
                         self.host.root, type(e).__name__, e)

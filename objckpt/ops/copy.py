@@ -30,7 +30,7 @@ from ..runtime import loop as _runtime
 from ..errors import (BlobMissingError, BucketNotFoundError, CheckpointExistsError, CorruptCheckpointError,
                      NotFoundError, ObjckptError, StorageError)
 from ..format import keys
-from ..format.manifest import Manifest, RankIndexRef, decode
+from ..format.manifest import Manifest, RankIndexRef, TensorCount, decode
 from ..load.session import ReadSession, open_location
 from ..logs import get_logger
 from ..results import IOStats
@@ -53,12 +53,18 @@ class CopyReport:
 
     src: str
     dst: str
-    tensors: int
+    tensors: int  # every tensor key, tied ones included (Manifest.tensor_count)
     blobs: int
     bytes: int  # blob bytes copied
     objects: int  # objects written at DST, manifest included
     chunks_verified: int
     seconds: float
+    tied: int = 0  # of ``tensors``, those tied to another key (stored once)
+
+    @property
+    def count(self) -> TensorCount:
+        """``tensors`` and ``tied`` as every command prints them: ``113 tensors (1 tied: stored once)``."""
+        return TensorCount(self.tensors, self.tied)
 
 
 @dataclass
@@ -193,10 +199,11 @@ async def copy_checkpoint(source: ReadSession, dst: ObjectStore, dprefix: str, d
             pass  # unreferenced by any manifest: gc's
         raise
     nbytes = sum(b.size for b in m.blobs)
-    rep = CopyReport(src_uri, dst_uri, sum(1 for e in m.tensors.values() if e.alias_of is None), len(m.blobs), nbytes,
-                     len(m.blobs) + len(indexes) + 1, verified[0], time.perf_counter() - t0)
-    log.info("copied %s -> %s: %d tensors, %d bytes in %d blob(s), %d chunk crc(s) verified, %.3f s", src_uri,
-             dst_uri, rep.tensors, rep.bytes, rep.blobs, rep.chunks_verified, rep.seconds)
+    count = m.tensor_count()
+    rep = CopyReport(src_uri, dst_uri, count.tensors, len(m.blobs), nbytes, len(m.blobs) + len(indexes) + 1,
+                     verified[0], time.perf_counter() - t0, count.tied)
+    log.info("copied %s -> %s: %s, %d bytes in %d blob(s), %d chunk crc(s) verified, %.3f s", src_uri,
+             dst_uri, rep.count, rep.bytes, rep.blobs, rep.chunks_verified, rep.seconds)
     return rep
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..format.manifest import Manifest, TensorEntry
+from ..format.manifest import Manifest, TensorCount, TensorEntry
 from ..format.tree import iter_leaves
 from ..load.session import ReadSession, stored_key
 from ..runtime.memory import DIFF_MEMORY_BYTES, Budget
@@ -47,6 +47,9 @@ class DiffReport:
     decided: dict[str, str] = field(default_factory=dict)
     #: bytes read to compare tensors (both sides)
     bytes_read: int = 0
+    #: the tensors of each side, counted as every command counts them (Manifest.tensor_count)
+    a_tensors: TensorCount = TensorCount(0)
+    b_tensors: TensorCount = TensorCount(0)
 
     @property
     def equal(self) -> bool:
@@ -116,7 +119,7 @@ def diff(a: str, b: str, *, storage_options: Optional[dict[str, Any]] = None,
     sb = ReadSession(b, b_storage_options if b_storage_options is not None else storage_options, b_store)
     ma = sa.inspect(True)
     mb = sb.inspect(True)
-    report = DiffReport(a, b)
+    report = DiffReport(a, b, a_tensors=ma.tensor_count(), b_tensors=mb.tensor_count())
     to_read = diff_manifests(ma, mb, report)
     sizes = [sum(c.length for c in _stored(ma, k).chunks) for k in to_read]
     for batch in Budget(max(memory_bytes, 1)).batches(sizes):

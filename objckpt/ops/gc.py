@@ -14,7 +14,18 @@ them following the rules of docs/format.md §8:
   save in progress or an overwrite about to commit is never touched;
 * the listing is taken before the manifests are read, so a blob listed for a
   manifest that committed meanwhile is seen as referenced;
-* a checkpoint whose manifest cannot be read is left alone entirely.
+* a checkpoint whose manifest cannot be read is left alone entirely;
+* a Lightning marker (:mod:`objckpt.format.marker`) whose checkpoint is gone (no
+  ``<key>/manifest.json``: what a delete of an older release left, which did not know
+  markers, or a save of the same path racing a delete) is removed, once older than
+  ``grace`` by its modification time (any age with ``grace=0``: a marker without a
+  manifest is never a save in progress, since the plugin writes it after the commit).
+  Which objects a checkpoint owns, and so keeps, is :mod:`objckpt.ops.owned`'s one
+  definition: a marker whose manifest is there is never touched.  Candidates are the
+  small objects no save wrote (at most :data:`~objckpt.format.marker.MAX_MARKER_BYTES`)
+  with no manifest under them, and ``prefix`` itself, leaving out objckpt's own
+  (``_objckpt*``: step indexes, probes); each is read (one GET) to recognise it, and its
+  manifest asked for again (one HEAD) just before it goes.
 
 Spread checkpoints (format v4, :mod:`objckpt.format.spread`) keep their objects
 under ``<root>/.spread-<hh>/<rel>/spread/<attempt>/`` with ``<root>`` above the
@@ -35,9 +46,11 @@ from typing import Optional
 
 from ..format import keys, spread
 from ..format.manifest import Manifest, decode
+from ..format.marker import MAX_MARKER_BYTES
 from ..save.store_check import is_probe_key
 from ..storage import ObjectStore
 from ..storage.base import ObjectInfo, UploadInfo
+from .owned import named_objects, orphaned_marker
 
 TMP_MARK = f"{keys.MANIFEST_NAME}.tmp-"
 
@@ -50,6 +63,8 @@ class GcReport:
     aborted_uploads: list[str] = field(default_factory=list)
     kept_young: int = 0  # garbage still inside the grace period
     unreadable: list[str] = field(default_factory=list)  # manifests that could not be read (left alone)
+    #: Lightning markers whose checkpoint is gone (also in ``deleted``)
+    markers: list[str] = field(default_factory=list)
 
 
 def attempt_time(attempt: str) -> Optional[float]:
@@ -122,6 +137,15 @@ def _age(rel: str, info: Optional[ObjectInfo], now: float) -> Optional[float]:
     return None if t is None else now - t
 
 
+def _maybe_marker(o: ObjectInfo, manifests: set[str]) -> bool:
+    """Whether ``o`` could be a Lightning marker with no checkpoint: of a marker's size, not
+    one of objckpt's own objects (a step index, a probe: names starting ``_objckpt``), and
+    no manifest under its key in the listing (read and asked again before it goes)."""
+    if not 0 < o.size <= MAX_MARKER_BYTES or any(p.startswith("_objckpt") for p in o.key.split("/")):
+        return False
+    return keys.manifest_key(o.key) not in manifests
+
+
 async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 * 3600, dry_run: bool = False,
                           now: Optional[float] = None, spread_levels: int = 1) -> GcReport:
     """Delete what no checkpoint under ``prefix`` references; see the module docstring."""
@@ -147,7 +171,7 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
         try:
             if m is None:
                 raise ValueError("unreadable")
-            referenced[ck] = set(m.object_keys(ck))
+            referenced[ck] = set(named_objects(m, ck))
         except Exception:
             referenced[ck] = None
             report.unreadable.append(mkey)
@@ -155,12 +179,16 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
         report.checkpoints += 1
 
     doomed: list[ObjectInfo] = []
+    committed = set(manifests)
+    maybe_markers: list[ObjectInfo] = []
     for o in listing:
         if TMP_MARK in o.key.rsplit("/", 1)[-1] or is_probe_key(o.key):
             rel = ""  # a stray temporary, or a store probe of a killed save (save.store_check): aged by its time
         else:
             where = _owner(o.key)
             if where is None:
+                if _maybe_marker(o, committed):
+                    maybe_markers.append(o)
                 continue
             ck, rel = where
             if not _under(ck, base):  # a spread area listed from inside: its owner's manifest was not read
@@ -173,6 +201,16 @@ async def collect_garbage(store: ObjectStore, prefix: str, *, grace: float = 6 *
             report.kept_young += 1
             continue
         doomed.append(o)
+    own = await store.head(base) if base else None  # the marker of a checkpoint at ``prefix`` itself
+    if own is not None and _maybe_marker(own, committed):
+        maybe_markers.append(own)
+    for o in maybe_markers:  # grace 0: every orphan, also one whose age the store does not say (an S3 HEAD)
+        age = _age("", o, now)
+        if grace > 0 and (age is None or age < grace):
+            continue
+        if await orphaned_marker(store, o.key, o.size):
+            doomed.append(o)
+            report.markers.append(o.key)
     if doomed and not dry_run:
         await store.delete([o.key for o in doomed])
     report.deleted = [o.key for o in doomed]

@@ -22,7 +22,7 @@ import torch
 
 from ..checksum import block_crcs, combine_blocks
 from ..errors import CorruptCheckpointError
-from ..format.manifest import Chunk, Manifest
+from ..format.manifest import Chunk, Manifest, TensorCount
 from ..load.session import ReadSession
 from ..runtime.memory import Budget
 
@@ -31,9 +31,15 @@ from ..runtime.memory import Budget
 class VerifyReport:
     """What :func:`verify_checkpoint` checked."""
 
-    tensors: int
+    tensors: int  # every tensor key, tied ones included (Manifest.tensor_count)
     nbytes: int
     block_crcs: int
+    tied: int = 0  # of ``tensors``, those tied to another key (their bytes read and checked once)
+
+    @property
+    def count(self) -> TensorCount:
+        """``tensors`` and ``tied`` as every command prints them: ``113 tensors (1 tied: stored once)``."""
+        return TensorCount(self.tensors, self.tied)
 
 
 def verify_checkpoint(session: ReadSession, memory_bytes: int,
@@ -52,7 +58,8 @@ def verify_checkpoint(session: ReadSession, memory_bytes: int,
         blocks += verify_block_crcs(part, got.__getitem__)  # a full read checks whole-chunk crcs only
         if progress is not None:
             progress(sum(sizes[i] for i in batch))
-    return VerifyReport(len(m.tensors), m.nbytes(), blocks)
+    count = m.tensor_count()
+    return VerifyReport(count.tensors, m.nbytes(), blocks, count.tied)
 
 
 def chunk_bytes(t: torch.Tensor, c: Chunk) -> memoryview:

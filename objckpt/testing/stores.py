@@ -102,7 +102,7 @@ class CountingStore(ObjectStore):
 
 class FaultyStore(CountingStore):
     """Raises ``error`` on the ``nth`` call (1-based) of operation ``op``
-    (``write_part``, ``complete``, ``put``, ``get_range``, ...)."""
+    (``write_part``, ``complete``, ``put``, ``get_range``, ``delete``)."""
 
     def __init__(self, inner: ObjectStore, op: str, nth: int = 1,
                  error: Callable[[], BaseException] = lambda: ConnectionError("injected fault")) -> None:
@@ -122,6 +122,10 @@ class FaultyStore(CountingStore):
     async def get_range_into(self, key: str, offset: int, out: memoryview) -> None:
         self._maybe_fail("get_range")
         await super().get_range_into(key, offset, out)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        self._maybe_fail("delete")  # a delete killed between its requests
+        await super().delete(keys)
 
     def open_writer(self, key: str, size: int, num_parts: int = 1) -> BlobWriter:
         w = super().open_writer(key, size, num_parts)

@@ -61,14 +61,16 @@ class Prepared:
     options: ReadOptions
     #: step -> its load, prepared from this node's folder (or from a peer's manifest)
     loads: dict[int, PreparedLoad] = field(default_factory=dict)
+    #: how many ranks restore (a shape mismatch says whether the template looks like one rank's part)
+    world_size: Optional[int] = None
 
     @classmethod
-    def of(cls, state: Any, load_kwargs: dict[str, Any]) -> "Prepared":
-        return cls(state, find_stateful(state), ReadOptions.of(load_kwargs))
+    def of(cls, state: Any, load_kwargs: dict[str, Any], world_size: Optional[int] = None) -> "Prepared":
+        return cls(state, find_stateful(state), ReadOptions.of(load_kwargs), world_size=world_size)
 
     def prepare(self, session: ReadSession, rank: int) -> PreparedLoad:
         """The load of ``session``'s checkpoint, prepared (its manifest decoded, matched)."""
-        return prepare(self.state, session, rank, self.options, self.stateful)
+        return prepare(self.state, session, rank, self.options, self.stateful, world_size=self.world_size)
 
 
 def prepared_everywhere(comm: Comm, state: Any, load_kwargs: dict[str, Any]) -> Prepared:
@@ -79,7 +81,7 @@ def prepared_everywhere(comm: Comm, state: Any, load_kwargs: dict[str, Any]) -> 
     failed: Optional[BaseException] = None
     prepared: Optional[Prepared] = None
     try:
-        prepared = Prepared.of(state, load_kwargs)
+        prepared = Prepared.of(state, load_kwargs, comm.world_size)
     except Exception as e:  # noqa: BLE001 - said to every rank below
         if comm.world_size == 1:
             raise

@@ -271,11 +271,14 @@ class S3Config:
         return f"{self.client_endpoint}{via}" + (f" ({'; '.join(notes)})" if notes else "")
 
     def summary(self) -> str:
-        """One line for the store's INFO log: transport, why, and where each setting came from."""
+        """One line for the store's INFO log: transport, why, and where each setting came from
+        (the CA bundle only for an https:// endpoint: an http:// one uses none)."""
+        tls = "" if self.target.scheme != "https" else (
+            f", TLS CA {self.ca_bundle.value} ({self.ca_bundle.source})" if self.verify else ", TLS unverified")
         return (f"s3://{self.bucket}: {self.transport.value} transport ({self.transport_reason}); "
                 f"endpoint {self.client_endpoint} ({self.endpoint_url.source}), region {self.region.value} "
-                f"({self.region.source}), {self.addressing_style.value} addressing ({self.addressing_style.source}), "
-                f"TLS {'CA ' + str(self.ca_bundle.value) + ' (' + self.ca_bundle.source + ')' if self.verify else 'unverified'}"
+                f"({self.region.source}), {self.addressing_style.value} addressing ({self.addressing_style.source})"
+                f"{tls}"
                 + (f", proxy {self.proxy.value} ({self.proxy.source})" if self.proxy.value else "")
                 + (f", {self.retries.describe()}" if self.retries is not None else "")
                 + (f"; {self.request_settings.describe()}" if self.request_settings.describe() else ""))

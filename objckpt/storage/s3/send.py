@@ -23,9 +23,12 @@ its kind of failure has used up its budget (:class:`~.retry.RetryPolicy`):
   credentials (a skewed clock, an expired token, a wrong key) are
   :class:`CredentialsRefusedError` at once, naming the fix (:mod:`.refusals`); what
   callers map (missing key, failed precondition, a range past the end) and an
-  endpoint that is not S3 go up at once; anything else, when its budget is
-  spent, is a StorageError naming the operation, the endpoint, the HTTP status,
-  the kind and the attempts (:class:`StorageTimeoutError` when out of time).
+  endpoint that is not S3 go up at once, and so does an https:// endpoint that answers
+  the TLS handshake in plain HTTP (:func:`.tls.not_tls_reason`: a
+  :class:`~objckpt.errors.PlainHttpEndpointError` naming the http:// URL); anything
+  else, when its budget is spent, is a StorageError naming the operation, the endpoint,
+  the HTTP status, the kind and the attempts (:class:`StorageTimeoutError` when out of
+  time).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from .retry import Failure, callers_map, classify, http_status, is_missing, is_n
 from .answers import WrongRegion
 from .config import S3Config
 from .refusals import credentials_refused
+from . import tls
 from .request import MalformedAnswer
 from .transport import S3Transport, open_transport
 
@@ -125,6 +129,10 @@ class Pipeline:
                     raise self.no_bucket() from None
                 if _passes(e):
                     raise
+                plain = tls.not_tls_reason(e) if self.config.target.scheme == "https" else None
+                if plain is not None:  # an https:// URL for a plain HTTP port: no attempt can pass
+                    raise tls.plain_http_error(what, self.endpoint(), self.config.endpoint_url.value,
+                                               self.config.endpoint_url.source, plain) from e
                 # (the endpoint's URL alone: its notes name the region, which is not what is wrong)
                 named = credentials_refused(e, f"S3 {what} at {self.config.client_endpoint}")
                 if named is not None:  # the clock or the keys: sending again cannot help

@@ -6,7 +6,9 @@ is an error naming its source) and the own HTTP path (:mod:`.direct`) needs a co
 connect: both take it from here, so a bundle is loaded once per file version, not once to
 check and again per store.  :func:`prepare` loads one on a worker thread ahead of need
 (the store's opening starts it for an https endpoint, so the first request's connection
-finds it ready).
+finds it ready).  It also says what a handshake answered in plain text means
+(:func:`not_tls_reason`): an https:// URL for a plain HTTP port, an error naming the
+http:// URL (:func:`plain_http_error`, raised by :mod:`.send` on either transport).
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import os
 import ssl
 import threading
 from typing import Optional
+from urllib.parse import urlsplit, urlunsplit
 
+from ...errors import PlainHttpEndpointError
 from ...runtime import loop as _runtime
 
 _lock = threading.Lock()
@@ -77,6 +81,55 @@ def prepare(cafile: Optional[str], verify: bool = True) -> None:
     fut, mine = _slot(cafile, verify)
     if mine:
         _runtime.aside_pool().submit(_build, fut, cafile, verify)
+
+
+#: OpenSSL's reasons when the answer to a ClientHello is not TLS at all: a plain HTTP
+#: server's "HTTP/1.1 400 ..." read as a TLS record (the wording varies with OpenSSL's version)
+_NOT_TLS = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"})
+
+
+def _causes(e: Optional[BaseException]) -> list[BaseException]:
+    """``e`` and what it wraps: its cause and context, botocore's ``kwargs["error"]`` and
+    aiohttp's ``os_error`` (botocore's SSLError wraps aiohttp's, which wraps ssl's)."""
+    out: list[BaseException] = []
+    todo = [e]
+    while todo and len(out) < 16:
+        x = todo.pop()
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        kwargs = getattr(x, "kwargs", None)
+        todo += [x.__cause__, x.__context__, getattr(x, "os_error", None),
+                 kwargs.get("error") if isinstance(kwargs, dict) else None]
+    return out
+
+
+def not_tls_reason(e: BaseException) -> Optional[str]:
+    """OpenSSL's reason (``WRONG_VERSION_NUMBER``...) when ``e``, on either S3 transport, is a
+    TLS handshake that got an answer that is not TLS (an https:// URL for a plain HTTP
+    port); None for anything else (an untrusted certificate, a reset, a timeout)."""
+    for x in _causes(e):
+        reason = getattr(x, "reason", None) if isinstance(x, ssl.SSLError) else None
+        if reason in _NOT_TLS:
+            return str(reason)
+    return None
+
+
+def plain_http_error(what: str, endpoint: str, url: Optional[str], source: str,
+                     reason: str) -> PlainHttpEndpointError:
+    """The error for a request to an https:// endpoint that answered in plain text
+    (:func:`not_tls_reason`): it names the endpoint and, for a custom endpoint (``url``,
+    from ``source``), the http:// URL of the same port to set instead."""
+    said = f"S3 {what} at {endpoint}: the TLS handshake got an answer that is not TLS (OpenSSL: {reason})"
+    if not url:  # AWS's own endpoint speaks TLS: what answered is in between
+        return PlainHttpEndpointError(f"{said}: something between this machine and the endpoint (a proxy, a "
+                                      "captive portal) answers in plain HTTP; not retried")
+    parts = urlsplit(url)
+    netloc = parts.netloc if parts.port is not None else f"{parts.netloc}:443"  # the same port, without TLS
+    plain = urlunsplit(("http", netloc, parts.path, parts.query, parts.fragment))
+    return PlainHttpEndpointError(
+        f"{said}: the endpoint serves plain HTTP on that port, not HTTPS. Set endpoint_url to {plain!r} "
+        f"(now {url!r}, from {source}), or give the port that serves HTTPS; not retried")
 
 
 def _forget() -> None:
