@@ -95,3 +95,29 @@ def test_export_pretrained_writes_a_folder_transformers_loads(tmp_path: pathlib.
 
     with pytest.raises(MissingKeyError, match=r"(?s)plain.*holds no 'training_args'"):
         training_arguments(uri)
+
+
+def test_cli_export_of_a_step_writes_a_folder_from_pretrained_loads(tmp_path: pathlib.Path) -> None:
+    """``objckpt export`` (a new process) of a checkpoint holding the model's config writes
+    config.json beside the weights, so ``from_pretrained(DIR)`` needs nothing else; a plain
+    checkpoint still gets its weights only."""
+    from objckpt.integrations.hf_pretrained import config_json
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+    step, plain = str(tmp_path / "step"), str(tmp_path / "plain")
+    objckpt.save({"model": model, "model_config": config_json(model)}, step)
+    objckpt.save({"model": model}, plain)
+    env = {**os.environ, "PYTHONPATH": str(RECIPE.parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for uri in (step, plain):
+        out = subprocess.run([sys.executable, "-m", "objckpt", "export", uri, uri + "-hf", "--prefix", "model."],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+    assert "and config.json" in subprocess.run(
+        [sys.executable, "-m", "objckpt", "export", step, step + "-again", "--prefix", "model."],
+        capture_output=True, text=True, env=env, timeout=300).stdout
+    assert sorted(os.listdir(step + "-hf")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(plain + "-hf")) == ["model.safetensors"]
+    loaded = GPT2LMHeadModel.from_pretrained(step + "-hf")
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k

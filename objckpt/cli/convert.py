@@ -30,13 +30,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format != "safetensors":  # argparse limits the choices; a direct caller gets the same refusal
         raise UnsupportedFormatError(f"export writes safetensors only, not {args.format!r}")
     from ..integrations.hf import ExportOptions, export_safetensors, parse_dtype
+    from ..integrations.hf_pretrained import export_pretrained, holds_model_config
 
     t0 = time.perf_counter()
-    r = export_safetensors(args.uri, args.dir, ExportOptions(args.prefix or "", parse_dtype(args.dtype),
-                                                             args.max_shard_size),
-                           storage_options=storage_options(args))
+    opts, json_files = storage_options(args), []
+    if holds_model_config(args.uri, storage_options=opts):  # a Trainer step: a folder from_pretrained reads
+        folder = export_pretrained(args.uri, args.dir, prefix=args.prefix or "", dtype=parse_dtype(args.dtype),
+                                   max_shard_size=args.max_shard_size, storage_options=opts)
+        r, json_files = folder.weights, folder.json_files
+    else:
+        r = export_safetensors(args.uri, args.dir, ExportOptions(args.prefix or "", parse_dtype(args.dtype),
+                                                                 args.max_shard_size), storage_options=opts)
     print(f"exported {r.tensors} tensors, {r.nbytes / 1e6:.2f} MB to {args.dir} as {len(r.files)} file(s) "
-          f"({', '.join(r.files[:3])}{' ...' if len(r.files) > 3 else ''}) in {time.perf_counter() - t0:.2f} s")
+          f"({', '.join(r.files[:3])}{' ...' if len(r.files) > 3 else ''})"
+          + (f" and {', '.join(json_files)}" if json_files else "") + f" in {time.perf_counter() - t0:.2f} s")
     return 0
 
 

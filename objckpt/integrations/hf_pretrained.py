@@ -140,6 +140,14 @@ def _write_json(directory: str, name: str, value: Any) -> None:
     os.replace(tmp, os.path.join(directory, name))
 
 
+def holds_model_config(uri: str, *, storage_options: Optional[dict[str, Any]] = None,
+                       store: Optional[ObjectStore] = None) -> bool:
+    """Whether the checkpoint holds the model's ``config.json`` (a Trainer step does): then
+    ``objckpt export`` writes the folder :func:`export_pretrained` writes, else weights only."""
+    ck = ReadSession.open(uri, storage_options, store)
+    return select(ck.manifest.tree, "model_config") is not NOTHING
+
+
 def export_pretrained(uri: str, directory: str, *, prefix: str = "model.", dtype: Optional[torch.dtype] = None,
                       max_shard_size: "int | str" = "5GB", config: Any = None,
                       storage_options: Optional[dict[str, Any]] = None,
