@@ -11,8 +11,9 @@ group.
 Also here, so that no other module calls ``torch.distributed`` for its own
 coordination:
 
-* :func:`decide_on_root`: gather a value from every rank, let rank 0 decide,
-  share the decision; an exception in the decision reaches every rank.
+* :func:`decide_on_root`: gather a value from every rank to rank 0 (only rank 0
+  receives them), let it decide, share the decision; an exception in the decision
+  reaches every rank.
 * :func:`background_comm`: a gloo group over the same ranks, for collectives
   issued from a background thread (an async save's commit), never NCCL.
 * :class:`TensorGroup`: the tensor collectives of a replica group (collective loads).
@@ -48,6 +49,8 @@ class Comm(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]: ...
 
+    def gather_object(self, obj: Any) -> Optional[list[Any]]: ...
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
     def barrier(self) -> None: ...
@@ -73,6 +76,9 @@ class LocalComm:
     group = None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def gather_object(self, obj: Any) -> Optional[list[Any]]:
         return [obj]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -141,6 +147,19 @@ class TorchComm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    @_collective
+    def gather_object(self, obj: Any) -> Optional[list[Any]]:
+        """Every rank's ``obj`` on rank 0 (in group order); None on the other ranks, which
+        receive nothing but the sizes: what only rank 0 reads costs the others nothing.
+        torch all-gathers the sizes first, so a rank that died before the exchange fails
+        it on every rank, as an all-gather would; one that dies while sending its object
+        fails it on rank 0 only, and the others' next collective (the decision's broadcast)
+        fails when rank 0 leaves or the group's timeout passes."""
+        out: Optional[list[Any]] = [None] * self.world_size if self.rank == 0 else None
+        dst = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self._dist.gather_object(obj, out, dst=dst, group=self.group)
         return out
 
     @_collective
@@ -335,21 +354,26 @@ class DecisionNotShared(_errors.CollectiveError):
 
 
 def decide_on_root(comm: Comm, mine: T, decide: Callable[[list[T]], R]) -> R:
-    """Gather ``mine`` from every rank; rank 0 computes ``decide(everyone)``;
-    every rank returns that value.  If ``decide`` raises, rank 0 re-raises its
+    """Gather ``mine`` from every rank to rank 0; rank 0 computes ``decide(everyone)``;
+    every rank returns that value.  Only rank 0 receives (and unpickles) the reports: at
+    65,536 ranks an all-gather made every rank unpickle 65,536 commit outcomes
+    (docs/s3-scale.md §6).  If ``decide`` raises, rank 0 re-raises its
     own exception and every other rank raises :class:`RemoteError` (of the same
     objckpt error class as rank 0's, see :func:`refusal_class`), so no rank
     is left waiting in a collective the others will never join.  A failed
     collective raises :class:`DecisionNotShared` (a ``CollectiveError``) saying
     whether rank 0 had decided."""
     try:
-        everyone = comm.all_gather_object(mine) if comm.world_size > 1 else [mine]
+        everyone = comm.gather_object(mine) if comm.world_size > 1 else [mine]
     except _errors.CollectiveError as e:
         raise DecisionNotShared(str(e), phase="gathering every rank's report") from e
     verdict = _Verdict()
     failure: Optional[BaseException] = None
     if comm.rank == 0:
         try:
+            if everyone is None:  # a Comm whose gather gave rank 0 nothing: a broken implementation
+                raise _errors.CollectiveError(
+                    f"gathering every rank's report gave rank 0 nothing ({type(comm).__name__}.gather_object)")
             verdict = _Verdict(decide(everyone))
         except Exception as e:  # noqa: BLE001 - shared with every rank, then re-raised
             failure, verdict = e, _Verdict(None, error_name(e), str(e))

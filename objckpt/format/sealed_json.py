@@ -15,7 +15,7 @@ import io
 import json
 import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import zstandard
 
@@ -50,23 +50,51 @@ def canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def seal(obj: dict[str, Any]) -> bytes:
+def seal(obj: dict[str, Any], *, str_keys: Optional[bool] = None) -> bytes:
     """Compact JSON of ``obj`` in its own key order (tensor order is meaningful) with two
     fields appended last: ``crc32c_text``, the crc32c of the bytes before it (what a reader
     checks first: no re-encoding), then ``crc32c``, the crc32c of the *canonical* JSON of
     everything else, ``crc32c_text`` included (what survives re-indentation, and what
-    readers that do not know ``crc32c_text`` check)."""
+    readers that do not know ``crc32c_text`` check).  ``str_keys``: the caller knows whether
+    every dict in ``obj`` has only ``str`` keys (None: :func:`only_str_keys` finds out)."""
     body = {k: v for k, v in obj.items() if k not in (CRC_FIELD, TEXT_CRC_FIELD)}
     raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
     if not body:
         return f'{{"{CRC_FIELD}":{crc32c(canonical({}))}}}'.encode()
     text = raw[:-1]
     text_crc = crc32c(text)
-    # the canonical crc is of what a reader parses back (int dict keys become strings, tuples lists)
-    parsed = json.loads(raw)
+    # the canonical crc is of what a reader parses back (int dict keys become strings, tuples
+    # lists): with only string keys that is ``body`` itself as the canonical encoder writes
+    # it (tuples are written as lists), so the parse is needed only for other keys
+    if str_keys is None:
+        str_keys = only_str_keys(body)
+    parsed = dict(body) if str_keys else json.loads(raw)
     parsed[TEXT_CRC_FIELD] = text_crc
     crc = crc32c(canonical(parsed))
     return text + f',"{TEXT_CRC_FIELD}":{text_crc},"{CRC_FIELD}":{crc}}}'.encode()
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def only_str_keys(obj: Any) -> bool:
+    """Whether every dict in ``obj`` has only ``str`` keys (exactly: a subclass may encode
+    otherwise), checking each list's item types in C before walking into it: a manifest's
+    lists of block crcs cost one set each, not a Python step per item."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        t = type(o)
+        if t is dict:
+            if o and set(map(type, o)) != {str}:
+                return False
+            stack.extend(v for v in o.values() if type(v) not in _SCALARS)
+        elif t is list or t is tuple:
+            if not _SCALARS.issuperset(map(type, o)):
+                stack.extend(v for v in o if type(v) not in _SCALARS)
+        elif t not in _SCALARS:
+            return False  # anything else: as the encoder and the parse make it
+    return True
 
 
 #: the sealed text's last bytes: its text crc, then its canonical crc, then the closing brace

@@ -87,8 +87,11 @@ def is_spread_name(name: object, attempt: str) -> bool:
 
 def plain_segment(name: str) -> bool:
     """One ordinary path component: not empty, not ``.``/``..``, no separator, NUL or control character."""
-    return (name not in ("", ".", "..") and not any(ch in name for ch in "/\\")
-            and not any(ord(ch) < 0x20 for ch in name))
+    return name not in ("", ".", "..") and _NOT_IN_SEGMENT.search(name) is None
+
+
+#: what a path component may not hold: a separator, NUL or a control character
+_NOT_IN_SEGMENT = re.compile(r"[\x00-\x1f/\\]")
 
 
 def root_and_rel(prefix: str, up: int) -> Optional[tuple[str, str]]:

@@ -76,9 +76,10 @@ class SymbolicLayout(SaveLayout):
         blobs = [b for out in outcomes for b in out.blobs]
         refs = []
         for rank, out in enumerate(outcomes):
-            if out.index is None:
+            ref = out.index  # built on each read of a gathered outcome: read once
+            if ref is None:
                 raise CorruptCheckpointError(f"rank {rank} reported no index object")
-            refs.append(out.index)
+            refs.append(ref)
         return Manifest(
             tensors=entries, blobs=blobs, tree=self.tree, metadata=common.metadata, attempt=common.attempt,
             world_size=len(outcomes), writer=WRITER, crc_block=common.crc_block, rank_trees=self.rank_trees,

@@ -28,10 +28,11 @@ from ..distributed.join import join, unanswered_ranks
 from ..errors import (CheckpointExistsError, ObjckptError, RankLostError, StateDictMismatchError,
                       TensorChangedError, UnsupportedValueError)
 from ..format import keys
+from ..format.manifest import Manifest
 from ..format.spread import Placement, up_for
 from ..logs import get_logger
 from ..layout import GatheredLayout, ManifestCommon, RankOutcome, RankReport, SaveLayout, SymbolicLayout
-from ..runtime.gc_pause import FrozenOld
+from ..runtime.gc_pause import FrozenOld, paused_gc
 from ..runtime.memory import AnyBudget, HostPool, save_budget
 from ..options import KeyScheme, SaveOptions
 from ..planning import crc_blocks
@@ -352,6 +353,21 @@ def _versions(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     return out
 
 
+def gathered_manifest(layout: SaveLayout, wires: list[tuple[Any, ...]],
+                      common: ManifestCommon) -> tuple[Optional[Manifest], list[Optional[RankError]]]:
+    """Rank 0's part of the commit before its write: every rank's outcome rebuilt from
+    the tuples it sent (:meth:`RankOutcome.wire`) and every rank's error; the manifest
+    when none failed (else None).  65,536 outcomes at 65,536 ranks, with no cycles among
+    them: the collector is paused meanwhile (its passes over a large heap cost more than
+    the rebuild)."""
+    with paused_gc():
+        outcomes = [RankOutcome.from_wire(w) for w in wires]
+        errors = [o.error for o in outcomes]
+        if any(e is not None for e in errors):
+            return None, errors
+        return layout.manifest(outcomes, common), errors
+
+
 def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
     """Phase 3: exchange outcomes; rank 0 commits; every rank returns or raises alike."""
     st = prep.store
@@ -360,18 +376,18 @@ def finish(prep: Prepared, comm: Comm, outcome: UploadOutcome) -> SaveResult:
         raise outcome.exc
     commit_errors: list[BaseException] = []
 
-    def decide(outcomes: list[RankOutcome]) -> tuple[Optional[CommitStatus], list[Optional[RankError]]]:
-        errors = [o.error for o in outcomes]
-        if any(e is not None for e in errors):
+    def decide(wires: list[tuple[Any, ...]]) -> tuple[Optional[CommitStatus], list[Optional[RankError]]]:
+        m, errors = gathered_manifest(prep.layout, wires,
+                                      ManifestCommon(prep.attempt, prep.opts.metadata, prep.crc_block))
+        if m is None:
             return None, errors  # every rank raises below, from the same list
-        m = prep.layout.manifest(outcomes, ManifestCommon(prep.attempt, prep.opts.metadata, prep.crc_block))
         m.spread_up = prep.place.up
         return commit(st, prep.prefix, m, prep.opts.overwrite, prep.uri, prep.written_keys, prep.stats,
                       commit_errors, decided_by_record=prep.world_size > 1), errors
 
     t_commit = time.perf_counter()
     try:
-        status, errors = decide_on_root(comm, outcome.shared, decide)
+        status, errors = decide_on_root(comm, outcome.shared.wire(), decide)
     except DecisionNotShared as lost:  # a rank died in the commit window: learn the outcome, then act on it
         raise _after_lost_rank(prep, comm, lost) from lost
     except Exception:  # building or committing the manifest failed on rank 0: raised on every rank

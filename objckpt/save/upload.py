@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from ..runtime import loop as _runtime
-from ..checksum import block_crcs, crc32c, crc32c_combine
+from ..checksum import RunningCrc, block_crcs, crc32c, crc32c_combine
 from ..errors import MemoryBudgetError
 from ..runtime.memory import AnyBudget, Budget, HostPool, host_bytes, operation_budget, plain_host
 from ..planning.pack import ChunkPlan, PartPlan, SavePlan
@@ -78,13 +78,28 @@ def enqueue_part(
 
 def part_crcs(part: PartPlan, buf: torch.Tensor, block: int = 0) -> list[ChunkCrc]:
     """crc32c of each chunk of a staged part (and of its blocks), on the staged bytes."""
-    host = buf[: part.size].numpy()
+    return staged_crcs(part, buf, block)[0]
+
+
+def staged_crcs(part: PartPlan, buf: torch.Tensor, block: int = 0) -> tuple[list[ChunkCrc], int]:
+    """:func:`part_crcs`, and the whole part's crc32c (padding included), built while the
+    chunks are hashed (:class:`~objckpt.checksum.RunningCrc`), not combined afterwards."""
+    host = memoryview(buf[: part.size].numpy()).cast("B")
     out: list[ChunkCrc] = []
+    whole = RunningCrc()
+    pos = 0
     for c in part.chunks:
         rel = c.offset - part.offset
-        total, blocks = block_crcs(memoryview(host)[rel : rel + c.length], block)
+        if rel > pos:
+            whole.add(host[pos:rel])  # the zero padding, as staged
+        v = host[rel : rel + c.length]
+        total, blocks = block_crcs(v, block)
         out.append(ChunkCrc(total, tuple(blocks)))
-    return out
+        whole.add(v, total)
+        pos = rel + c.length
+    if pos < part.size:
+        whole.add(host[pos : part.size])
+    return out, whole.value
 
 
 _ZEROS = memoryview(bytes(4096))
@@ -92,14 +107,17 @@ _ZEROS = memoryview(bytes(4096))
 
 def direct_views(
     part: PartPlan, tensors: Mapping[str, torch.Tensor], block: int = 0
-) -> tuple[list[memoryview], list[ChunkCrc]]:
-    """The part as views of the tensors' own bytes (zero padding between), and chunk crcs."""
+) -> tuple[list[memoryview], list[ChunkCrc], int]:
+    """The part as views of the tensors' own bytes (zero padding between), chunk crcs, and
+    the part's crc32c (built as the chunks are hashed: see :func:`staged_crcs`)."""
     views: list[memoryview] = []
     crcs: list[ChunkCrc] = []
+    running = RunningCrc()
     pos = part.offset
     for c in part.chunks:
         if c.offset > pos:
             views.append(_ZEROS[: c.offset - pos])
+            running.add(views[-1])
         t = tensors[c.key]
         whole = host_bytes(t)
         if t.dim() == 0:
@@ -109,17 +127,20 @@ def direct_views(
             v = whole[c.row_start * row : c.row_start * row + c.length]
         total, blocks = block_crcs(v, block)
         crcs.append(ChunkCrc(total, tuple(blocks)))
+        running.add(v, total)
         if len(v):
             views.append(v)
         pos = c.offset + c.length
     if pos < part.offset + part.size:
         views.append(_ZEROS[: part.offset + part.size - pos])
-    return views, crcs
+        running.add(views[-1])
+    return views, crcs, running.value
 
 
 def part_crc(part: PartPlan, crcs: Sequence[ChunkCrc]) -> int:
     """The part's crc32c, combined from its chunks' crcs and the zero padding between
-    them: the server can verify every part without objckpt hashing its bytes twice."""
+    them: the server can verify every part without objckpt hashing its bytes twice.
+    (A save builds it while hashing instead: :func:`staged_crcs`, :func:`direct_views`.)"""
     crc, pos = 0, part.offset
     for c, k in zip(part.chunks, crcs):
         if c.offset > pos:
@@ -231,11 +252,10 @@ async def write_plan(
     async def job(part: PartPlan) -> None:
         if zero_copy and all(direct[c.key] for c in part.chunks):
             async with uploads:
-                views, part_crcs = await _runtime.in_thread(direct_views, part, tensors, crc_block)
+                views, part_crcs, whole = await _runtime.in_thread(direct_views, part, tensors, crc_block)
                 for c, v in zip(part.chunks, part_crcs):
                     crcs[c] = v
-                await writers[part.blob].write_part_views(part.index, part.offset, views,
-                                                          crc32c=part_crc(part, part_crcs))
+                await writers[part.blob].write_part_views(part.index, part.offset, views, crc32c=whole)
                 stats.add(part.size)
         else:
             await staged(part)
@@ -264,13 +284,12 @@ async def write_plan(
                 staged_one()
                 if hold_uploads:  # all of it fits: stage everything first, the caller is waiting
                     await all_staged.wait()
-                found = await _runtime.in_thread(part_crcs, part, buf, crc_block)
+                found, whole = await _runtime.in_thread(staged_crcs, part, buf, crc_block)
                 for c, v in zip(part.chunks, found):
                     crcs[c] = v
                 async with uploads:
                     data = memoryview(buf.numpy())[: part.size]
-                    await writers[part.blob].write_part_views(part.index, part.offset, [data],
-                                                              crc32c=part_crc(part, found))
+                    await writers[part.blob].write_part_views(part.index, part.offset, [data], crc32c=whole)
                 stats.add(part.size)
             finally:
                 memory.release(buf.numel())
