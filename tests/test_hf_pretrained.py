@@ -5,7 +5,6 @@ call, in a fresh process, with no export first: every weight bit for bit, tied w
 the generation config and the training arguments as they were."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -20,16 +19,13 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import objckpt
 from objckpt.errors import MissingKeyError
 from objckpt.integrations.hf_pretrained import STEP_FILES, export_pretrained, training_arguments
+from recipes import load_recipe
 
 RECIPE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "integrations" / "hf_trainer.py"
 
 
 def _recipe() -> Any:
-    spec = importlib.util.spec_from_file_location("hf_trainer_recipe", RECIPE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_recipe("hf_trainer.py", "hf_trainer_recipe")
 
 
 @pytest.fixture

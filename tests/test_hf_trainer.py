@@ -4,7 +4,6 @@ the same losses and the same weights, bit for bit, as a run that never stopped (
 Trainer's shuffling depend on the restored generators)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -20,16 +19,13 @@ import torch
 import objckpt
 from objckpt.errors import NotFoundError
 from mp import run_multiprocess
+from recipes import load_recipe
 
 RECIPE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "integrations" / "hf_trainer.py"
 
 
 def _recipe() -> Any:
-    spec = importlib.util.spec_from_file_location("hf_trainer_recipe", RECIPE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_recipe("hf_trainer.py", "hf_trainer_recipe")
 
 
 def _env(endpoint: str, opts: dict[str, Any]) -> dict[str, str]:

@@ -2,7 +2,6 @@
 checkpoints plus last, and resumes from "last" in a fresh process exactly where it stopped."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,16 +11,13 @@ from typing import Any
 
 import boto3
 import pytest
+from recipes import load_recipe
 
 RECIPE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "integrations" / "lightning_fit.py"
 
 
 def _recipe() -> Any:
-    spec = importlib.util.spec_from_file_location("lightning_fit", RECIPE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_recipe("lightning_fit.py", "lightning_fit")
 
 
 def _run(*args: str, env: dict[str, str]) -> dict[str, Any]:

@@ -1,21 +1,17 @@
 """docs/integrations.md "Training with CheckpointManager": the recipe runs, stops, resumes bit for bit."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 from typing import Any
 
 import torch
+from recipes import load_recipe
 
 RECIPE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "integrations" / "manager_loop.py"
 
 
 def _recipe() -> Any:
-    spec = importlib.util.spec_from_file_location("manager_loop", RECIPE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_recipe("manager_loop.py", "manager_loop")
 
 
 def test_manager_loop_resumes_bit_for_bit(moto_s3: tuple[str, dict[str, Any]]) -> None:
