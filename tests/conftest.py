@@ -139,3 +139,21 @@ def _restore_deterministic_mode() -> Iterator[None]:
     was = torch.are_deterministic_algorithms_enabled()
     yield
     torch.use_deterministic_algorithms(was)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Float sums split over threads round differently: runs compared bit for bit use one thread each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def s3_run(moto_s3: tuple[str, dict[str, Any]], moto_endpoint: str,
+           monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, dict[str, Any]]:
+    """(bucket, run URI, storage options), with fsspec (Lightning's own I/O) pointed at moto."""
+    bucket, opts = moto_s3
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    return bucket, f"s3://{bucket}/run", opts

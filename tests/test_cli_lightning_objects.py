@@ -34,15 +34,6 @@ from lightning_helpers import Tiny, data, trainer
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def s3_run(moto_s3: tuple[str, dict[str, Any]], moto_endpoint: str,
-           monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, dict[str, Any]]:
-    """(bucket, run URI, storage options), with Lightning's fsspec pointed at moto."""
-    bucket, opts = moto_s3
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    return bucket, f"s3://{bucket}/run", opts
-
-
 def cli(opts: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
     """``python -m objckpt ARGS --endpoint-url ...`` in a new process, as a user runs it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}

@@ -28,14 +28,6 @@ def _recipe() -> Any:
     return load_recipe("hf_trainer.py", "hf_trainer_recipe")
 
 
-@pytest.fixture
-def one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_a_trainer_step_builds_its_model_in_one_call_in_a_fresh_process(
         moto_s3: tuple[str, dict[str, Any]], moto_endpoint: str, one_thread: Any) -> None:
     bucket, opts = moto_s3

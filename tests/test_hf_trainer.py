@@ -38,15 +38,6 @@ def _json_keys(d: dict[str, Any]) -> dict[int, Any]:
     return {int(k): v for k, v in d.items()}
 
 
-@pytest.fixture
-def one_thread() -> Any:
-    """Float sums split over threads round differently: the runs compared here use one thread each."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_trainer_resumes_from_latest_and_from_a_uri_bit_for_bit(moto_s3: tuple[str, dict[str, Any]],
                                                                 moto_endpoint: str, one_thread: Any) -> None:
     bucket, opts = moto_s3

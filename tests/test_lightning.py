@@ -61,15 +61,6 @@ class Cfg:
     scale: torch.Tensor
 
 
-@pytest.fixture
-def s3_run(moto_s3: tuple[str, dict[str, Any]], moto_endpoint: str,
-           monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, dict[str, Any]]:
-    """(bucket, run URI, storage options), with Lightning's fsspec pointed at moto."""
-    bucket, opts = moto_s3
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    return bucket, f"s3://{bucket}/run", opts
-
-
 def _keys(bucket: str, opts: dict[str, Any]) -> list[str]:
     client = boto3.client("s3", **opts)
     return sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", []))
