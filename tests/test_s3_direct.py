@@ -32,6 +32,7 @@ from objckpt.storage.s3.sigv4 import Signer, quote_path
 from testkit.s3server import S3Server
 
 from conftest import make_bucket, s3_options
+from wire_spies import spy_splice
 
 NOW = datetime.datetime(2026, 11, 25, 1, 2, 3, tzinfo=datetime.timezone.utc)
 
@@ -333,26 +334,12 @@ def fast_client() -> Iterator[tuple[DirectClient, S3Server]]:
         client.close()
 
 
-def _spy_splice(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from objckpt.storage.s3 import wire
-
-    spliced: list[int] = []
-    real = wire.os.splice
-
-    def spy(*a: Any, **k: Any) -> int:
-        n = real(*a, **k)
-        spliced.append(n)
-        return n
-
-    monkeypatch.setattr(wire.os, "splice", spy)
-    return spliced
-
 
 def test_bodies_are_copied_unless_splicing_is_asked_for(fast_client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Splicing is opt-in, by the client's ``splice`` (its store's OBJCKPT_SPLICE_BODIES, read
     when the store opened): the variable alone, set after, changes nothing."""
     client, _ = fast_client
-    spliced = _spy_splice(monkeypatch)
+    spliced = spy_splice(monkeypatch)
     monkeypatch.setenv("OBJCKPT_SPLICE_BODIES", "1")
     data = os.urandom(1 << 20)
     client.put("k", [memoryview(bytearray(data))], {}, 5.0)
@@ -370,7 +357,7 @@ def test_spliced_body_may_change_once_the_put_returns(fast_client: Any, monkeypa
     the 2xx answer is in, the server has read them all: the buffer may be reused."""
     client, _ = fast_client
     client.splice = True
-    spliced = _spy_splice(monkeypatch)
+    spliced = spy_splice(monkeypatch)
     data = os.urandom(4 << 20)
     buf = bytearray(data)
     client.put("k", [memoryview(bytes(100)), memoryview(buf)], {}, 5.0)

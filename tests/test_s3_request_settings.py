@@ -28,6 +28,7 @@ from objckpt.storage import open_store
 from objckpt.storage.s3 import S3Store
 from objckpt.storage.s3.config import NoCredentialsError, S3Config, S3ConfigError
 from testkit.s3server import S3Server
+from wire_spies import spy_splice
 
 TRANSPORTS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "botocore"])
 
@@ -235,17 +236,7 @@ def test_splicing_is_read_when_the_store_opens_and_the_cache_follows_it(aws: Pat
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A store keeps what OBJCKPT_SPLICE_BODIES said when it opened; the next open_store
     after a change gets a new store saying the new value."""
-    from objckpt.storage.s3 import wire
-
-    spliced: list[int] = []
-    real = wire.os.splice
-
-    def spy(*a: Any, **k: Any) -> int:
-        n = real(*a, **k)
-        spliced.append(n)
-        return n
-
-    monkeypatch.setattr(wire.os, "splice", spy)
+    spliced = spy_splice(monkeypatch)
     opts = _opts(server)
     body = bytes(1 << 20)
 
