@@ -108,7 +108,7 @@ def test_schema_rejects_malformed(saved: tuple[str, dict[str, Any], dict[str, An
 
     chunk = lambda c: c["tensors"]["model.big"]["chunks"][0]  # noqa: E731
     assert _invalid(mutated(lambda c: c.pop("tensors")))
-    assert _invalid(mutated(lambda c: c.update(format_version=5)))
+    assert _invalid(mutated(lambda c: c.update(format_version=6)))
     assert _invalid(mutated(lambda c: c.pop("crc32c")))  # v3 carries its checksum
     assert _invalid(mutated(lambda c: c["blobs"][0].update(name="blobs/../../etc/passwd")))
     assert _invalid(mutated(lambda c: c.update(format_version=2)))  # v2 needs meshes and rank_indexes
@@ -272,8 +272,8 @@ def _small_manifest(**kw: Any) -> Manifest:
 
 def test_newer_version_is_rejected_clearly() -> None:
     obj = mf.to_json_obj(_small_manifest())
-    obj["format_version"] = 5
-    with pytest.raises(UnsupportedFormatError, match="format_version 5.*versions 1 to 4"):
+    obj["format_version"] = 6
+    with pytest.raises(UnsupportedFormatError, match="format_version 6.*versions 1 to 5"):
         decode(json.dumps(obj).encode())
     obj["format_version"] = 1
     obj["format"] = "safetensors"

@@ -14,6 +14,7 @@ import torch
 import objckpt
 from objckpt.runtime import loop as _runtime
 from objckpt.format import keys
+from objckpt.format.block_crcs import pack, unpack
 from objckpt.format.manifest import load_json, reseal
 from objckpt.storage import open_store
 
@@ -176,7 +177,10 @@ def test_verify_checks_every_block_crc(tmp_path: Any, capsys: pytest.CaptureFixt
     assert "block crc(s)" in capsys.readouterr().out
 
     def flip(m: dict[str, Any]) -> None:
-        m["tensors"]["w"]["chunks"][0]["block_crc32c"][1] ^= 0x10
+        chunk = m["tensors"]["w"]["chunks"][0]
+        blocks = list(unpack(chunk["block_crc32c"], 3))  # v5: packed
+        blocks[1] ^= 0x10
+        chunk["block_crc32c"] = pack(blocks)
 
     edit_manifest(ck, {}, flip)
     assert torch.equal(objckpt.read(ck)["w"], state["w"])  # a full read checks the chunk crc only: fine

@@ -28,6 +28,14 @@ from objckpt.storage import open_store
 from conftest import assert_same
 from mp import run_multiprocess
 
+
+def _expected_version(m: mf.Manifest, without_blocks: int) -> int:
+    """The version the format (docs/format.md §9) says a writer stores ``m`` as: v5 when block
+    crcs may be stored (a chunk has some, or chunks live in rank indexes and ``crc_block`` is
+    set), else ``without_blocks``."""
+    blocks = any(c.block_crc32c for t in m.tensors.values() for c in t.chunks)
+    return mf.PACKED_VERSION if blocks or (m.rank_indexes and m.crc_block) else without_blocks
+
 OLD = "20200101T000000-0123456789ab"  # an attempt id far older than gc's grace
 SEG = st.text("abcdefghij-_0123456789", min_size=1, max_size=6)
 
@@ -124,7 +132,7 @@ def test_spread_round_trip_and_where_objects_live(run_root: tuple[str, dict[str,
     objckpt.load(tmpl, uri, storage_options=opts)
     assert_same(tmpl, state)
     m = objckpt.inspect(uri, storage_options=opts)
-    assert m.format_version == 4 and m.spread_up == 1 and len(m.blobs) > 1
+    assert m.format_version == _expected_version(m, 4) and m.spread_up == 1 and len(m.blobs) > 1
     assert all(b.spread == "00" and b.name.startswith(f"spread/{m.attempt}/") for b in m.blobs)
     _, prefix = open_store(uri, opts)
     run_prefix = prefix.rsplit("/", 1)[0]
@@ -136,16 +144,16 @@ def test_spread_round_trip_and_where_objects_live(run_root: tuple[str, dict[str,
     plain = objckpt.save(state, f"{root}/plain", storage_options=opts)
     assert plain.files and list(plain.files) == [b.name for b in objckpt.inspect(f"{root}/plain",
                                                                                 storage_options=opts).blobs]
-    raw = json.loads(mf.reseal(json.dumps(mf.to_json_obj(objckpt.inspect(f"{root}/plain", storage_options=opts)))
-                               .encode()))
-    assert raw["format_version"] == 3 and "spread_up" not in raw and all("spread" not in b for b in raw["blobs"])
+    plain_m = objckpt.inspect(f"{root}/plain", storage_options=opts)
+    raw = json.loads(mf.reseal(json.dumps(mf.to_json_obj(plain_m)).encode()))
+    assert raw["format_version"] == _expected_version(plain_m, 3) and "spread_up" not in raw and all("spread" not in b for b in raw["blobs"])
 
 
 def test_older_reader_refuses_a_spread_checkpoint(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     uri = str(tmp_path / "run" / "ck")
     objckpt.save(_state(2), uri, key_layout="spread")
     monkeypatch.setattr(mf, "MAX_VERSION", 3)  # what the previous release knows
-    with pytest.raises(UnsupportedFormatError, match="format_version 4.*versions 1 to 3"):
+    with pytest.raises(UnsupportedFormatError, match="format_version [45].*versions 1 to 3"):
         objckpt.read(uri)
 
 
@@ -183,7 +191,7 @@ def test_two_ranks_spread_v2_manifest_on_s3(moto_s3: Any) -> None:
     out = run_multiprocess(2, save_and_load_spread, uri, opts, f"s3://{bucket}")  # root: the bucket itself
     assert out == [{"w": True, "rep": True, "step": 9, "mixed_refused": True}] * 2
     m = objckpt.inspect(uri, storage_options=opts, chunks=False)
-    assert m.format_version == 4 and m.spread_up == 3 and m.world_size == 2 and m.meshes
+    assert m.format_version == _expected_version(m, 4) and m.spread_up == 3 and m.world_size == 2 and m.meshes
     assert [r.spread for r in m.rank_indexes] == ["00", "80"]
     assert {(b.rank, b.spread) for b in m.blobs} == {(0, "00"), (1, "80")}
     keys = _keys(uri, opts, ".spread-")  # at the bucket root, one bucket per rank
@@ -314,10 +322,10 @@ def test_overwrite_between_layouts_and_async_spread_save(tmp_path: pathlib.Path)
     objckpt.async_save(_state(2), uri, key_layout="spread", overwrite=True).result(timeout=120)
     spread_files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
     m = objckpt.inspect(uri)
-    assert m.format_version == 4  # and the old blobs/ are gone: the listing holds only these
+    assert m.format_version == _expected_version(m, 4)  # and the old blobs/ are gone: the listing holds only these
     assert spread_files == sorted(["run/ck/manifest.json"] + [f"run/.spread-00/ck/{b.name}" for b in m.blobs])
     assert_same(objckpt.read(uri), _state(2))
     objckpt.save(_state(3), uri, overwrite=True)  # back to the default layout
     assert not any(p.is_file() for p in (tmp_path / "run" / ".spread-00").rglob("*"))
-    assert objckpt.inspect(uri).format_version == 3
+    assert objckpt.inspect(uri).format_version == _expected_version(objckpt.inspect(uri), 3)
     assert_same(objckpt.read(uri), _state(3))

@@ -1,4 +1,4 @@
-"""The manifest (format v1, v2, v3): typed objects, JSON encode/decode, version check.
+"""The manifest (format v1 to v5): typed objects, JSON encode/decode, version check.
 
 The manifest is the only metadata object of a checkpoint and its commit
 record.  It is plain JSON (zstd-compressed when large, detected by magic), so
@@ -24,7 +24,13 @@ Version 4 is version 3 plus the "spread" key layout (:mod:`objckpt.format.spread
 blobs and rank indexes may live under hashed prefixes outside the checkpoint's
 prefix, recorded per object (``spread``) and once (``spread_up``).  Only such
 manifests are written as v4, so a release that reads up to v3 refuses them
-clearly instead of looking for blobs that are not there.  A manifest is untrusted input: :func:`decode` checks every
+clearly instead of looking for blobs that are not there.
+
+Version 5 stores a chunk's ``block_crc32c`` packed: one base64 string of little-endian
+uint32 values instead of a list of integers (:mod:`objckpt.format.block_crcs`), in the
+manifest and in the rank indexes; written whenever block crcs may be present, so a
+release that reads up to v4 refuses such a checkpoint by its version.  Lists are still
+read, in every version.  A manifest is untrusted input: :func:`decode` checks every
 field a reader later trusts (names under ``blobs/``, chunk lengths against shapes,
 layouts against meshes, tree tags) before anything is allocated.
 """
@@ -35,150 +41,32 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from typing_extensions import TypeGuard
 
 import zstandard
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import NAME_TO_DTYPE, itemsize
 from . import keys as _keys
+from . import block_crcs as _blocks
 from . import spread as _spread
 from .keys import is_safe_object_name
 from ..runtime.gc_pause import paused_gc
 from .sealed_json import ZSTD_MAGIC, load_json, load_sealed, only_str_keys, reseal, seal, verify  # noqa: F401  (re-exported)
 from .tree import check_tree
+from .entries import (MAX_INT, Blob, Chunk, ChunkRecord, Mesh, RankIndexRef, ShardSpec, TensorCount,  # noqa: F401
+                      TensorEntry, TensorLayout)  # (re-exported: the records a manifest is made of)
+from .chunk_checks import block_list, crc_list, plain_chunk as _plain_chunk, chunk_blocks as _chunk_blocks  # noqa: F401
 
 FORMAT_NAME = "objckpt"
 FORMAT_VERSION = 3  # what this release writes for the default key layout
 #: what it writes when objects are spread over hashed prefixes (docs/format.md §13)
 SPREAD_VERSION = 4
-MAX_VERSION = 4  # the newest version this release reads
+#: what it writes when some chunk carries block crcs, stored packed (:mod:`.block_crcs`)
+PACKED_VERSION = _blocks.PACKED_VERSION
+MAX_VERSION = 5  # the newest version this release reads
 #: the first version whose manifests (and rank indexes) must carry their own "crc32c"
 SEALED_VERSION = 3
-#: no integer in a manifest (size, offset, length, dim) may reach this: keeps arithmetic
-#: on hostile values away from 64-bit overflow in the OS, torch and HTTP ranges
-MAX_INT = 1 << 62
 COMPRESS_ABOVE = 1 << 20  # manifests larger than this are stored zstd-compressed
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One stored piece of a tensor: a box of the global tensor at ``offsets``
-    with ``shape``, stored raw row-major at ``blob``[``offset``: ``offset+length``]."""
-
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    blob: int  # index into Manifest.blobs
-    offset: int
-    length: int
-    crc32c: int
-    #: crc32c of each ``Manifest.crc_block``-byte block, for chunks larger than one block
-    block_crc32c: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """A chunk a rank wrote, as it reports it: the tensor key and the chunk, whose
-    ``blob`` numbers the rank's own blobs (its n-th) until the manifest is built."""
-
-    key: str
-    chunk: Chunk
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """A device mesh: its shape and the ranks (of the saving group) at its points, row-major."""
-
-    shape: tuple[int, ...]
-    ranks: tuple[int, ...]
-
-    def coordinate(self, rank: int) -> Optional[tuple[int, ...]]:
-        pos = self.__dict__.get("_pos")
-        if pos is None:
-            pos = {r: i for i, r in enumerate(self.ranks)}
-            object.__setattr__(self, "_pos", pos)
-        flat = pos.get(rank)
-        if flat is None:
-            return None
-        out = []
-        for n in reversed(self.shape):
-            out.append(flat % n)
-            flat //= n
-        return tuple(reversed(out))
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a tensor is cut over a mesh and who wrote each piece (v2; stored under the
-    JSON key ``"layout"``, which stays): ``mesh`` indexes ``Manifest.meshes``;
-    placements are "R" or "S<dim>" per mesh dim; each cell is stored as ``split`` pieces along
-    dim 0, piece i written by replica slot (i + ``rot``) mod group size."""
-
-    mesh: int
-    placements: tuple[str, ...]
-    split: int = 1
-    rot: int = 0
-
-
-#: the old name of :class:`ShardSpec` ("layout" now means :mod:`objckpt.layout` only)
-TensorLayout = ShardSpec
-
-
-@dataclass(frozen=True)
-class RankIndexRef:
-    """One rank's index object (v2): its chunk records."""
-
-    name: str  # path relative to the checkpoint prefix (spread: see ``spread``)
-    size: int
-    crc32c: int
-    #: v4: the hex bucket it is spread to ("" : under the checkpoint prefix)
-    spread: str = ""
-
-
-@dataclass
-class TensorEntry:
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: list[Chunk] = field(default_factory=list)
-    #: key of the tensor this one shares storage with (bytes stored once)
-    alias_of: Optional[str] = None
-    #: v2: the chunks are described by this shard spec and listed in the rank indexes
-    layout: Optional[ShardSpec] = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class TensorCount:
-    """How many tensors a checkpoint holds, counted one way by every command and report.
-
-    ``tensors`` counts keys: every tensor ``load`` fills and ``read`` returns, tied ones
-    included (a tied ``lm_head.weight`` is a tensor of the state like any other).  ``tied``
-    of them share their bytes with another key and are stored once, under that key; so
-    ``stored`` tensors have bytes of their own.  Printed as ``113 tensors (1 tied: stored
-    once)``."""
-
-    tensors: int
-    tied: int = 0
-
-    @property
-    def stored(self) -> int:
-        return self.tensors - self.tied
-
-    def __str__(self) -> str:
-        return f"{self.tensors} tensors" + (f" ({self.tied} tied: stored once)" if self.tied else "")
-
-
-@dataclass(frozen=True)
-class Blob:
-    name: str  # path relative to the checkpoint prefix (spread: see ``spread``)
-    size: int
-    rank: int = 0
-    #: v4: the hex bucket it is spread to ("" : under the checkpoint prefix)
-    spread: str = ""
 
 
 @dataclass
@@ -191,7 +79,7 @@ class Manifest:
     world_size: int = 1
     created: float = field(default_factory=time.time)
     writer: str = ""
-    format_version: int = FORMAT_VERSION  # what decode read; encode always writes FORMAT_VERSION
+    format_version: int = FORMAT_VERSION  # what decode read; encode writes :func:`written_version`
     #: block size of Chunk.block_crc32c (0: chunks carry only their whole crc)
     crc_block: int = 0
     #: non-tensor values per rank, when ranks saved different ones (else None)
@@ -264,7 +152,7 @@ def _chunk_to_json(c: Chunk) -> dict[str, Any]:
         "crc32c": c.crc32c,
     }
     if c.block_crc32c:
-        d["block_crc32c"] = list(c.block_crc32c)
+        d["block_crc32c"] = _blocks.pack(c.block_crc32c)
     return d
 
 
@@ -283,7 +171,7 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
     v2 = any(t.layout is not None for t in m.tensors.values())
     out = {
         "format": FORMAT_NAME,
-        "format_version": SPREAD_VERSION if m.spread_up else FORMAT_VERSION,
+        "format_version": written_version(m),
         "writer": m.writer,
         "created": m.created,
         "attempt": m.attempt,
@@ -304,6 +192,18 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
         out["rank_indexes"] = [_spread_field({"name": r.name, "size": r.size, "crc32c": r.crc32c}, r.spread)
                                for r in m.rank_indexes]
     return out
+
+
+def written_version(m: Manifest) -> int:
+    """The version :func:`encode` writes for ``m``: the oldest that holds what it uses, so
+    that an older release refuses, by its version check, only what it cannot read.  v5
+    when block crcs may be stored (packed): a chunk of ``m`` has them, or ``m``'s chunks
+    are in rank indexes and it has a ``crc_block`` (the indexes pack theirs); else v4 for
+    spread objects; else v3."""
+    inline = any(c.block_crc32c for t in m.tensors.values() for c in t.chunks)
+    if inline or (m.crc_block and any(t.layout is not None for t in m.tensors.values())):
+        return PACKED_VERSION
+    return SPREAD_VERSION if m.spread_up else FORMAT_VERSION
 
 
 def _spread_field(d: dict[str, Any], spread: str) -> dict[str, Any]:
@@ -344,14 +244,6 @@ def _int_list(v: Any) -> bool:
     return isinstance(v, list) and all(_int(x) for x in v)
 
 
-def crc_list(v: Any) -> "TypeGuard[list[int]]":
-    """A list of crc32c values: JSON integers (not bools) in ``[0, 2**32)``.  Checked in C
-    (the set of the items' types, then min and max): a manifest or rank index holds one per
-    crc block, hundreds of thousands for a model of many small tensors, and a Python check
-    per item cost more than parsing them (67 of a decode's 230 ms for 210,800 of them)."""
-    return type(v) is list and (not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) < 1 << 32))
-
-
 def decode(data: bytes, where: str = "<manifest>") -> Manifest:
     """Parse and check a manifest.  ``where`` names it in errors.
 
@@ -387,6 +279,7 @@ def _decode(data: bytes, where: str) -> Manifest:
     _need(_int(spread_up, 0, 64) and (not spread_up or version >= SPREAD_VERSION), where,
           "'spread_up' malformed or in a manifest older than v4")
     meshes, rank_indexes = _v2_tables(obj, version, where, attempt, spread_up)
+    packed = version >= PACKED_VERSION
     blobs_raw = obj["blobs"]
     _need(isinstance(blobs_raw, list), where, "'blobs' is not a list")
     blobs = []
@@ -402,6 +295,7 @@ def _decode(data: bytes, where: str) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     traw = obj["tensors"]
     _need(isinstance(traw, dict), where, "'tensors' is not an object")
+    sizes: Optional[list[int]] = None
     for k, t in traw.items():
         _need(isinstance(t, dict), where, f"tensor {k!r} malformed")
         _need(isinstance(t.get("dtype"), str), where, f"tensor {k!r}: dtype missing")
@@ -419,7 +313,13 @@ def _decode(data: bytes, where: str) -> Manifest:
         elif alias is None:
             _need(isinstance(t.get("chunks"), list), where, f"tensor {k!r}: chunks missing")
             seen: set[tuple[int, ...]] = set()
+            sizes = [b.size for b in blobs] if sizes is None else sizes
             for j, c in enumerate(t["chunks"]):
+                chunk = _plain_chunk(c, entry.shape, sizes, isz, crc_block, packed)
+                if chunk is not None and chunk.offsets not in seen:  # the common case: every check passed
+                    seen.add(chunk.offsets)
+                    entry.chunks.append(chunk)
+                    continue
                 ok = (
                     isinstance(c, dict)
                     and _int_list(c.get("offsets"))
@@ -432,9 +332,8 @@ def _decode(data: bytes, where: str) -> Manifest:
                     and _int(c.get("crc32c"), 0, 2**32 - 1)
                     and c["offset"] + c["length"] <= blobs[c["blob"]].size
                 )
-                blocks = c.get("block_crc32c", []) if isinstance(c, dict) else None
-                ok = ok and crc_list(blocks)
-                ok = ok and (not blocks or (crc_block > 0 and len(blocks) == -(-c["length"] // crc_block)))
+                blocks = _chunk_blocks(c, crc_block, packed) if ok else None
+                ok = ok and blocks is not None
                 _need(ok, where, f"tensor {k!r}: chunk #{j} malformed")
                 _need(not isz or c["length"] == math.prod(c["shape"]) * isz, where,
                       f"tensor {k!r}: chunk #{j} length {c['length']} is not its shape's {math.prod(c['shape'])} "
@@ -444,7 +343,7 @@ def _decode(data: bytes, where: str) -> Manifest:
                 seen.add(tuple(c["offsets"]))
                 entry.chunks.append(
                     Chunk(tuple(c["offsets"]), tuple(c["shape"]), c["blob"], c["offset"], c["length"], c["crc32c"],
-                          tuple(blocks or ()))  # a list by now (checked above)
+                          blocks)  # type: ignore[arg-type]  # a tuple by now (checked above)
                 )
         tensors[k] = entry
     for k, t in tensors.items():

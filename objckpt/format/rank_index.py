@@ -8,6 +8,10 @@ piece that rank wrote.  JSON, zstd-compressed (detected by magic, like the manif
      "chunks": {key: [[offsets, shape, blob, offset, length, crc32c, block_crc32c], ...], ...},
      "crc32c": N}
 
+``block_crc32c`` is packed (a base64 string, :mod:`.block_crcs`) in indexes of v5
+manifests, a list of integers (empty: none) before; a reader accepts both (an index is
+reached only through its manifest, which names its size and crc32c).
+
 ``crc32c`` (since format v3) seals the index like the manifest: the crc32c of the
 canonical JSON of everything else (docs/format.md §9.1, §12.3).
 
@@ -20,7 +24,9 @@ from typing import Any, Sequence
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from .manifest import MAX_INT, Chunk, ChunkRecord, crc_list
+from . import block_crcs as _blocks
+from .chunk_checks import block_list
+from .entries import MAX_INT, Chunk, ChunkRecord
 from ..runtime.gc_pause import paused_gc
 from .sealed_json import load_sealed, seal, verify
 
@@ -33,7 +39,7 @@ def encode(attempt: str, rank: int, records: Sequence[ChunkRecord]) -> bytes:
         for r in records:
             c = r.chunk
             by_key.setdefault(r.key, []).append([list(c.offsets), list(c.shape), c.blob, c.offset, c.length,
-                                                 c.crc32c, list(c.block_crc32c)])
+                                                 c.crc32c, _blocks.pack(c.block_crc32c) if c.block_crc32c else []])
         raw = seal({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": by_key})
     return zstandard.ZstdCompressor(level=3).compress(raw)  # internal: always compressed
 
@@ -76,14 +82,14 @@ def _decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence
         if not isinstance(recs, list):
             raise bad(f"tensor {key!r}: records malformed")
         for j, r in enumerate(recs):
+            blocks = None
             try:
                 o, s, b, off, ln, crc, blk = r
                 ok = (type(o) is list and type(s) is list and len(o) == len(s) and all(map(_nat, o))
                       and all(map(_nat, s)) and _nat(b) and b < nblobs and _nat(off) and _nat(ln)
-                      and _nat(crc) and crc < 1 << 32 and type(blk) is list)
-                if ok and blk:
-                    ok = crc_block > 0 and len(blk) == -(-ln // crc_block) and crc_list(blk)
-                ok = ok and off + ln <= blob_sizes[blobs[b]]
+                      and _nat(crc) and crc < 1 << 32 and type(blk) in (list, str))
+                blocks = block_list(blk, ln, crc_block, True) if ok else None
+                ok = ok and blocks is not None and off + ln <= blob_sizes[blobs[b]]
             except (TypeError, ValueError):
                 ok = False
             if not ok:
@@ -91,6 +97,6 @@ def _decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence
             offs = tuple(o)
             if offs in mine:
                 raise bad(f"tensor {key!r}: chunk record #{j} repeats offsets {o}")
-            mine[offs] = Chunk(offs, tuple(s), blobs[b], off, ln, crc, tuple(blk))
+            mine[offs] = Chunk(offs, tuple(s), blobs[b], off, ln, crc, blocks)  # type: ignore[arg-type]
         out[key] = mine
     return out
