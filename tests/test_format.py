@@ -564,7 +564,9 @@ def test_v2_layout_split_beyond_rows_is_refused() -> None:
                  world_size=4, meshes=[Mesh((2, 2), (0, 1, 2, 3))], rank_indexes=refs)
     obj = json.loads(encode(m))
     old = {k: v for k, v in obj.items() if k != "crc32c"}
-    old["format_version"] = 2  # what the previous release wrote: unsealed v2
+    old["format_version"] = 2  # what the previous release wrote: unsealed v2, its tables as lists
+    old["blobs"] = [{"name": b.name, "size": b.size, "rank": b.rank} for b in m.blobs]
+    old["rank_indexes"] = [{"name": r.name, "size": r.size, "crc32c": r.crc32c} for r in refs]
     assert decode(json.dumps(old).encode()).tensors["w"].layout == t.layout
     for field, value in (("split", 10**12), ("rot", 10**12)):
         bad = json.loads(json.dumps(obj))

@@ -14,7 +14,7 @@ import torch
 import objckpt
 from objckpt.runtime import loop as _runtime
 from objckpt.format import keys
-from objckpt.format.block_crcs import pack, unpack
+from objckpt.format.packed import pack, unpack
 from objckpt.format.manifest import load_json, reseal
 from objckpt.storage import open_store
 

@@ -22,11 +22,24 @@ from objckpt.runtime import loop as _runtime
 from objckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from objckpt.format import manifest as mf
 from objckpt.format import spread
+from objckpt.format import tables
 from objckpt.ops.gc import collect_garbage
 from objckpt.storage import open_store
 
 from conftest import assert_same
 from mp import run_multiprocess
+
+
+def _blob0(o: dict[str, Any], **edit: str) -> None:
+    """Change the first blob of manifest JSON ``o`` (its name or spread) in the form it is
+    stored in: a v5 table (its names and buckets then listed in full) or v4's list."""
+    if isinstance(o["blobs"], list):
+        o["blobs"][0].update(edit)
+        return
+    table = tables.decode_blobs(o["blobs"], o["attempt"], o.get("spread_up", 0), AssertionError, lambda e, w: None)
+    names, buckets = [b.name for b in table], [b.spread for b in table]
+    names[0], buckets[0] = edit.get("name", names[0]), edit.get("spread", buckets[0])
+    o["blobs"].update(name=names, spread=buckets)
 
 
 def _expected_version(m: mf.Manifest, without_blocks: int) -> int:
@@ -264,11 +277,11 @@ def _hostile(tmp_path: pathlib.Path, edit: Any) -> tuple[str, str]:
 
 @pytest.mark.parametrize("what, edit", [
     ("up above the root", lambda o: o.update(spread_up=40)),
-    ("another checkpoint's object", lambda o: o["blobs"][0].update(name="spread/" + OLD + "/r00000-0000.bin")),
-    ("dotdot", lambda o: o["blobs"][0].update(name="spread/../../victim/r00000-0000.bin")),
-    ("bucket with a path", lambda o: o["blobs"][0].update(spread="00/../../victim")),
-    ("blobs name in a bucket", lambda o: o["blobs"][0].update(name="blobs/" + o["attempt"] + "/r00000-0000.bin")),
-    ("manifest name", lambda o: o["blobs"][0].update(name="spread/" + o["attempt"] + "/manifest.json")),
+    ("another checkpoint's object", lambda o: _blob0(o, name="spread/" + OLD + "/r00000-0000.bin")),
+    ("dotdot", lambda o: _blob0(o, name="spread/../../victim/r00000-0000.bin")),
+    ("bucket with a path", lambda o: _blob0(o, spread="00/../../victim")),
+    ("blobs name in a bucket", lambda o: _blob0(o, name="blobs/" + o["attempt"] + "/r00000-0000.bin")),
+    ("manifest name", lambda o: _blob0(o, name="spread/" + o["attempt"] + "/manifest.json")),
     ("no spread_up", lambda o: o.pop("spread_up")),
     ("spread in v3", lambda o: o.update(format_version=3)),
 ])
@@ -304,15 +317,14 @@ def test_schema_accepts_spread_manifests_and_refuses_bad_spread_fields(tmp_path:
     good = json.loads((tmp_path / "run" / "ck" / "manifest.json").read_text())
     assert not list(validator.iter_errors(good))
     attempt = good["attempt"]
-    for edit in [lambda o: o["blobs"][0].update(spread="zz"),
-                 lambda o: o["blobs"][0].update(name=f"blobs/{attempt}/r00000-0000.bin"),
-                 lambda o: o["blobs"][0].update(name="spread/../r00000-0000.bin"),
-                 lambda o: o["blobs"][0].update(name=f"spread/{attempt}/manifest.json"),
+    for edit in [lambda o: _blob0(o, spread="zz"),
+                 lambda o: _blob0(o, name="spread/../r00000-0000.bin"),
+                 lambda o: _blob0(o, name=f"spread/{attempt}/manifest.json"),
                  lambda o: o.update(format_version=3),
                  lambda o: o.update(spread_up=0)]:
         bad = json.loads(json.dumps(good))
         edit(bad)
-        assert list(validator.iter_errors(bad)), bad["blobs"][0]
+        assert list(validator.iter_errors(bad)), bad["blobs"]
 
 
 def test_overwrite_between_layouts_and_async_spread_save(tmp_path: pathlib.Path) -> None:

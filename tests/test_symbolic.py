@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import objckpt
 from objckpt.errors import CorruptCheckpointError
 from objckpt.format import manifest as mf
+from objckpt.format import tables
 from objckpt.format.manifest import Mesh, ShardSpec
 from objckpt.planning.symbolic import TensorDesc, assign_shard_specs, cell_box, my_pieces, overlapping_pieces
 
@@ -105,7 +106,8 @@ def test_manifest_v2_round_trip_and_checks() -> None:
     schema = json.loads((Path(mf.__file__).with_name("manifest.schema.json")).read_text())
     jsonschema.Draft202012Validator(schema).validate(json.loads(data))
     back = mf.decode(data)
-    assert back.format_version == 3 and back.meshes == m.meshes and back.rank_indexes == m.rank_indexes
+    assert back.format_version == 5 and back.meshes == m.meshes and back.rank_indexes == m.rank_indexes
+    assert isinstance(json.loads(data)["rank_indexes"], dict)  # v5: a table of packed columns
     assert back.tensors["w"].layout == m.tensors["w"].layout and not back.tensors["w"].chunks
     obj = json.loads(data)
     for bad, what in [
@@ -114,9 +116,10 @@ def test_manifest_v2_round_trip_and_checks() -> None:
         (lambda o: o["tensors"]["w"]["layout"].update(placements=["R"]), "placements do not match"),
         (lambda o: o["meshes"][0].update(ranks=[0, 1, 2]), "mesh #0"),
         (lambda o: o["meshes"][0].update(ranks=[0, 1, 2, 9]), "rank >= world_size"),
-        (lambda o: o["rank_indexes"].pop(), "rank indexes"),
+        (lambda o: o.update(rank_indexes=tables.encode_indexes(m.rank_indexes[:3], "a")), "rank indexes"),
         (lambda o: o.update(format_version=1), "v2 tables in a v1 manifest"),
-        (lambda o: [o.update(format_version=1), o.pop("meshes"), o.pop("rank_indexes")], "needs format v2"),
+        (lambda o: [o.update(format_version=1, blobs=[{"name": "blobs/a/r00000-0000.bin", "size": 64, "rank": 0}]),
+                    o.pop("meshes"), o.pop("rank_indexes")], "needs format v2"),
     ]:
         o = json.loads(json.dumps(obj))
         bad(o)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from typing_extensions import TypeGuard
 
-from . import block_crcs as _blocks
+from . import packed as _blocks
 from .entries import Chunk
 
 

@@ -27,7 +27,7 @@ manifests are written as v4, so a release that reads up to v3 refuses them
 clearly instead of looking for blobs that are not there.
 
 Version 5 stores a chunk's ``block_crc32c`` packed: one base64 string of little-endian
-uint32 values instead of a list of integers (:mod:`objckpt.format.block_crcs`), in the
+uint32 values instead of a list of integers (:mod:`objckpt.format.packed`), in the
 manifest and in the rank indexes; written whenever block crcs may be present, so a
 release that reads up to v4 refuses such a checkpoint by its version.  Lists are still
 read, in every version.  A manifest is untrusted input: :func:`decode` checks every
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 
 import zstandard
@@ -47,8 +47,9 @@ import zstandard
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from .dtypes import NAME_TO_DTYPE, itemsize
 from . import keys as _keys
-from . import block_crcs as _blocks
+from . import packed as _blocks
 from . import spread as _spread
+from . import tables as _tables
 from .keys import is_safe_object_name
 from ..runtime.gc_pause import paused_gc
 from .sealed_json import ZSTD_MAGIC, load_json, load_sealed, only_str_keys, reseal, seal, verify  # noqa: F401  (re-exported)
@@ -61,7 +62,7 @@ FORMAT_NAME = "objckpt"
 FORMAT_VERSION = 3  # what this release writes for the default key layout
 #: what it writes when objects are spread over hashed prefixes (docs/format.md §13)
 SPREAD_VERSION = 4
-#: what it writes when some chunk carries block crcs, stored packed (:mod:`.block_crcs`)
+#: what it writes when some chunk carries block crcs, stored packed (:mod:`.packed`)
 PACKED_VERSION = _blocks.PACKED_VERSION
 MAX_VERSION = 5  # the newest version this release reads
 #: the first version whose manifests (and rank indexes) must carry their own "crc32c"
@@ -72,7 +73,8 @@ COMPRESS_ABOVE = 1 << 20  # manifests larger than this are stored zstd-compresse
 @dataclass
 class Manifest:
     tensors: dict[str, TensorEntry]
-    blobs: list[Blob]
+    #: a list as built; as decoded from v5, a lazy :class:`~objckpt.format.tables.BlobTable`
+    blobs: Sequence[Blob]
     tree: Any  # encoded nested structure (see objckpt.format.tree)
     metadata: dict[str, Any] = field(default_factory=dict)
     attempt: str = ""
@@ -86,7 +88,7 @@ class Manifest:
     rank_trees: Optional[list[Any]] = None
     #: v2: meshes that layouts refer to, and one index object per rank
     meshes: list[Mesh] = field(default_factory=list)
-    rank_indexes: list[RankIndexRef] = field(default_factory=list)
+    rank_indexes: Sequence[RankIndexRef] = field(default_factory=list)
     #: v4: how many segments above the prefix the spread objects' root is (0: not spread)
     spread_up: int = 0
 
@@ -169,15 +171,17 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
             d["chunks"] = [_chunk_to_json(c) for c in t.chunks]
         tensors[k] = d
     v2 = any(t.layout is not None for t in m.tensors.values())
+    version = written_version(m)
     out = {
         "format": FORMAT_NAME,
-        "format_version": written_version(m),
+        "format_version": version,
         "writer": m.writer,
         "created": m.created,
         "attempt": m.attempt,
         "world_size": m.world_size,
         "metadata": m.metadata,
-        "blobs": [_spread_field({"name": b.name, "size": b.size, "rank": b.rank}, b.spread) for b in m.blobs],
+        "blobs": (_tables.encode_blobs(m.blobs, m.attempt) if version >= PACKED_VERSION else
+                  [_spread_field({"name": b.name, "size": b.size, "rank": b.rank}, b.spread) for b in m.blobs]),
         "tensors": tensors,
         "tree": m.tree,
     }
@@ -189,19 +193,21 @@ def to_json_obj(m: Manifest) -> dict[str, Any]:
         out["rank_trees"] = m.rank_trees
     if v2:
         out["meshes"] = [{"shape": list(me.shape), "ranks": list(me.ranks)} for me in m.meshes]
-        out["rank_indexes"] = [_spread_field({"name": r.name, "size": r.size, "crc32c": r.crc32c}, r.spread)
-                               for r in m.rank_indexes]
+        out["rank_indexes"] = (_tables.encode_indexes(m.rank_indexes, m.attempt) if version >= PACKED_VERSION else
+                               [_spread_field({"name": r.name, "size": r.size, "crc32c": r.crc32c}, r.spread)
+                                for r in m.rank_indexes])
     return out
 
 
 def written_version(m: Manifest) -> int:
     """The version :func:`encode` writes for ``m``: the oldest that holds what it uses, so
     that an older release refuses, by its version check, only what it cannot read.  v5
-    when block crcs may be stored (packed): a chunk of ``m`` has them, or ``m``'s chunks
-    are in rank indexes and it has a ``crc_block`` (the indexes pack theirs); else v4 for
-    spread objects; else v3."""
-    inline = any(c.block_crc32c for t in m.tensors.values() for c in t.chunks)
-    if inline or (m.crc_block and any(t.layout is not None for t in m.tensors.values())):
+    (packed columns, :mod:`.packed`) when a chunk of ``m`` has block crcs, or when its
+    chunks are in rank indexes (a multi-rank save: its blob and index tables are written
+    as columns, its indexes pack their block crcs); else v4 for spread objects; else v3."""
+    if any(t.layout is not None for t in m.tensors.values()):
+        return PACKED_VERSION
+    if any(c.block_crc32c for t in m.tensors.values() for c in t.chunks):
         return PACKED_VERSION
     return SPREAD_VERSION if m.spread_up else FORMAT_VERSION
 
@@ -281,21 +287,23 @@ def _decode(data: bytes, where: str) -> Manifest:
     meshes, rank_indexes = _v2_tables(obj, version, where, attempt, spread_up)
     packed = version >= PACKED_VERSION
     blobs_raw = obj["blobs"]
-    _need(isinstance(blobs_raw, list), where, "'blobs' is not a list")
-    blobs = []
-    for i, b in enumerate(blobs_raw):
+    _need(isinstance(blobs_raw, list) or (packed and isinstance(blobs_raw, dict)), where, "'blobs' is not a list")
+    blobs: Sequence[Blob] = (_tables.decode_blobs(blobs_raw, attempt, spread_up, _bad(where), _name_check(where,
+                             attempt, spread_up)) if isinstance(blobs_raw, dict) else [])
+    for i, b in enumerate(blobs_raw if isinstance(blobs_raw, list) else ()):
         if _plain_entry(b, "rank", 0):  # the common case, checked inline: one blob per rank and more
-            blobs.append(Blob(b["name"], b["size"], b.get("rank", 0)))
+            blobs.append(Blob(b["name"], b["size"], b.get("rank", 0)))  # type: ignore[attr-defined]
             continue
         _need(isinstance(b, dict) and isinstance(b.get("name"), str) and b["name"], where, f"blob #{i}: name malformed")
         _check_name(b, attempt, spread_up, where, f"blob #{i}")
         _need(_int(b.get("size")), where, f"blob #{i}: size malformed")
         _need(_int(b.get("rank", 0)), where, f"blob #{i}: rank malformed")
-        blobs.append(Blob(b["name"], b["size"], b.get("rank", 0), b.get("spread", "")))
+        blobs.append(Blob(b["name"], b["size"], b.get("rank", 0), b.get("spread", "")))  # type: ignore[attr-defined]
     tensors: dict[str, TensorEntry] = {}
     traw = obj["tensors"]
     _need(isinstance(traw, dict), where, "'tensors' is not an object")
     sizes: Optional[list[int]] = None
+    specs: dict[tuple, ShardSpec] = {}
     for k, t in traw.items():
         _need(isinstance(t, dict), where, f"tensor {k!r} malformed")
         _need(isinstance(t.get("dtype"), str), where, f"tensor {k!r}: dtype missing")
@@ -309,11 +317,11 @@ def _decode(data: bytes, where: str) -> Manifest:
         entry = TensorEntry(k, t["dtype"], tuple(t["shape"]), alias_of=alias)
         if alias is None and "layout" in t:
             _need(version >= 2 and "chunks" not in t, where, f"tensor {k!r}: 'layout' needs format v2 and no chunks")
-            entry.layout = _shard_spec(t["layout"], entry.shape, meshes, where, k)
+            entry.layout = _shard_spec_once(t["layout"], entry.shape, meshes, where, k, specs)
         elif alias is None:
             _need(isinstance(t.get("chunks"), list), where, f"tensor {k!r}: chunks missing")
             seen: set[tuple[int, ...]] = set()
-            sizes = [b.size for b in blobs] if sizes is None else sizes
+            sizes = list(_tables.blob_columns(blobs)[1]) if sizes is None else sizes
             for j, c in enumerate(t["chunks"]):
                 chunk = _plain_chunk(c, entry.shape, sizes, isz, crc_block, packed)
                 if chunk is not None and chunk.offsets not in seen:  # the common case: every check passed
@@ -359,7 +367,7 @@ def _decode(data: bytes, where: str) -> Manifest:
     _need(_int(world, lo=1), where, "'world_size' malformed")
     if version == 2 or rank_indexes or meshes:
         _need(len(rank_indexes) == world, where, f"{len(rank_indexes)} rank indexes for world size {world}")
-        _need(all(r < world for me in meshes for r in me.ranks), where, "a mesh names a rank >= world_size")
+        _need(all(max(me.ranks, default=-1) < world for me in meshes), where, "a mesh names a rank >= world_size")
     created = obj.get("created", 0.0)
     _need(isinstance(created, (int, float)) and not isinstance(created, bool), where, "'created' malformed")
     for t_where, tree in [("", obj.get("tree"))] + [(f" rank_trees[{i}]", r) for i, r in enumerate(rank_trees or [])]:
@@ -410,15 +418,25 @@ def _plain_entry(e: Any, field: str, default: Optional[int]) -> bool:
             and is_safe_object_name(e.get("name")))
 
 
+def _bad(where: str) -> Callable[[str], Exception]:
+    return lambda what: CorruptCheckpointError(f"manifest {where}: {what}")
+
+
+def _name_check(where: str, attempt: str, spread_up: int) -> Callable[[dict[str, Any], str], None]:
+    return lambda entry, what: _check_name(entry, attempt, spread_up, where, what)
+
+
 def _v2_tables(obj: dict, version: int, where: str, attempt: str,
-               spread_up: int) -> tuple[list[Mesh], list[RankIndexRef]]:
+               spread_up: int) -> tuple[list[Mesh], Sequence[RankIndexRef]]:
     if version < 2:
         _need("meshes" not in obj and "rank_indexes" not in obj, where, "v2 tables in a v1 manifest")
         return [], []
     if version >= 3 and "meshes" not in obj and "rank_indexes" not in obj:
         return [], []  # v3: the tables only when some tensor has a layout
     meshes_raw, idx_raw = obj.get("meshes"), obj.get("rank_indexes")
-    _need(isinstance(meshes_raw, list) and isinstance(idx_raw, list), where, "'meshes' or 'rank_indexes' missing")
+    packed = version >= PACKED_VERSION and isinstance(idx_raw, dict)
+    _need(isinstance(meshes_raw, list) and (packed or isinstance(idx_raw, list)), where,
+          "'meshes' or 'rank_indexes' missing")
     meshes = []
     for i, me in enumerate(meshes_raw):
         ok = isinstance(me, dict) and _int_list(me.get("shape")) and _int_list(me.get("ranks"))
@@ -426,6 +444,9 @@ def _v2_tables(obj: dict, version: int, where: str, attempt: str,
         ok = ok and len(set(me["ranks"])) == len(me["ranks"])
         _need(ok, where, f"mesh #{i} malformed")
         meshes.append(Mesh(tuple(me["shape"]), tuple(me["ranks"])))
+    if packed:
+        return meshes, _tables.decode_indexes(idx_raw, attempt, spread_up, _bad(where), _name_check(where, attempt,
+                                                                                                     spread_up))
     refs = []
     for i, r in enumerate(idx_raw):
         if _plain_entry(r, "crc32c", None):  # the common case, checked inline: one per rank
@@ -436,6 +457,25 @@ def _v2_tables(obj: dict, version: int, where: str, attempt: str,
         _check_name(r, attempt, spread_up, where, f"rank index #{i}")
         refs.append(RankIndexRef(r["name"], r["size"], r["crc32c"], r.get("spread", "")))
     return meshes, refs
+
+
+def _shard_spec_once(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, key: str,
+                     seen: dict[tuple, ShardSpec]) -> ShardSpec:
+    """:func:`_shard_spec`, checked once per distinct (layout, rank and rows of the shape): a
+    model's layers repeat a few layouts (2,892 tensors of a dense model, ~10 distinct)."""
+    try:
+        memo = (raw["mesh"], tuple(raw["placements"]), raw.get("split", 1), raw.get("rot", 0), len(shape),
+                shape[0] if shape else 1)
+        hash(memo)
+    except (TypeError, KeyError, AttributeError):
+        return _shard_spec(raw, shape, meshes, where, key)  # malformed: the full checks name it
+    plain = type(memo[0]) is int and type(memo[2]) is int and type(memo[3]) is int
+    if not (type(raw) is dict and plain and all(type(p) is str for p in memo[1])):
+        return _shard_spec(raw, shape, meshes, where, key)  # (True == 1.0 == 1: only exact types share an entry)
+    hit = seen.get(memo)
+    if hit is None:
+        hit = seen[memo] = _shard_spec(raw, shape, meshes, where, key)
+    return hit
 
 
 def _shard_spec(raw: Any, shape: tuple[int, ...], meshes: list[Mesh], where: str, key: str) -> ShardSpec:

@@ -8,7 +8,7 @@ piece that rank wrote.  JSON, zstd-compressed (detected by magic, like the manif
      "chunks": {key: [[offsets, shape, blob, offset, length, crc32c, block_crc32c], ...], ...},
      "crc32c": N}
 
-``block_crc32c`` is packed (a base64 string, :mod:`.block_crcs`) in indexes of v5
+``block_crc32c`` is packed (a base64 string, :mod:`.packed`) in indexes of v5
 manifests, a list of integers (empty: none) before; a reader accepts both (an index is
 reached only through its manifest, which names its size and crc32c).
 
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import zstandard
 
 from ..errors import CorruptCheckpointError
-from . import block_crcs as _blocks
+from . import packed as _blocks
 from .chunk_checks import block_list
 from .entries import MAX_INT, Chunk, ChunkRecord
 from ..runtime.gc_pause import paused_gc

@@ -1,6 +1,7 @@
-"""Format v5: block crcs stored packed (one base64 string of little-endian uint32 per chunk,
-in the manifest and the rank indexes), and the checkpoints of the release before it (v3,
-lists of integers) still read, verify and reshard."""
+"""Format v5: packed columns.  Block crcs stored as one base64 string of little-endian
+uint32 per chunk (in the manifest and the rank indexes), the blob and rank-index tables as
+packed columns with names implied by the key scheme; and the checkpoints of the release
+before it (v3, lists) still read, verify and reshard."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,8 @@ import zstandard
 
 import objckpt
 from objckpt.errors import CorruptCheckpointError, UnsupportedFormatError
-from objckpt.format import block_crcs
+from objckpt.format import packed as block_crcs
+from objckpt.format import tables
 from objckpt.format import manifest as mf
 from objckpt.format.sealed_json import load_json, reseal
 
@@ -96,8 +98,9 @@ def test_hostile_packed_crcs_are_refused(tmp_path: Path, case: str) -> None:
 
     def edit(obj: dict[str, Any]) -> None:
         chunk = obj["tensors"]["w"]["chunks"][0]
-        if case == "string in a v4 manifest":
-            obj["format_version"] = 4
+        if case == "string in a v4 manifest":  # v4's list of blobs, so that only the packed crcs are wrong
+            table = tables.decode_blobs(obj["blobs"], obj["attempt"], 0, AssertionError, lambda e, w: None)
+            obj.update(format_version=4, blobs=[{"name": b.name, "size": b.size, "rank": b.rank} for b in table])
         elif case == "wrong count":
             chunk["block_crc32c"] = block_crcs.pack(list(range(15)))
         elif case == "not canonical":
@@ -179,3 +182,106 @@ def test_packed_crcs_shrink_the_manifest_of_many_small_tensors(tmp_path: Path) -
         for k, t in obj["tensors"].items()}}, separators=(",", ":"))
     assert len(text) - len(as_lists) < -5 * n_blocks  # at least 5 characters saved per block crc
     assert b"block_crc32c\":[" not in text
+
+
+# ------------------------------------------------------------------ the blob and rank-index tables
+
+def _many_ranks_manifest(world: int) -> mf.Manifest:
+    """A v2 manifest of ``world`` ranks, each with one blob and its index (as a save builds it)."""
+    from objckpt.format import keys
+
+    mesh = mf.Mesh((world,), tuple(range(world)))
+    t = mf.TensorEntry("w", "float32", (world * 4, 8), layout=mf.ShardSpec(0, ("S0",)))
+    att = "20261129T000000-0123456789ab"
+    blobs = [mf.Blob(keys.blob_name(att, r, 0), 128 + r, r) for r in range(world)]
+    refs = [mf.RankIndexRef(keys.index_name(att, r), 300 + r, (r * 2654435761) % (1 << 32)) for r in range(world)]
+    return mf.Manifest({"w": t}, blobs, {"w": {"__tensor__": "w"}}, attempt=att, world_size=world, meshes=[mesh],
+                       rank_indexes=refs, crc_block=1024)
+
+
+def test_tables_are_columns_with_implied_names_and_decode_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _many_ranks_manifest(4096)
+    data = mf.encode(m, compress=False)
+    obj = json.loads(data)
+    assert obj["format_version"] == 5 and set(obj["blobs"]) == {"rank", "size"}  # no names: all implied
+    assert set(obj["rank_indexes"]) == {"size", "crc32c"}
+    assert len(json.dumps(obj["blobs"])) + len(json.dumps(obj["rank_indexes"])) < 4096 * 40  # was ~190 a rank
+    made = {"n": 0}
+    for cls in (tables.BlobTable, tables.IndexTable):
+        orig = cls._entry
+        monkeypatch.setattr(cls, "_entry", lambda self, i, orig=orig: (made.__setitem__("n", made["n"] + 1),
+                                                                        orig(self, i))[1])
+    back = mf.decode(data)
+    assert made["n"] == 0  # decoded and checked as columns: no entry made
+    assert back.blobs[4095] == m.blobs[4095] and back.rank_indexes[7] == m.rank_indexes[7] and made["n"] == 2
+    assert back.blobs == m.blobs and back.rank_indexes == m.rank_indexes  # every entry, names implied
+    assert back.index_key("ck", 3) == "ck/" + m.rank_indexes[3].name
+
+
+def test_tables_keep_names_that_differ_from_the_key_scheme() -> None:
+    m = _many_ranks_manifest(4)
+    m.blobs[2] = mf.Blob("blobs/other/place.bin", 130, 2)
+    obj = json.loads(mf.encode(m, compress=False))
+    assert obj["blobs"]["name"][2] == "blobs/other/place.bin"
+    assert mf.decode(mf.encode(m)).blobs == m.blobs
+
+
+@pytest.mark.parametrize("case, match", [
+    ("lengths differ", "columns of different lengths"),
+    ("size too large", "size is too large"),
+    ("not packed", "column 'size' missing or not packed"),
+    ("dotdot name", "not a plain path"),
+    ("attempt with a slash", "not one safe path segment"),
+    ("bad bucket", "not a hex bucket"),
+    ("table in v4", "'rank_indexes' missing"),
+    ("unknown column", "not a v5 table"),
+])
+def test_hostile_tables_are_refused(case: str, match: str) -> None:
+    m = _many_ranks_manifest(4)
+    obj = json.loads(mf.encode(m, compress=False))
+    b = obj["blobs"]
+    if case == "lengths differ":
+        b["rank"] = block_crcs.pack([0, 1, 2])
+    elif case == "size too large":
+        b["size"] = block_crcs.pack([1, 2, 3, 1 << 62], 8)
+    elif case == "not packed":
+        b["size"] = [128, 129, 130, 131]
+    elif case == "dotdot name":
+        b["name"] = [f"blobs/{obj['attempt']}/r{r:05d}-0000.bin" for r in range(3)] + ["blobs/../../victim"]
+    elif case == "attempt with a slash":
+        obj["attempt"] = "x/../../victim"
+        obj["rank_indexes"]["name"] = [r.name for r in m.rank_indexes]  # so that only the blobs' names are implied
+    elif case == "bad bucket":
+        b["spread"] = ["", "zz", "", ""]
+        obj["spread_up"] = 1
+    elif case == "table in v4":
+        obj["format_version"] = 4
+    else:
+        b["owner"] = "me"
+    with pytest.raises(CorruptCheckpointError, match=match):
+        mf.decode(reseal(json.dumps(obj).encode()))
+
+
+def test_a_two_rank_save_writes_tables_and_reshards_to_one_rank(tmp_path: Path) -> None:
+    """Real processes: 2 gloo ranks save DTensor shards (v5 tables, names implied), one
+    process loads the whole tensor through both rank indexes."""
+    from mp import run_multiprocess
+
+    uri = str(tmp_path / "ck")
+    run_multiprocess(2, _save_sharded, uri)
+    obj = json.loads(_text(tmp_path / "ck" / "manifest.json"))
+    assert obj["format_version"] == 5 and set(obj["blobs"]) == {"rank", "size"}
+    assert set(obj["rank_indexes"]) == {"size", "crc32c"}
+    tmpl = {"sharded": torch.zeros(64, 96), "step": 0}
+    objckpt.load(tmpl, uri)
+    assert torch.equal(tmpl["sharded"], _old_sharded()) and tmpl["step"] == 4
+    m = objckpt.inspect(uri)
+    assert [b.rank for b in m.blobs] == [0, 1] and all(b.name.startswith(f"blobs/{m.attempt}/") for b in m.blobs)
+
+
+def _save_sharded(rank: int, world: int, uri: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    objckpt.save({"sharded": distribute_tensor(_old_sharded(), mesh, [Shard(0)]), "step": 4}, uri, crc_block=1024)
