@@ -55,6 +55,17 @@ class _Table:
     def spread(self, i: int) -> str:
         return self._spreads[i] if self._spreads is not None else ""
 
+    def name(self, i: int) -> str:
+        raise NotImplementedError
+
+    def names(self) -> list[str]:
+        """Every entry's name, without making the entries."""
+        return list(self._names) if self._names is not None else [self.name(i) for i in range(self._n)]
+
+    def spreads(self) -> list[str]:
+        """Every entry's bucket ("" : not spread), without making the entries."""
+        return list(self._spreads) if self._spreads is not None else [""] * self._n
+
     def _entry(self, i: int) -> Any:
         raise NotImplementedError
 
@@ -91,6 +102,13 @@ class BlobTable(_Table):
 
     __slots__ = ("ranks", "sizes", "_implied")
 
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple[str, int, int, str]], attempt: str) -> "BlobTable":
+        """The table of (name, size, rank, spread) rows: how rank 0 builds a manifest's blobs
+        from the outcomes of many ranks without a :class:`Blob` per row."""
+        names, sizes, ranks, spreads = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
+        return cls(ranks, sizes, names, spreads if any(spreads) else None, attempt)
+
     def __init__(self, ranks: Sequence[int], sizes: Sequence[int], names: Optional[list[str]],
                  spreads: Optional[list[str]], attempt: str) -> None:
         super().__init__(len(ranks), names, spreads, attempt)
@@ -112,6 +130,12 @@ class IndexTable(_Table):
     """A v5 manifest's rank indexes: :class:`RankIndexRef` ``i`` (rank i's) made when asked for."""
 
     __slots__ = ("sizes", "crcs")
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple[str, int, int, str]], attempt: str) -> "IndexTable":
+        """The table of (name, size, crc32c, spread) rows, rank r's at position r."""
+        names, sizes, crcs, spreads = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
+        return cls(sizes, crcs, names, spreads if any(spreads) else None, attempt)
 
     def __init__(self, sizes: Sequence[int], crcs: Sequence[int], names: Optional[list[str]],
                  spreads: Optional[list[str]], attempt: str) -> None:
@@ -144,16 +168,23 @@ def _optional_columns(out: dict[str, Any], names: list[str], implied: list[str],
 
 def encode_blobs(blobs: Sequence[Blob], attempt: str) -> dict[str, Any]:
     ranks, sizes = blob_columns(blobs)
-    spreads = [b.spread for b in blobs]
+    if isinstance(blobs, BlobTable):
+        names, spreads = blobs.names(), blobs.spreads()
+    else:
+        names, spreads = [b.name for b in blobs], [b.spread for b in blobs]
     out = {"rank": _packed.pack(ranks), "size": _packed.pack(sizes, 8)}
-    return _optional_columns(out, [b.name for b in blobs], _implied_blob_names(attempt, ranks, spreads), spreads)
+    return _optional_columns(out, names, _implied_blob_names(attempt, ranks, spreads), spreads)
 
 
 def encode_indexes(refs: Sequence[RankIndexRef], attempt: str) -> dict[str, Any]:
-    spreads = [r.spread for r in refs]
-    out = {"size": _packed.pack([r.size for r in refs], 8), "crc32c": _packed.pack([r.crc32c for r in refs])}
+    if isinstance(refs, IndexTable):
+        names, spreads, sizes, crcs = refs.names(), refs.spreads(), refs.sizes, refs.crcs
+    else:
+        names, spreads = [r.name for r in refs], [r.spread for r in refs]
+        sizes, crcs = [r.size for r in refs], [r.crc32c for r in refs]
+    out = {"size": _packed.pack(sizes, 8), "crc32c": _packed.pack(crcs)}
     implied = [_implied_index_name(attempt, i, s) for i, s in enumerate(spreads)]
-    return _optional_columns(out, [r.name for r in refs], implied, spreads)
+    return _optional_columns(out, names, implied, spreads)
 
 
 # ----------------------------------------------------------------------------------- decode

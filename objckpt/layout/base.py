@@ -57,6 +57,15 @@ class RankOutcome:
         return (_unpack_outcome, (tuple((b.name, b.size, b.rank, b.spread) for b in self.blobs), self.records,
                                   None if i is None else (i.name, i.size, i.crc32c, i.spread), self.error))
 
+    def blob_rows(self) -> tuple[tuple[str, int, int, str], ...]:
+        """(name, size, rank, spread) of each blob: what the manifest's table is built from."""
+        return tuple((b.name, b.size, b.rank, b.spread) for b in self.blobs)
+
+    def index_row(self) -> Optional[tuple[str, int, int, str]]:
+        """(name, size, crc32c, spread) of this rank's index object, if it wrote one."""
+        i = self.index
+        return None if i is None else (i.name, i.size, i.crc32c, i.spread)
+
     def wire(self) -> tuple[Any, ...]:
         """This outcome as tuples of builtins (no class to look up when unpickled): what a
         rank sends rank 0 for the commit, rebuilt there by :meth:`from_wire`.  Unpickling
@@ -89,6 +98,12 @@ class _PackedOutcome(RankOutcome):
     def index(self) -> Optional[RankIndexRef]:
         i = self.__dict__["_packed"][1]
         return None if i is None else RankIndexRef(*i)
+
+    def blob_rows(self) -> tuple[tuple[str, int, int, str], ...]:
+        return self.__dict__["_packed"][0]  # as they arrived: no Blob made
+
+    def index_row(self) -> Optional[tuple[str, int, int, str]]:
+        return self.__dict__["_packed"][1]
 
     def __repr__(self) -> str:
         return (f"RankOutcome(blobs={self.blobs!r}, records={self.records!r}, index={self.index!r}, "

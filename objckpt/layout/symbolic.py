@@ -22,7 +22,7 @@ import numpy as np
 from ..checksum import crc32c
 from ..errors import BlobMissingError, CorruptCheckpointError, NotFoundError
 from ..format import rank_index
-from ..format.tables import blob_columns
+from ..format.tables import BlobTable, IndexTable, blob_columns
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.spread import Placement
 from ..format.manifest import SEALED_VERSION, Blob, Chunk, ChunkRecord, Manifest, RankIndexRef, TensorEntry, ShardSpec
@@ -76,13 +76,16 @@ class SymbolicLayout(SaveLayout):
                 entries[k] = TensorEntry(k, dt, by_key[self.aliases[k]].shape, alias_of=self.aliases[k])
             else:
                 entries[k] = TensorEntry(k, dt, by_key[k].shape, layout=self.specs[k])
-        blobs = [b for out in outcomes for b in out.blobs]
-        refs = []
+        # the tables as columns, straight from the outcomes' rows: at 65,536 ranks rank 0 makes
+        # no Blob or RankIndexRef for the manifest it writes
+        blobs = BlobTable.from_rows([b for out in outcomes for b in out.blob_rows()], common.attempt)
+        rows = []
         for rank, out in enumerate(outcomes):
-            ref = out.index  # built on each read of a gathered outcome: read once
-            if ref is None:
+            row = out.index_row()
+            if row is None:
                 raise CorruptCheckpointError(f"rank {rank} reported no index object")
-            refs.append(ref)
+            rows.append(row)
+        refs = IndexTable.from_rows(rows, common.attempt)
         return Manifest(
             tensors=entries, blobs=blobs, tree=self.tree, metadata=common.metadata, attempt=common.attempt,
             world_size=len(outcomes), writer=WRITER, crc_block=common.crc_block, rank_trees=self.rank_trees,

@@ -149,7 +149,7 @@ class BlobCheck:
 def blob_checks(m: Manifest, where: Optional[list[str]] = None) -> list[BlobCheck]:
     """One :class:`BlobCheck` per blob of ``m`` (its chunks listed: a v2 manifest resolved
     first), named ``where[i]`` (default: the blob's name)."""
-    per: list[list[tuple[str, Chunk]]] = [[] for _ in m.blobs]
+    per: list[list[tuple[str, Chunk]]] = [[] for _ in range(len(m.blobs))]
     for key, e in m.tensors.items():
         if e.alias_of is None:
             for c in e.chunks:
