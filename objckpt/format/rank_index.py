@@ -19,7 +19,7 @@ canonical JSON of everything else (docs/format.md §9.1, §12.3).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import zstandard
 
@@ -44,8 +44,7 @@ def encode(attempt: str, rank: int, records: Sequence[ChunkRecord]) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(raw)  # internal: always compressed
 
 
-def _nat(v: Any) -> bool:
-    return type(v) is int and 0 <= v < MAX_INT
+_INT = {int}
 
 
 def decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence[int], blob_sizes: Sequence[int],
@@ -85,9 +84,12 @@ def _decode(data: bytes, where: str, *, attempt: str, rank: int, blobs: Sequence
             blocks = None
             try:
                 o, s, b, off, ln, crc, blk = r
-                ok = (type(o) is list and type(s) is list and len(o) == len(s) and all(map(_nat, o))
-                      and all(map(_nat, s)) and _nat(b) and b < nblobs and _nat(off) and _nat(ln)
-                      and _nat(crc) and crc < 1 << 32 and type(blk) in (list, str))
+                dims = o + s  # every offset and extent, checked in C (no Python step per value)
+                ok = (type(o) is list and type(s) is list and len(o) == len(s)
+                      and (not dims or (set(map(type, dims)) == _INT and min(dims) >= 0 and max(dims) < MAX_INT))
+                      and type(b) is int and 0 <= b < nblobs and type(off) is int and 0 <= off < MAX_INT
+                      and type(ln) is int and 0 <= ln < MAX_INT and type(crc) is int and 0 <= crc < 1 << 32
+                      and type(blk) in (list, str))
                 blocks = block_list(blk, ln, crc_block, True) if ok else None
                 ok = ok and blocks is not None and off + ln <= blob_sizes[blobs[b]]
             except (TypeError, ValueError):
