@@ -285,3 +285,17 @@ def _save_sharded(rank: int, world: int, uri: str) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     objckpt.save({"sharded": distribute_tensor(_old_sharded(), mesh, [Shard(0)]), "step": 4}, uri, crc_block=1024)
+
+
+def test_v4_spread_checkpoint_with_lists_reads(tmp_path: Path) -> None:
+    """tests/data/v4_spread_lists: a spread checkpoint of the release before v5 (v4, its blobs
+    and block crcs as lists, the blob under run/.spread-00/)."""
+    shutil.copytree(DATA / "v4_spread_lists", tmp_path / "d")
+    ck = tmp_path / "d" / "run" / "ck"
+    obj = json.loads(_text(ck / "manifest.json"))
+    assert obj["format_version"] == 4 and isinstance(obj["blobs"], list) and obj["blobs"][0]["spread"] == "00"
+    got = objckpt.read(str(ck))
+    want = torch.randn(30, 64, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(got["w"], want) and got["step"] == 3
+    out = subprocess.run([sys.executable, "-m", "objckpt", "verify", str(ck)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
