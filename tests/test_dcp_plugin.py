@@ -122,6 +122,14 @@ def _rewrite_as(uri: str, opts: dict[str, Any], version: int) -> None:
     obj = json.loads(_runtime.run(st.get(key)))
     obj.pop("crc32c")
     obj["format_version"] = version
+    m = objckpt.inspect(uri, storage_options=opts, chunks=False)  # v5's packed columns, as lists again
+    obj["blobs"] = [{"name": b.name, "size": b.size, "rank": b.rank} for b in m.blobs]
+    if "rank_indexes" in obj:
+        obj["rank_indexes"] = [{"name": r.name, "size": r.size, "crc32c": r.crc32c} for r in m.rank_indexes]
+    for k, t in obj["tensors"].items():
+        for c, parsed in zip(t.get("chunks", []), m.tensors[k].chunks):
+            if c.get("block_crc32c"):
+                c["block_crc32c"] = list(parsed.block_crc32c)
     _runtime.run(st.put(key, json.dumps(obj).encode()))
     assert objckpt.inspect(uri, storage_options=opts, chunks=False).format_version == version
 
