@@ -30,8 +30,10 @@ stall reference: 1.2x that copy).
 Each (variant, operation) runs in a new process per round, in alternating order: torch is
 imported untimed, the destination tensors are allocated fresh (``torch.empty``: no page
 touched), then the first call is timed (**cold**: objckpt's threads, the first decode,
-first-touch page faults, all of it) and the median of three more into the same, now
-touched, tensors (**warm**), each with its CPU seconds (all threads of the process).
+first-touch page faults, all of it; a save: its first plan) and the median of three more
+into the same, now touched, tensors (**warm**; a save of the same structure: its plan
+from objckpt's save plan cache, ``objckpt/save/plan_cache.py``), each with its CPU
+seconds (all threads of the process).
 Peak RSS is the process's ``VmHWM`` after the calls, less its RSS before the destinations
 were allocated and less the state's bytes (the destination tensors themselves; not for
 ``latest_step``, which fills nothing): objckpt's (or the peer's) import is in it.  Medians (min-max) over rounds.

@@ -138,14 +138,43 @@ def state_of(key: str, obj: Any) -> Any:
     return sd
 
 
+#: leaf types the walk passes on at once: never Stateful, never a container (a model's thousands of tensors)
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, type(None), bytes})
+
+
 def expand_for_save(state: Any) -> Any:
     """``state`` with every Stateful value replaced by its ``state_dict()`` (recursively).
 
     Containers on the way to a Stateful value are copied; the others (and every
     tensor) are passed on as they are, so tied tensors and version counters stay
     the caller's."""
+    return _expand(state)[0]
 
-    def walk(x: Any, key: str, depth: int) -> Any:
+
+def _plain_key(k: Any) -> bool:
+    """A dict key that flattens to itself: a non-empty str that is not a "$" tag of the tree."""
+    return type(k) is str and k != "" and k[0] != "$"
+
+
+def _is_container(x: Any) -> bool:
+    return type(x) not in _LEAF_TYPES and (isinstance(x, (Mapping, list)) or
+                                           (isinstance(x, tuple) and not hasattr(x, "_fields")))
+
+
+def _expand(state: Any) -> tuple[Any, bool]:
+    """:func:`expand_for_save`, and whether no two leaves of the expanded state can flatten
+    to the same key (see :func:`collect`): every dict key is :func:`_plain_key`, and a dict
+    with a key holding a "." (``"layers.0.weight"``: a model's state dict) holds no
+    container.  Then two different paths never join to the same string: at the first level
+    where they part, one key would have to be the other, a ".", and more, and the shorter
+    one would have to go on into a container beside the dotted one.
+    A child's key is joined only where it is used (a Stateful value, a container below)."""
+    plain = [True]
+
+    def walk(x: Any, parent: str, k: Any, depth: int) -> Any:
+        if type(x) in _LEAF_TYPES:
+            return x
+        key = _child_key(parent, k) if depth else ""
         if depth > _MAX_DEPTH:
             return x  # encode_tree refuses it, naming the key
         if is_stateful(x):
@@ -153,19 +182,32 @@ def expand_for_save(state: Any) -> Any:
             if wrappers:
                 log.debug("saving %r (%s) as the state of the module it wraps: keys without the wrapper's "
                           "prefix", key or "<root>", " around ".join(wrappers))
-            return walk(state_of(key, inner), key, depth + 1)
+            return walk(state_of(key, inner), parent, k, depth + 1)  # (at the root: key "" again)
         if isinstance(x, Mapping):
-            out = {k: walk(v, _child_key(key, k), depth + 1) for k, v in x.items()}
-            return x if all(out[k] is v for k, v in x.items()) else out
+            out = {}
+            same, dotted, nested = True, False, False
+            for ck, v in x.items():
+                if plain[0]:
+                    if not _plain_key(ck):
+                        plain[0] = False
+                    elif "." in ck:
+                        dotted = True
+                nv = out[ck] = walk(v, key, ck, depth + 1)
+                same = same and nv is v
+                if plain[0] and not nested and _is_container(nv):
+                    nested = True
+            if dotted and nested:
+                plain[0] = False
+            return x if same else out
         if isinstance(x, list):
-            new = [walk(v, _child_key(key, i), depth + 1) for i, v in enumerate(x)]
+            new = [walk(v, key, i, depth + 1) for i, v in enumerate(x)]
             return x if all(a is b for a, b in zip(new, x)) else new
         if isinstance(x, tuple) and not hasattr(x, "_fields"):
-            tup = tuple(walk(v, _child_key(key, i), depth + 1) for i, v in enumerate(x))
+            tup = tuple(walk(v, key, i, depth + 1) for i, v in enumerate(x))
             return x if all(a is b for a, b in zip(tup, x)) else tup
         return x
 
-    return walk(state, "", 0)
+    return walk(state, "", "", 0), plain[0]
 
 
 @dataclass
@@ -226,6 +268,9 @@ class Collected:
     tree: Any
     tensors: dict[str, Any]  # every tensor leaf (tensor, DTensor, Shard), by key
     alias_of: dict[str, str]  # key -> key of the first tensor with the same storage view
+    #: each plain tensor's (device, shape, strides, dtype), read once by the walk's checks
+    #: (what a save's plan cache keys on: objckpt.save.plan_cache)
+    facts: dict[str, tuple] = field(default_factory=dict)
 
 
 def _check_tensor(key: str, value: Any) -> None:
@@ -250,42 +295,86 @@ def _check_tensor(key: str, value: Any) -> None:
 
 
 def _identity(t: Any) -> Optional[tuple]:
+    """What makes two tensor leaves the same view of the same memory (tied weights): the
+    address of the first element, then device, shape, strides and dtype; None for a sharded
+    value or an empty tensor (never treated as tied) and where the memory cannot be asked for."""
     if not isinstance(t, torch.Tensor) or is_dtensor(t):
         return None  # sharded values are never treated as tied
     try:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = t.data_ptr()
     except Exception:
         return None
     if t.numel() == 0:
         return None
-    return (t.device, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    return (ptr, (t.device, t.shape, t.stride(), t.dtype))
+
+
+#: the tensor types checked and identified in one pass (:func:`_plain_facts`)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_facts(key: str, t: torch.Tensor) -> tuple[tuple, Optional[tuple]]:
+    """:func:`_check_tensor` and :func:`_identity` of a plain tensor (``type(t)`` is
+    ``torch.Tensor`` or ``torch.nn.Parameter``), each attribute read once (a model's
+    thousands of tensors are each checked at every save): its facts (device, shape,
+    strides, dtype) and its identity (None: never tied)."""
+    if t.layout != torch.strided:
+        raise UnsupportedValueError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored")
+    device = t.device
+    if device.type == "meta":
+        raise UnsupportedValueError(f"tensor {key!r} is on the meta device and has no data to save")
+    if t.is_quantized:
+        raise UnsupportedValueError(f"tensor {key!r} is quantized; dequantize it or store its int repr")
+    dt = t.dtype
+    dtype_name(dt, key)
+    facts = (device, t.shape, t.stride(), dt)
+    try:
+        ptr = t.data_ptr()
+    except Exception:
+        return facts, None
+    return facts, ((ptr, facts) if t.numel() else None)
 
 
 def collect(state: Any, *, allow_pickle: bool = False,
             on_new: Optional[Callable[[str, Any], None]] = None) -> Collected:
     """Encode ``state`` and find its tensors; tensors that are the same view of
     the same storage (tied weights) are recorded as aliases and stored once.
-    Stateful values (above) are saved as their ``state_dict()``."""
-    state = expand_for_save(state)
+    Stateful values (above) are saved as their ``state_dict()``.
+
+    Two leaves must not flatten to the same key (``1`` and ``"1"``, ``"a.b"`` and
+    ``a/b``): the flattened keys are listed and compared, unless the walk found that
+    no two can meet (:func:`_expand`: the common case, a model's state dict)."""
+    state, plain_keys = _expand(state)
     if not isinstance(state, (Mapping, list, tuple)):
         raise UnsupportedValueError(f"state must be a dict (or list/tuple), got {type(state).__name__}")
     tensors: dict[str, Any] = {}
     alias_of: dict[str, str] = {}
     first: dict[tuple, str] = {}
+    facts: dict[str, tuple] = {}
 
     def on_tensor(key: str, t: Any) -> None:
-        _check_tensor(key, t)
+        if type(t) in _PLAIN_TENSORS:
+            facts[key], ident = _plain_facts(key, t)
+        else:
+            _check_tensor(key, t)
+            ident = _identity(t)
         tensors[key] = t
-        ident = _identity(t)
-        if ident is not None and ident in first:
-            alias_of[key] = first[ident]
-            return
         if ident is not None:
+            got = first.get(ident)
+            if got is not None:
+                alias_of[key] = got
+                return
             first[ident] = key
         if on_new is not None:
             on_new(key, t)
 
     tree = encode_tree(state, on_tensor, allow_pickle=allow_pickle, is_tensor=is_stored_leaf)
+    if not plain_keys:
+        _refuse_same_keys(tree)
+    return Collected(tree, tensors, alias_of, facts)
+
+
+def _refuse_same_keys(tree: Any) -> None:
     seen: set[str] = set()
     for key, _ in iter_leaves(tree):
         if key in seen or key == "":
@@ -294,7 +383,6 @@ def collect(state: Any, *, allow_pickle: bool = False,
                 if key else "an entry has an empty key; give it a name"
             )
         seen.add(key)
-    return Collected(tree, tensors, alias_of)
 
 
 def is_stored_leaf(x: Any) -> bool:
@@ -344,7 +432,11 @@ def template_slots(state: Any, stateful: Optional[Mapping[str, StatefulValue]] =
             yield Slot(key, x, container, index)
         elif isinstance(x, Mapping):
             for k, v in x.items():
-                yield from walk(v, _child_key(key, k), x, k)
+                ck = _child_key(key, k)
+                if is_stored_leaf(v) and ck not in found:
+                    yield Slot(ck, v, x, k)  # a tensor leaf (most of them): what walk() would yield, in one step
+                else:
+                    yield from walk(v, ck, x, k)
         elif isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
             for i, v in enumerate(x):
                 yield from walk(v, _child_key(key, i), x, i)

@@ -202,7 +202,8 @@ def test_mirror_set_reuses_copies_stays_busy_and_forgets_after_fork() -> None:
     ms.release()
     assert ms.acquire()
     t.add_(1)
-    m2 = ms.mirror("w", t)  # the same buffer, refreshed
+    m2 = ms.mirror("w", t)  # the same buffer, refreshed (host copies run on threads: done once wait() returns)
+    ms.wait()
     assert m2.data_ptr() == m1.data_ptr() and torch.equal(m2, t)
     ms.release()
     assert ms.acquire()

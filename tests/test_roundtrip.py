@@ -146,14 +146,14 @@ def test_s3_settings_from_standard_aws_environment(moto_s3: tuple[str, dict[str,
 
 
 def test_second_save_with_same_layout_reuses_plan(tmp_path: Any) -> None:
-    from objckpt.layout import PLAN_CACHE
+    from objckpt.save.plan_cache import PLANS
 
     sd = {"a": torch.randn(300, 7), "b": torch.randn(5)}
     objckpt.save(sd, str(tmp_path / "s1"))
-    before = dict(PLAN_CACHE.stats)
+    before = dict(PLANS.stats)
     sd["a"].add_(1)  # same layout, new values
     objckpt.save(sd, str(tmp_path / "s2"))
-    assert PLAN_CACHE.stats["hits"] == before["hits"] + 1
+    assert PLANS.stats["hits"] == before["hits"] + 1
     assert torch.equal(objckpt.read(str(tmp_path / "s2"))["a"], sd["a"])
     objckpt.save({"a": torch.randn(301, 7)}, str(tmp_path / "s3"))  # new layout: planned afresh
-    assert PLAN_CACHE.stats["misses"] == before["misses"] + 1
+    assert PLANS.stats["misses"] == before["misses"] + 1

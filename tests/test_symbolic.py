@@ -177,12 +177,12 @@ def _state(rank: int, world: int, tag: str) -> dict[str, Any]:
 
 
 def save_v2(rank: int, world: int, uri: str, opts: dict, tag: str, times: int = 1) -> tuple[int, int, list[str]]:
-    from objckpt.layout import PLAN_CACHE
+    from objckpt.save.plan_cache import PLANS
 
     for _ in range(times):  # the same layout again: the plan comes from the cache
         res = objckpt.save(_state(rank, world, tag), uri, storage_options=opts, overwrite=True,
                            part_size=64 << 10, crc_block=4096)
-    return res.bytes, PLAN_CACHE.stats["hits"], list(res.files)
+    return res.bytes, PLANS.stats["hits"], list(res.files)
 
 
 def load_3(rank: int, world: int, uri: str, opts: dict) -> dict[str, Any]:

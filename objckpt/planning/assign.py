@@ -27,6 +27,14 @@ class TensorMeta:
     itemsize: int
     boxes: tuple[Box, ...]  # boxes this rank holds
 
+    @classmethod
+    def made(cls, dtype: str, shape: tuple[int, ...], itemsize: int, boxes: tuple[Box, ...]) -> "TensorMeta":
+        """The same as ``TensorMeta(...)``, built without the frozen dataclass's one
+        ``object.__setattr__`` per field: a save describes every tensor of the state."""
+        m = object.__new__(cls)
+        m.__dict__.update(dtype=dtype, shape=shape, itemsize=itemsize, boxes=boxes)
+        return m
+
 
 @dataclass(frozen=True)
 class WriteItem:
@@ -36,6 +44,14 @@ class WriteItem:
     box: Box
     row_start: int
     row_end: int
+
+    @classmethod
+    def made(cls, key: str, box: Box, row_start: int, row_end: int) -> "WriteItem":
+        """The same as ``WriteItem(...)``, built without the frozen dataclass's one
+        ``object.__setattr__`` per field (see :meth:`TensorMeta.made`)."""
+        it = object.__new__(cls)
+        it.__dict__.update(key=key, box=box, row_start=row_start, row_end=row_end)
+        return it
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -68,14 +84,24 @@ def check_consistent(metas: Sequence[dict[str, TensorMeta]]) -> dict[str, Tensor
                         f"{t.dtype} {list(t.shape)}"
                     )
             for off, shp in t.boxes:
+                if shp == t.shape and len(off) == len(shp) and not any(off):
+                    continue  # all of the tensor (a plain tensor: the common case) lies inside it
                 if len(off) != len(t.shape) or any(o < 0 or o + s > d for o, s, d in zip(off, shp, t.shape)):
                     raise StateDictMismatchError(
                         f"tensor {key!r}: rank {rank}'s shard at {list(off)} of shape {list(shp)} lies outside "
                         f"the global shape {list(t.shape)}"
                     )
-            boxes.setdefault(key, set()).update(t.boxes)
+            got = boxes.get(key)
+            if got is None:
+                boxes[key] = set(t.boxes)
+            else:
+                got.update(t.boxes)
     for key, bs in boxes.items():
         t = first[key][1]
+        if len(bs) == 1:
+            (box,) = bs
+            if box[1] == t.shape:  # one box of the whole shape (inside it, checked above): covers it
+                continue
         covered = sum(_volume(s) for _, s in bs)
         if covered != _volume(t.shape):
             raise StateDictMismatchError(
@@ -91,6 +117,13 @@ def assign_writes(
     """Per rank, the pieces it writes; every element of every tensor exactly once."""
     world = len(metas)
     check_consistent(metas)
+    if world == 1:  # every box has one holder: each written whole by rank 0, in (key, box) order
+        pairs = [(key, box) for key, t in metas[0].items() for box in t.boxes]
+        if any(len(t.boxes) > 1 for t in metas[0].values()):
+            pairs = list(set(pairs))
+        pairs.sort()
+        made = WriteItem.made
+        return [[made(key, box, 0, box[1][0] if box[1] else 1) for key, box in pairs]]
     holders: dict[tuple[str, Box], list[int]] = {}
     sizes: dict[tuple[str, Box], int] = {}
     for rank, m in enumerate(metas):

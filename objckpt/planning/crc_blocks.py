@@ -60,4 +60,10 @@ def for_boxes(box_bytes: Iterable[int], part_size: Optional[int]) -> int:
     """The block :func:`choose` picks for boxes of ``box_bytes`` bytes stored as chunks of
     at most ``part_size`` (16 MiB when the size is left to the endpoint's shape)."""
     step = part_size or DEFAULT_PART
-    return choose(n for b in box_bytes for n in chunk_lengths(b, step))
+    lengths: list[int] = []
+    for b in box_bytes:
+        if 0 < b <= step:  # one chunk (a small tensor: the common case)
+            lengths.append(b)
+        else:
+            lengths.extend(chunk_lengths(b, step))
+    return choose(lengths)

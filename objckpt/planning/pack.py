@@ -47,6 +47,16 @@ class ChunkPlan:
     offset: int  # inside the blob
     length: int
 
+    @classmethod
+    def _made(cls, key: str, row_start: int, row_end: int, offsets: tuple[int, ...], shape: tuple[int, ...],
+              blob: int, offset: int, length: int) -> "ChunkPlan":
+        """The same as ``ChunkPlan(...)``, built without the frozen dataclass's one
+        ``object.__setattr__`` per field: a plan of 3,200 chunks makes them all."""
+        c = object.__new__(cls)
+        c.__dict__.update(key=key, row_start=row_start, row_end=row_end, offsets=offsets, shape=shape, blob=blob,
+                          offset=offset, length=length)
+        return c
+
 
 @dataclass
 class PartPlan:
@@ -115,15 +125,25 @@ def plan_save(
         blobs.append(b)
         return b
 
+    made = ChunkPlan._made
     for spec in specs:
-        for r0, r1 in split_rows(spec, chunk_bytes):
-            if len(spec.shape) == 0:
+        dims = spec.shape
+        nbytes = math.prod(dims) * spec.itemsize
+        # the whole tensor in one chunk (the common case) is split_rows's one range, found without it
+        whole = len(dims) > 0 and (nbytes <= chunk_bytes or dims[0] == 0)
+        rows = [(0, dims[0])] if whole else split_rows(spec, chunk_bytes)
+        for r0, r1 in rows:
+            if len(dims) == 0:
                 shape: tuple[int, ...] = ()
                 offsets: tuple[int, ...] = ()
                 length = spec.itemsize
+            elif whole:  # its shape as it is
+                shape = tuple(dims)
+                offsets = (0,) * len(dims)
+                length = nbytes
             else:
-                shape = (r1 - r0,) + tuple(spec.shape[1:])
-                offsets = (r0,) + (0,) * (len(spec.shape) - 1)
+                shape = (r1 - r0,) + tuple(dims[1:])
+                offsets = (r0,) + (0,) * (len(dims) - 1)
                 length = math.prod(shape) * spec.itemsize
             if length > max_part_bytes:
                 raise UnsupportedValueError(
@@ -139,7 +159,7 @@ def plan_save(
                     part.size = start - part.offset
                 part = PartPlan(blob.index, len(blob.parts), start, 0)
                 blob.parts.append(part)
-            chunk = ChunkPlan(spec.key, r0, r1, offsets, shape, blob.index, start, length)
+            chunk = made(spec.key, r0, r1, offsets, shape, blob.index, start, length)
             part.chunks.append(chunk)
             blob.size = start + length
             part.size = blob.size - part.offset

