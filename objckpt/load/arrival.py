@@ -35,6 +35,8 @@ class Tallies:
         self._reads = reads
         self._bounds: dict[int, list[int]] = {}
         self._cells: dict[int, list[tuple[int, int, int]]] = {}
+        #: the verdicts drawn while recording (read -> its mismatch, or None)
+        self._judged: dict[int, Optional[Mismatch]] = {}
 
     def _check_bounds(self, i: int) -> list[int]:
         b = self._bounds.get(i)
@@ -47,9 +49,12 @@ class Tallies:
         or ends; None when none of its reads has checks."""
         cuts: list[int] = []
         for span, at, in_span, n in req.pieces:
-            if not self._reads[span.target].checks:  # type: ignore[index]
+            checks = self._reads[span.target].checks  # type: ignore[index]
+            if not checks:
                 continue
             cuts += (at, at + n)
+            if len(checks) == 1 and checks[0][0] <= in_span and in_span + n <= checks[0][0] + checks[0][1]:
+                continue  # one check around the piece (a whole chunk read): no bound inside it
             bounds = self._check_bounds(span.target)  # type: ignore[arg-type]
             lo = bisect.bisect_right(bounds, in_span)
             hi = bisect.bisect_left(bounds, in_span + n)
@@ -58,18 +63,28 @@ class Tallies:
 
     def record(self, req: Request, tally: CellCrcs) -> None:
         """Hand each read the cells of ``req`` that fell in its pieces (nothing when the
-        store did not feed the whole stream)."""
+        store did not feed the whole stream).  A read that is one piece of ``req`` with one
+        check over all of it (a whole chunk read into place: most reads of a load) is judged
+        here, from its one cell."""
         cells = tally.cells()
         if cells is None:
             return
-        starts = [c[0] for c in cells]
+        k, ncells = 0, len(cells)
         for span, at, in_span, n in req.pieces:
             i = span.target
-            if not self._reads[i].checks:  # type: ignore[index]
+            checks = self._reads[i].checks  # type: ignore[index]
+            if not checks:
+                continue
+            if not (k < ncells and cells[k][0] == at):
+                k = bisect.bisect_left(cells, (at,))  # (pieces out of order, or a gap before this one)
+            if (k < ncells and cells[k][1] == n and len(checks) == 1 and in_span == 0 and checks[0][0] == 0
+                    and checks[0][1] == n and i not in self._cells):
+                crc, check = cells[k][2], checks[0]
+                self._judged[i] = None if crc == check[2] else (check, crc)  # type: ignore[index]
+                k += 1
                 continue
             mine = self._cells.setdefault(i, [])  # type: ignore[arg-type]
-            k = bisect.bisect_left(starts, at)
-            while k < len(cells) and cells[k][0] < at + n:
+            while k < ncells and cells[k][0] < at + n:
                 s, ln, crc = cells[k]
                 mine.append((in_span + s - at, ln, crc))
                 k += 1
@@ -77,11 +92,20 @@ class Tallies:
     def verdict(self, i: int) -> tuple[bool, Optional[Mismatch]]:
         """(judged, first mismatch): judged is False when some check of read ``i`` is not
         exactly tiled by cells hashed on arrival (hash its bytes instead)."""
-        cells = sorted(self._cells.pop(i, ()))
+        if i in self._judged:
+            return True, self._judged.pop(i)
+        cells = self._cells.pop(i, None)
         if not cells:
             return False, None
+        checks = self._reads[i].checks
+        if len(cells) == 1 and len(checks) == 1:  # one piece, one check (a whole chunk read)
+            (s, ln, crc), check = cells[0], checks[0]
+            if s != check[0] or ln != check[1]:
+                return False, None
+            return True, (None if crc == check[2] else (check, crc))
+        cells.sort()
         starts = [c[0] for c in cells]
-        for check in self._reads[i].checks:
+        for check in checks:
             at, n, want, _ = check
             k = bisect.bisect_left(starts, at)
             if k == len(cells) or cells[k][0] != at:

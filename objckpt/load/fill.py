@@ -12,8 +12,7 @@ batch of them, within the budget), then one strided copy per piece.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
@@ -21,21 +20,21 @@ from ..runtime import loop as _runtime
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import Manifest
 from ..layout import Resolver, resolver_for
-from ..runtime.memory import LOAD_TEMP_BYTES, Budget, OperationBudget, host_bytes, plain_host
+from ..runtime.memory import LOAD_TEMP_BYTES, Budget, OperationBudget, host_bytes
 from ..planning.boxes import Box
 from ..planning.read_plan import ReadBatch, ReadPlan, ReadTarget, plan_reads
 from ..results import IOStats
 from ..storage import ObjectStore
 from .device_stream import DeviceRead, caller_streams, device_bytes, stream_reads
-from .ranged_get import RangeRead, chunk_checks, read_ranges
+from .ranged_get import RangeRead, chunk_checks, read_ranges, whole_check
 
 #: temporaries a load holds at once, by default (:data:`~objckpt.runtime.memory.LOAD_TEMP_BYTES`)
 TEMP_BUDGET = Budget(LOAD_TEMP_BYTES)
 
 
-@dataclass(frozen=True)
-class FillTarget:
-    """Fill ``dest`` (shaped like ``box``) with ``box`` of the stored tensor ``key``."""
+class FillTarget(NamedTuple):
+    """Fill ``dest`` (shaped like ``box``) with ``box`` of the stored tensor ``key``.  A named
+    tuple, not a frozen dataclass: a template of thousands of tensors makes one per tensor."""
 
     key: str
     box: Box
@@ -45,22 +44,25 @@ class FillTarget:
 def through_ring(t: torch.Tensor) -> bool:
     """Whether whole chunks reach ``t`` through the ring of reused host buffers
     (:mod:`.device_stream`): contiguous device memory, which sockets cannot write."""
-    return t.device.type not in ("cpu", "meta") and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return (not t.is_cpu and not t.is_meta and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg())  # (is_cpu: a tenth of device.type's cost, asked per tensor)
 
 
 def receives_in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether stored bytes can land in ``t``'s memory as they are: received straight
     into host memory, or streamed through the ring into device memory."""
-    return (plain_host(t) or through_ring(t)) and t.dtype == dtype and type(t) in (torch.Tensor, torch.nn.Parameter)
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype == dtype and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg() and not t.is_meta)  # plain_host or through_ring
 
 
 def plan_fill(m: Manifest, resolver: Resolver, targets: Sequence[FillTarget], budget: Budget = TEMP_BUDGET,
               verify: bool = True) -> ReadPlan:
     """The read plan for ``targets`` (the resolver must have prefetched them)."""
     read_targets = []
-    for t in targets:
-        dt = dtype_from_name(m.tensors[t.key].dtype, t.key)
-        read_targets.append(ReadTarget(t.key, t.box, itemsize(dt), receives_in_place(t.dest, dt)))
+    tensors = m.tensors
+    for key, box, dest in targets:
+        dt = dtype_from_name(tensors[key].dtype, key)
+        read_targets.append(ReadTarget(key, box, itemsize(dt), receives_in_place(dest, dt)))
     return plan_reads(read_targets, resolver.overlapping, m.crc_block, budget, verify)
 
 
@@ -82,23 +84,24 @@ def _run_batch_held(st: ObjectStore, prefix: str, m: Manifest, targets: Sequence
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination view, source view)
     views: dict[int, memoryview] = {}
     flat: dict[int, torch.Tensor] = {}
-    for d in batch.direct:
-        t = targets[d.target]
-        c = d.chunk
-        if through_ring(t.dest):  # device memory: through the ring
-            dbytes = flat.get(d.target)
+    blob_keys: dict[int, str] = {}  # (thousands of chunks share a few blobs)
+    for i, c, at in batch.direct:
+        key, _box, tdest = targets[i]
+        bk = blob_keys.get(c.blob)
+        if bk is None:
+            bk = blob_keys[c.blob] = m.blob_key(prefix, c.blob)
+        if through_ring(tdest):  # device memory: through the ring
+            dbytes = flat.get(i)
             if dbytes is None:
-                dbytes = flat[d.target] = device_bytes(t.dest)
-            ring.append(DeviceRead(t.key, m.blob_key(prefix, c.blob), c.offset,
-                                   dbytes[d.dest_offset : d.dest_offset + c.length], c.crc32c if verify else None,
+                dbytes = flat[i] = device_bytes(tdest)
+            ring.append(DeviceRead(key, bk, c.offset, dbytes[at : at + c.length], c.crc32c if verify else None,
                                    f"chunk at {list(c.offsets)}"))
             continue
-        checks = chunk_checks(c, 0, c.length, m.crc_block) if verify else ()
-        view = views.get(d.target)
+        # a whole chunk: its crc32c covers every byte read (the block crcs are for partial reads)
+        view = views.get(i)
         if view is None:
-            view = views[d.target] = host_bytes(t.dest)
-        dest = view[d.dest_offset : d.dest_offset + c.length]
-        reads.append(RangeRead(t.key, m.blob_key(prefix, c.blob), c.offset, dest, checks))
+            view = views[i] = host_bytes(tdest)
+        reads.append(RangeRead(key, bk, c.offset, view[at : at + c.length], whole_check(c) if verify else ()))
     for s in batch.staged:
         t = targets[s.target]
         piece = s.piece

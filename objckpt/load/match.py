@@ -14,7 +14,7 @@ import torch
 
 from ..distributed.placements import Shard, local_part, local_view
 from ..errors import StateDictMismatchError
-from ..format.dtypes import converts_between_floats, dtype_from_name, itemsize
+from ..format.dtypes import NAME_TO_DTYPE, converts_between_floats, dtype_from_name, itemsize
 from ..format.manifest import Manifest
 from ..format.subtree import NOTHING, find
 from ..runtime.memory import CAST_BATCH_BYTES
@@ -107,13 +107,37 @@ def _under_value_leaves(keys: Iterable[str], leaves: dict[str, Any]) -> tuple[di
     return out, covered
 
 
+#: template leaves whose local part is all of themselves (not DTensors, not Shards)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_target(t: torch.Tensor, ck: str, e: Any, out: Match, seen: set[tuple]) -> bool:
+    """Take the plain tensor ``t`` for the stored tensor ``e`` (key ``ck``) into ``out`` when it
+    has ``e``'s shape and dtype and holds memory (what :func:`match_template`'s general path
+    would conclude through :func:`~objckpt.distributed.placements.local_part`, at a fraction
+    of its cost); False leaves ``t`` to that path, which names what does not fit."""
+    if t.shape != e.shape or t.is_meta or NAME_TO_DTYPE.get(e.dtype) is not t.dtype:
+        return False
+    out.n_tensors += 1
+    sk = e.alias_of or ck
+    box = ((0,) * t.dim(), e.shape)
+    ident = (t.device, t.data_ptr(), e.shape, t.stride(), sk, box)
+    if ident in seen and t.numel():
+        return True  # tied destination: fill once
+    seen.add(ident)
+    out.targets.append(FillTarget(sk, box, t))
+    out.sources.append(t)
+    return True
+
+
 def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: str, strict: bool,
                    cast: bool = False, stateful: Optional[dict[str, StatefulValue]] = None,
-                   world_size: Optional[int] = None) -> Match:
+                   world_size: Optional[int] = None, slots: Optional[list[Slot]] = None) -> Match:
     """Pair every template leaf with the checkpoint, or raise naming what does not fit.
     ``world_size``: how many ranks load, when known (a plain tensor shaped like one rank's
-    part of the stored one is told what reshards, :mod:`.reshard_hint`)."""
-    slots = list(template_slots(state_dict, stateful))
+    part of the stored one is told what reshards, :mod:`.reshard_hint`).  ``slots``: the
+    template's leaves, when the caller walked them already."""
+    slots = list(template_slots(state_dict, stateful)) if slots is None else slots
     tkeys = {s.key for s in slots}
     keymap = reconcile(tkeys, leaves)  # torch's wrapper prefixes (_orig_mod., module.) on one side only
     leaves = renamed_leaves(leaves, keymap)
@@ -127,12 +151,17 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
     problems: list[str] = []
     out = Match([], [], [], 0, missing, unexpected, values=values)
     seen: set[tuple] = set()
+    tensors, renamed = m.tensors, keymap.to_ckpt
     for s in slots:
         if s.key not in values:
             continue
-        is_t = isinstance(s.value, (torch.Tensor, Shard))
-        ck = keymap.ckpt_key(s.key)
-        in_ckpt_t = ck in m.tensors
+        v = s.value
+        ck = renamed.get(s.key, s.key)
+        entry = tensors.get(ck)
+        if type(v) in _PLAIN and entry is not None and _plain_target(v, ck, entry, out, seen):
+            continue  # a plain tensor of the stored dtype and shape (most leaves), taken in a few steps
+        is_t = isinstance(v, (torch.Tensor, Shard))
+        in_ckpt_t = entry is not None
         if is_t != in_ckpt_t:
             problems.append(f"{s.key!r}: {'tensor' if is_t else 'value'} in state dict, "
                             f"{'tensor' if in_ckpt_t else 'value'} in checkpoint")
@@ -140,7 +169,7 @@ def match_template(state_dict: Any, m: Manifest, leaves: dict[str, Any], uri: st
         if not is_t:
             out.value_slots.append(s)
             continue
-        e = m.tensors[ck]
+        e = tensors[ck]
         part = local_part(s.key, s.value)
         local = part.local
         stored = dtype_from_name(e.dtype, s.key)

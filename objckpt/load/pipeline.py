@@ -49,10 +49,11 @@ def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, o
     # each Stateful value's state_dict(), taken once (by the preparation, when there is one)
     stateful = prepared.stateful if prepared is not None else find_stateful(state_dict)
     # A restarting job's template was just allocated: its large pieces are advised huge
-    # pages where that pays (see prefault), before the manifest is fetched; a misspelt
-    # OBJCKPT_HUGE_PAGES is reported here, before any request.
-    faults = prefault.start(prefault.tensor_memory((s.value for s in template_slots(state_dict, stateful)),
-                                                   prefault.smallest_used()))
+    # pages where that pays, its small ones populated while the metadata is read (see
+    # prefault), before the manifest is fetched; a misspelt OBJCKPT_HUGE_PAGES is reported
+    # here, before any request.
+    slots = list(template_slots(state_dict, stateful))  # (the match takes them too)
+    faults = prefault.begin(s.value for s in slots)
     frozen = FrozenOld()
     try:
         while True:
@@ -64,7 +65,7 @@ def load_into(state_dict: Any, session: ReadSession, reader: CollectiveReader, o
             if prepared is None or tries or not prepared.serves(m, rank, options):
                 with stats.timings.timed("plan"):
                     prepared = prepare(state_dict, session, rank, options, stateful, m,
-                                       world_size=reader.comm.world_size)
+                                       world_size=reader.comm.world_size, slots=None if tries else slots)
             if prepared.resolver is None:
                 prepared.resolver = session.resolver
             try:

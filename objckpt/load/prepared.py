@@ -36,7 +36,7 @@ from ..planning.symbolic import overlapping_pieces
 from ..results import IOStats
 from ..runtime import loop as _runtime
 from ..runtime.memory import Budget
-from ..state import StatefulValue, create_optimizer_state, find_stateful
+from ..state import Slot, StatefulValue, create_optimizer_state, find_stateful
 from ..storage import ObjectStore
 from .fill import TEMP_BUDGET, FillTarget, plan_fill
 from .match import Match, match_template
@@ -138,20 +138,25 @@ class PreparedLoad:
 
 def prepare(state: Any, session: ReadSession, rank: int, options: ReadOptions,
             stateful: Optional[dict[str, StatefulValue]] = None, manifest: Optional[Manifest] = None,
-            stats: Optional[IOStats] = None, world_size: Optional[int] = None) -> PreparedLoad:
+            stats: Optional[IOStats] = None, world_size: Optional[int] = None,
+            slots: Optional[list[Slot]] = None) -> PreparedLoad:
     """``state``'s load on ``rank`` from ``session``'s checkpoint, prepared: ``manifest`` (else the
     session's first one: held, or fetched and decoded now) and ``stateful`` (else each Stateful
     value's ``state_dict()`` taken now) as given.  Raises what the load would raise before
     reading (no manifest: :class:`~objckpt.errors.NotFoundError`; a template that does not
     match: :class:`~objckpt.errors.StateDictMismatchError`; another kind of optimizer:
     :class:`~objckpt.errors.OptimizerMismatchError`).  ``world_size``: how many ranks load, when
-    known (a shape mismatch then says whether the template looks like one rank's part)."""
+    known (a shape mismatch then says whether the template looks like one rank's part).
+    ``slots``: the template's leaves (:func:`~objckpt.state.template_slots` over ``stateful``),
+    walked already by the caller: taken unless the load creates optimizer entries, which
+    change them."""
     m = manifest if manifest is not None else session.first(stats)
     stateful = find_stateful(state) if stateful is None else stateful
     tree = m.rank_trees[rank] if m.rank_trees and rank < len(m.rank_trees) else m.tree
     # before anything is created in the template: another kind of optimizer is refused untouched
     check_optimizers(state, stateful, tree, session.uri, options.allow_optimizer_change)
-    create_optimizer_state(stateful, tree, m, options.allow_pickle, repr(session.uri))
+    if create_optimizer_state(stateful, tree, m, options.allow_pickle, repr(session.uri)):
+        slots = None  # the template grew: walked again
     match = match_template(state, m, dict(iter_leaves(tree)), session.uri, options.strict, options.cast, stateful,
-                           world_size)
+                           world_size, slots)
     return PreparedLoad(session.uri, m, session.manifest_raw, rank, options, stateful, match)

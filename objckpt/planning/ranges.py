@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Hashable, Iterable, NamedTuple
 
 
-@dataclass(frozen=True)
-class Span:
-    """``length`` bytes at ``offset`` of object ``obj``, wanted for ``target``."""
+class Span(NamedTuple):
+    """``length`` bytes at ``offset`` of object ``obj``, wanted for ``target``.  A named tuple,
+    not a frozen dataclass: a load of many small tensors makes one per tensor, and a frozen
+    dataclass's construction costs ~2.5x as much."""
 
     obj: Hashable
     offset: int
@@ -69,36 +70,37 @@ def plan_requests(spans: Iterable[Span], *, merge_gap: int = 256 << 10, max_requ
     for obj, group in by_obj.items():
         group.sort(key=lambda s: (s.offset, s.length))
         cur: Request | None = None
+        cur_off = cur_end = 0  # cur's bytes: [cur_off, cur_end)
         cur_gaps = 0  # bytes of cur that no span wants
         for s in group:
-            if s.length > split_above:
+            off, length = s.offset, s.length
+            if length > split_above:
                 if cur is not None:
+                    cur.length = cur_end - cur_off
                     out.append(cur)
                     cur = None
                 pos = 0
-                while pos < s.length:
-                    n = min(split_into, s.length - pos)
-                    out.append(Request(obj, s.offset + pos, n, [RequestPiece(s, 0, pos, n)]))
+                while pos < length:
+                    n = min(split_into, length - pos)
+                    out.append(Request(obj, off + pos, n, [RequestPiece(s, 0, pos, n)]))
                     pos += n
                 continue
-            end = s.offset + s.length
-            gap = s.offset - (cur.offset + cur.length) if cur is not None else 0
-            merged = max(end - cur.offset, cur.length) if cur is not None else 0
-            if (
-                cur is not None
-                and gap <= merge_gap
-                and (gap <= free_gap or cur_gaps + gap <= gap_share * (merged - cur_gaps - gap))
-                and merged <= max_request
-                and s.offset >= cur.offset
-            ):
-                cur_gaps += max(gap, 0)
-                cur.length = max(cur.length, end - cur.offset)
-                cur.pieces.append(RequestPiece(s, s.offset - cur.offset, 0, s.length))
-            else:
-                if cur is not None:
-                    out.append(cur)
-                cur = Request(obj, s.offset, s.length, [RequestPiece(s, 0, 0, s.length)])
-                cur_gaps = 0
+            end = off + length
+            if cur is not None:
+                gap = off - cur_end
+                merged = max(end, cur_end) - cur_off
+                if (gap <= merge_gap and (gap <= free_gap or cur_gaps + gap <= gap_share * (merged - cur_gaps - gap))
+                        and merged <= max_request and off >= cur_off):
+                    cur_gaps += max(gap, 0)
+                    cur_end = max(cur_end, end)
+                    cur.pieces.append(RequestPiece(s, off - cur_off, 0, length))
+                    continue
+                cur.length = cur_end - cur_off
+                out.append(cur)
+            cur = Request(obj, off, length, [RequestPiece(s, 0, 0, length)])
+            cur_off, cur_end, cur_gaps = off, end, 0
         if cur is not None:
+            cur.length = cur_end - cur_off
             out.append(cur)
     return out
+

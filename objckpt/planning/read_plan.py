@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from ..format.manifest import Chunk
 from ..runtime.memory import Budget
@@ -42,6 +42,15 @@ class ChunkIndex:
     ends, so the chunks overlapping a box are found without scanning them all."""
 
     def __init__(self, chunks: Sequence[Chunk]) -> None:
+        #: the box of the only chunk (most tensors of a single-process save): a box equal to it
+        #: is answered without a search
+        self.only: Optional[Box] = None
+        if len(chunks) == 1:
+            c = chunks[0]
+            self.chunks, self.only = [c], ((c.offsets, c.shape) if all(c.shape) else None)  # (empty: overlaps nothing)
+            self.starts = [c.offsets[0] if c.offsets else 0]
+            self.max_end = [(c.offsets[0] + c.shape[0]) if c.offsets else 1]
+            return
         self.chunks = sorted(chunks, key=lambda c: c.offsets[0] if c.offsets else 0)
         self.starts = [c.offsets[0] if c.offsets else 0 for c in self.chunks]
         ends = [(c.offsets[0] + c.shape[0]) if c.offsets else 1 for c in self.chunks]
@@ -52,6 +61,8 @@ class ChunkIndex:
             self.max_end.append(m)
 
     def overlapping(self, box: Box) -> list[Overlap]:
+        if box == self.only:
+            return [Overlap(self.chunks[0], self.only)]
         offs, shape = box
         if not offs:  # 0-d
             return [Overlap(c, ((), ())) for c in self.chunks]
@@ -137,9 +148,10 @@ def plan_piece(chunk: Chunk, inter: Box, itemsize: int, block: int, verify: bool
     return PieceRead(chunk, inter, lo, hi, tuple(best), whole, elem_offset, tuple(st))
 
 
-@dataclass(frozen=True)
-class ReadTarget:
-    """A box of a stored tensor that one destination wants."""
+class ReadTarget(NamedTuple):
+    """A box of a stored tensor that one destination wants.  (This and the reads below are
+    named tuples, not frozen dataclasses: a load of many small tensors makes one of each per
+    tensor, and a frozen dataclass costs ~2.5x as much to make.)"""
 
     key: str  # stored key (aliases resolved)
     box: Box
@@ -148,8 +160,7 @@ class ReadTarget:
     in_place: bool
 
 
-@dataclass(frozen=True)
-class DirectRead:
+class DirectRead(NamedTuple):
     """A whole chunk read straight into target ``target``'s memory at byte ``dest_offset``."""
 
     target: int
@@ -157,8 +168,7 @@ class DirectRead:
     dest_offset: int
 
 
-@dataclass(frozen=True)
-class StagedRead:
+class StagedRead(NamedTuple):
     """Bytes ``piece.ranges`` of a chunk read into a temporary of ``piece.hi - piece.lo``
     bytes, then copied into the box ``piece.inter`` of target ``target``."""
 
@@ -212,16 +222,20 @@ def plan_reads(targets: Sequence[ReadTarget], overlapping: Overlapping, crc_bloc
     its target and spans the target's full rows is read in place when the target
     allows; every other piece goes through a temporary."""
     reads: list[DirectRead | StagedRead] = []
-    for i, t in enumerate(targets):
-        d_off, d_shape = t.box
-        d_row = math.prod(d_shape[1:]) * t.itemsize if d_shape else t.itemsize
-        for chunk, inter in overlapping(t.key, t.box):
+    staged = False
+    for i, (key, box, isz, in_place) in enumerate(targets):
+        d_off, d_shape = box
+        d_shape = tuple(d_shape)
+        for chunk, inter in overlapping(key, box):
             i_off, i_shape = inter
-            inside = tuple(i_shape) == tuple(chunk.shape) and tuple(i_shape[1:]) == tuple(d_shape[1:])
-            if inside and t.in_place:
-                reads.append(DirectRead(i, chunk, (i_off[0] - d_off[0]) * d_row if d_shape else 0))
+            if in_place and tuple(i_shape) == tuple(chunk.shape) and tuple(i_shape[1:]) == d_shape[1:]:  # inside
+                at = (i_off[0] - d_off[0]) * math.prod(d_shape[1:]) * isz if d_shape else 0
+                reads.append(DirectRead(i, chunk, at))
             else:
-                reads.append(StagedRead(i, plan_piece(chunk, inter, t.itemsize, crc_block, verify)))
+                reads.append(StagedRead(i, plan_piece(chunk, inter, isz, crc_block, verify)))
+                staged = True
+    if not staged:  # nothing held: one batch
+        return ReadPlan(list(targets), [ReadBatch(reads, [])] if reads else [])  # type: ignore[arg-type]
     sizes = [r.temp_bytes if isinstance(r, StagedRead) else 0 for r in reads]
     batches = []
     for run in budget.batches(sizes):
