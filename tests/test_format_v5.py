@@ -299,3 +299,20 @@ def test_v4_spread_checkpoint_with_lists_reads(tmp_path: Path) -> None:
     assert torch.equal(got["w"], want) and got["step"] == 3
     out = subprocess.run([sys.executable, "-m", "objckpt", "verify", str(ck)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_decoded_block_crcs_stay_packed_until_read(tmp_path: Path) -> None:
+    """A v5 decode keeps each chunk's block crcs as their bytes (a whole-chunk read never
+    needs them); read one by one, sliced, iterated or compared, they are the values."""
+    ck = tmp_path / "ck"
+    state = _old_single()
+    objckpt.save(state, str(ck), crc_block=1024)
+    blocks = objckpt.inspect(str(ck)).tensors["w"].chunks[0].block_crc32c
+    assert isinstance(blocks, block_crcs.PackedCrcs) and len(blocks) == 16
+    values = tuple(blocks)
+    assert blocks == values and values == blocks and hash(blocks) == hash(values) and blocks[-1] == values[15]
+    assert blocks[2:4] == values[2:4] and list(blocks) == list(values)
+    with pytest.raises(IndexError):
+        blocks[16]
+    # written back unchanged (a copy re-encodes a decoded manifest)
+    assert block_crcs.pack(blocks) == block_crcs.pack(values)

@@ -4,7 +4,7 @@ has thousands of chunks and each is checked on every decode."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from typing_extensions import TypeGuard
 
@@ -20,18 +20,19 @@ def crc_list(v: Any) -> "TypeGuard[list[int]]":
     return type(v) is list and (not v or (set(map(type, v)) == {int} and min(v) >= 0 and max(v) < 1 << 32))
 
 
-def block_list(value: Any, length: int, crc_block: int, packed: bool) -> Optional[tuple[int, ...]]:
+def block_list(value: Any, length: int, crc_block: int, packed: bool) -> Optional[Sequence[int]]:
     """A chunk's block crcs as stored (``value``; None: absent) for a chunk of ``length``
     bytes, checked: () when absent, else exactly ``ceil(length / crc_block)`` crcs, as a
-    list of integers (every version) or packed (``packed``: v5 and later).  None when
-    malformed.  Shared by the manifest and the rank indexes."""
+    list of integers (every version) or packed (``packed``: v5 and later; kept packed,
+    :class:`~objckpt.format.packed.PackedCrcs`).  None when malformed.  Shared by the
+    manifest and the rank indexes."""
     if value is None or (type(value) is list and not value):
         return ()
     if crc_block <= 0:
         return None
     n = -(-length // crc_block)
     if type(value) is str:
-        return _blocks.unpack(value, n) if packed else None
+        return _blocks.unpack_crcs(value, n) if packed else None
     return tuple(value) if crc_list(value) and len(value) == n else None
 
 

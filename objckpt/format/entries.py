@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 #: no integer in a manifest (size, offset, length, dim) may reach this: keeps arithmetic
 #: on hostile values away from 64-bit overflow in the OS, torch and HTTP ranges
@@ -23,8 +23,9 @@ class Chunk:
     offset: int
     length: int
     crc32c: int
-    #: crc32c of each ``Manifest.crc_block``-byte block, for chunks larger than one block
-    block_crc32c: tuple[int, ...] = ()
+    #: crc32c of each ``Manifest.crc_block``-byte block, for chunks larger than one block (a
+    #: tuple as built; as decoded from v5, packed bytes read on demand, equal to that tuple)
+    block_crc32c: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
