@@ -25,7 +25,9 @@ the GET that confirms the conditional create (``save/commit.py`` ``_confirm_ours
 read back compared with those written; ``confirm_s``); the manifest's size.
 
 load: ``manifest.decode``; ``RankIndexResolver.prefetch`` (the rank indexes this rank needs, from an
-in-memory store, checked and decoded); ``overlapping`` + ``plan_piece`` for every tensor it holds.
+in-memory store, checked and decoded); ``overlapping`` + ``plan_piece`` for every tensor it holds;
+after the decode, the objects older than the manifest are frozen out of the collector's walks
+(``runtime/gc_pause.FrozenOld``), as ``load`` does.
 ``--fetch-samples`` more load ranks (the first, the last, and evenly spread) only count the
 rank indexes they would fetch: ``fetch_fraction_max`` is the largest count over the world size.
 """
@@ -41,6 +43,7 @@ import resource
 import sys
 from typing import Any, Optional
 
+from objckpt.runtime.gc_pause import FrozenOld
 from objckpt.save.pipeline import gathered_manifest
 
 from . import harness as h
@@ -232,6 +235,11 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0, model: str = "70b
         with Timer() as t:
             mm = ock.decode(run_(store.get(ock.keys.manifest_key("ck"))))
         r["decode_s"] = t.t
+        # as a load does (load/pipeline.py): once its manifest is decoded, every older object is
+        # out of the collector's walks until the load ends; without it, the collections this
+        # planning triggers walked the benchmark's own heap (every rank's outcome), not a job's
+        frozen = FrozenOld()
+        frozen.now()
         res = ock.RankIndexResolver(mm, store, "ck")
         with Timer() as t:
             run_(res.prefetch(targets))
@@ -245,6 +253,7 @@ def run(world: int, tp: int, load_ratio: float, seed: int = 0, model: str = "70b
                     ock.plan_piece(c, inter, itemsize, mm.crc_block)
                     r["reads"] += 1
         r["overlap_plan_s"] = t.t
+        frozen.close()
         r["per_rank_s"] = r["decode_s"] + r["prefetch_s"] + r["overlap_plan_s"]
         out["load"][lr] = r
         log(f"world {world} -> {lw} load rank {lr}: {r['per_rank_s']:.2f} s, {r['indexes_fetched']} rank indexes")
