@@ -232,25 +232,25 @@ def _check_objects(t: Union[BlobTable, IndexTable], spreads: Optional[list[str]]
         raise bad(f"{what}: names are implied by the attempt {t.attempt[:200]!r}, which is not one safe path segment")
 
 
+def _decode(cls: type, raw: Any, spec: dict[str, int], attempt: str, spread_up: int, bad: Bad,
+            check_name: Callable[[dict[str, Any], str], None], what: str) -> Any:
+    table = f"'{what}'"
+    cols = _columns(raw, spec, bad, table)
+    sizes = cols[list(spec).index("size")]
+    if sizes and max(sizes) >= MAX_INT:
+        raise bad(f"{table}: a size is too large")
+    names = _strings(raw, "name", len(sizes), bad, table)
+    spreads = _strings(raw, "spread", len(sizes), bad, table)
+    t = cls(*cols, names, spreads, attempt)
+    _check_objects(t, spreads, spread_up, bad, "blob" if what == "blobs" else "rank index", check_name)
+    return t
+
+
 def decode_blobs(raw: Any, attempt: str, spread_up: int, bad: Bad,
                  check_name: Callable[[dict[str, Any], str], None]) -> BlobTable:
-    ranks, sizes = _columns(raw, {"rank": 4, "size": 8}, bad, "'blobs'")
-    if sizes and max(sizes) >= MAX_INT:
-        raise bad("'blobs': a size is too large")
-    names = _strings(raw, "name", len(ranks), bad, "'blobs'")
-    spreads = _strings(raw, "spread", len(ranks), bad, "'blobs'")
-    t = BlobTable(ranks, sizes, names, spreads, attempt)
-    _check_objects(t, spreads, spread_up, bad, "blob", check_name)
-    return t
+    return _decode(BlobTable, raw, {"rank": 4, "size": 8}, attempt, spread_up, bad, check_name, "blobs")
 
 
 def decode_indexes(raw: Any, attempt: str, spread_up: int, bad: Bad,
                    check_name: Callable[[dict[str, Any], str], None]) -> IndexTable:
-    sizes, crcs = _columns(raw, {"size": 8, "crc32c": 4}, bad, "'rank_indexes'")
-    if sizes and max(sizes) >= MAX_INT:
-        raise bad("'rank_indexes': a size is too large")
-    names = _strings(raw, "name", len(sizes), bad, "'rank_indexes'")
-    spreads = _strings(raw, "spread", len(sizes), bad, "'rank_indexes'")
-    t = IndexTable(sizes, crcs, names, spreads, attempt)
-    _check_objects(t, spreads, spread_up, bad, "rank index", check_name)
-    return t
+    return _decode(IndexTable, raw, {"size": 8, "crc32c": 4}, attempt, spread_up, bad, check_name, "rank_indexes")

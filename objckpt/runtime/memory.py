@@ -37,6 +37,7 @@ import torch
 
 from ..errors import MemoryBudgetError
 from ..units import MiB
+from .env_numbers import nonnegative
 
 # --------------------------------------------------------------------------- named defaults
 
@@ -278,8 +279,8 @@ def pool_keep_bytes() -> int:
     """The pool's cap on idle buffers: ``$OBJCKPT_HOST_POOL_BYTES`` (bytes; 0 keeps none), else
     :data:`POOL_KEEP_FRACTION` of physical memory divided among the node's processes
     (``LOCAL_WORLD_SIZE``).  Read once, when the pool is made."""
-    raw = os.environ.get(POOL_KEEP_ENV, "").strip()
-    if not raw:
+    given = nonnegative(POOL_KEEP_ENV, "a number of bytes (0 or more)")
+    if given is None:
         # each of a node's processes keeps its share of the fraction, not the whole of it
         # (torchrun's LOCAL_WORLD_SIZE: 8 ranks a node must not each pin a quarter of RAM)
         try:
@@ -290,13 +291,7 @@ def pool_keep_bytes() -> int:
             return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * POOL_KEEP_FRACTION) // local
         except (AttributeError, ValueError, OSError):
             return POOL_KEEP_BYTES
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"${POOL_KEEP_ENV} must be a number of bytes (0 or more), got {raw!r}")
-    return n
+    return given
 
 
 class HostPool:

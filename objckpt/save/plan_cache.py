@@ -48,7 +48,6 @@ process first saves (``0``: off, every save takes the miss path).
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ from ..planning.assign import RankWrites, TensorMeta
 from ..planning.boxes import Box
 from ..planning.pack import PackLimits
 from ..planning.symbolic import SymbolicDescription
+from ..runtime.env_numbers import nonnegative
 from ..format.manifest import ShardSpec
 from ..layout import GatheredLayout, RankReport, SaveLayout, SymbolicLayout
 from .describe import LocalState, Source, Walked, plain_fingerprints
@@ -77,16 +77,8 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _entries_from_env() -> int:
-    raw = os.environ.get(ENTRIES_ENV, "").strip()
-    if not raw:
-        return DEFAULT_ENTRIES
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"${ENTRIES_ENV} must be a number of plan cache entries (0 turns it off), got {raw!r}")
-    return n
+    n = nonnegative(ENTRIES_ENV, "a number of plan cache entries (0 turns it off)")
+    return DEFAULT_ENTRIES if n is None else n
 
 
 def _mesh_facts(mesh: Any) -> tuple[Any, ...]:
