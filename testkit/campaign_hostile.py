@@ -70,7 +70,16 @@ def _chunk(m: dict[str, Any], **kv: Any) -> None:
 
 
 def _blob_name(m: dict[str, Any], name: str) -> None:
-    m["blobs"][0]["name"] = name
+    """Name the first blob ``name``: in v4's list, or in a v5 table's name column (every
+    blob's name then listed, as a writer with other names lists them)."""
+    blobs = m["blobs"]
+    if isinstance(blobs, list):
+        blobs[0]["name"] = name
+        return
+    from objckpt.format import tables
+
+    table = tables.decode_blobs(blobs, m.get("attempt", ""), m.get("spread_up", 0), ValueError, lambda e, w: None)
+    blobs["name"] = [name] + [b.name for b in table][1:]
 
 
 def _huge_shape(m: dict[str, Any]) -> None:
