@@ -261,7 +261,7 @@ async def write_plan(
                 writer = writers[part.blob]
                 async with hashing:
                     views, part_crcs, whole = await _runtime.in_thread(
-                        direct_views, part, tensors, crc_block, getattr(writer, "uses_part_crc", True))
+                        direct_views, part, tensors, crc_block, writer.uses_part_crc)
                 for c, v in zip(part.chunks, part_crcs):
                     crcs[c] = v
                 await writer.write_part_views(part.index, part.offset, views, crc32c=whole)

@@ -49,6 +49,10 @@ class BlobWriter(abc.ABC):
     duration of the call, so the caller may reuse its buffer afterwards.
     """
 
+    #: whether the writer sends each part's crc32c (``crc32c=`` of :meth:`write_part_views`) for
+    #: the store to check; a writer that ignores it says False, and the save does not build it
+    uses_part_crc: bool = True
+
     @abc.abstractmethod
     async def write_part(self, index: int, offset: int, data: memoryview) -> None: ...
 
