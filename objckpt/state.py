@@ -192,6 +192,9 @@ def _expand(state: Any) -> tuple[Any, bool]:
                         plain[0] = False
                     elif "." in ck:
                         dotted = True
+                if type(v) in _LEAF_TYPES:  # walk's first line, without a call per tensor
+                    out[ck] = v
+                    continue
                 nv = out[ck] = walk(v, key, ck, depth + 1)
                 same = same and nv is v
                 if plain[0] and not nested and _is_container(nv):
@@ -320,9 +323,9 @@ def _plain_facts(key: str, t: torch.Tensor) -> tuple[tuple, Optional[tuple]]:
     strides, dtype) and its identity (None: never tied)."""
     if t.layout != torch.strided:
         raise UnsupportedValueError(f"tensor {key!r} has layout {t.layout}; only dense (strided) tensors are stored")
-    device = t.device
-    if device.type == "meta":
+    if t.is_meta:  # (not ``t.device.type``: building the device's type string costs 5x this)
         raise UnsupportedValueError(f"tensor {key!r} is on the meta device and has no data to save")
+    device = t.device
     if t.is_quantized:
         raise UnsupportedValueError(f"tensor {key!r} is quantized; dequantize it or store its int repr")
     dt = t.dtype
@@ -349,7 +352,10 @@ def collect(state: Any, *, allow_pickle: bool = False,
         raise UnsupportedValueError(f"state must be a dict (or list/tuple), got {type(state).__name__}")
     tensors: dict[str, Any] = {}
     alias_of: dict[str, str] = {}
-    first: dict[tuple, str] = {}
+    # the first key of each identity, by the identity's address: an int hashes at once where
+    # the whole identity (device, shape, strides, dtype) took ~0.4 us a tensor; tensors that
+    # share an address but differ in the rest (a view of a prefix) are kept side by side
+    first: dict[int, list[tuple[tuple, str]]] = {}
     facts: dict[str, tuple] = {}
 
     def on_tensor(key: str, t: Any) -> None:
@@ -360,15 +366,20 @@ def collect(state: Any, *, allow_pickle: bool = False,
             ident = _identity(t)
         tensors[key] = t
         if ident is not None:
-            got = first.get(ident)
-            if got is not None:
-                alias_of[key] = got
-                return
-            first[ident] = key
+            ptr, rest = ident
+            same = first.get(ptr)
+            if same is None:
+                first[ptr] = [(rest, key)]
+            else:
+                for r, k in same:
+                    if r == rest:
+                        alias_of[key] = k
+                        return
+                same.append((rest, key))
         if on_new is not None:
             on_new(key, t)
 
-    tree = encode_tree(state, on_tensor, allow_pickle=allow_pickle, is_tensor=is_stored_leaf)
+    tree = encode_tree(state, on_tensor, allow_pickle=allow_pickle, is_tensor=is_stored_leaf, plain=_PLAIN_TENSORS)
     if not plain_keys:
         _refuse_same_keys(tree)
     return Collected(tree, tensors, alias_of, facts)

@@ -244,7 +244,7 @@ def test_staging_copies_of_parameters_record_no_autograd_graph(tmp_path) -> None
     extra = {"buf": torch.arange(4.0)}  # a plain tensor next to them
     h = objckpt.async_save({"model": model.state_dict(keep_vars=True), **extra}, str(tmp_path / "ck"))
     h.result()
-    mirrors = list(mirror_set()._mirrors.values())
+    mirrors = [m[0] for m in mirror_set()._mirrors.values()]
     assert mirrors and not any(m.requires_grad or m.grad_fn is not None for m in mirrors)
     back = objckpt.read(str(tmp_path / "ck"))
     assert torch.equal(back["model"]["weight"], model.weight.detach()) and torch.equal(back["buf"], extra["buf"])

@@ -45,10 +45,14 @@ def _plain_tensor(x: Any) -> bool:
 
 
 def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False,
-                is_tensor: Callable[[Any], bool] = _plain_tensor) -> Any:
+                is_tensor: Callable[[Any], bool] = _plain_tensor, plain: tuple[type, ...] = ()) -> Any:
     """Encode ``obj``; ``on_tensor(key, tensor)`` is called for every leaf
-    ``is_tensor`` accepts (the caller's notion of a tensor: objckpt.Shard too)."""
+    ``is_tensor`` accepts (the caller's notion of a tensor: objckpt.Shard too).
+    ``plain``: types whose values ``is_tensor`` accepts (``torch.Tensor`` exactly, say),
+    encoded in the loop over their dict without a call per value: a model's state dict
+    is thousands of them, and the call was a third of the walk."""
     seen_keys: set[str] = set()
+    seen = seen_keys.add
 
     def enc(x: Any, key: str, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -58,7 +62,7 @@ def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False,
         if is_tensor(x):
             if key in seen_keys:
                 raise UnsupportedValueError(f"two entries flatten to the same key {key!r}; rename one")
-            seen_keys.add(key)
+            seen(key)
             on_tensor(key, x)
             return {"$tensor": key}
         if isinstance(x, bool) or x is None or isinstance(x, str):
@@ -78,7 +82,20 @@ def encode_tree(obj: Any, on_tensor: TensorSink, *, allow_pickle: bool = False,
         if isinstance(x, Mapping):
             items = list(x.items())
             if all(isinstance(k, str) and not k.startswith("$") for k, _ in items):
-                return {k: enc(v, _child_key(key, k), depth + 1) for k, v in items}
+                if not plain or depth >= MAX_DEPTH:
+                    return {k: enc(v, _child_key(key, k), depth + 1) for k, v in items}
+                out = {}
+                for k, v in items:  # enc's tensor branch, inline (see ``plain``)
+                    ck = f"{key}.{k}" if key else str(k)
+                    if type(v) in plain:
+                        if ck in seen_keys:
+                            raise UnsupportedValueError(f"two entries flatten to the same key {ck!r}; rename one")
+                        seen(ck)
+                        on_tensor(ck, v)
+                        out[k] = {"$tensor": ck}
+                    else:
+                        out[k] = enc(v, ck, depth + 1)
+                return out
             for k, _ in items:
                 if not isinstance(k, (str, int, bool, float, type(None))):
                     raise UnsupportedValueError(f"{key or '<root>'!r}: dict key {k!r} of type {type(k).__name__} is not supported")

@@ -17,7 +17,7 @@ is copied, and the call returns once the last batch is done (:meth:`MirrorSet.wa
 A state of 3,200 tensors of 64 KiB: the walk and the copies one after the other
 took as long as both; side by side, as long as the longer.
 
-Mirrors are kept per (key, shape, dtype) and reused by the next save. A
+Mirrors are kept per key (made again when its shape or dtype changed) and reused by the next save. A
 mirror set serves one save at a time (a second save in flight uses the
 pooled path). A process forked after they were made starts with none.
 """
@@ -63,23 +63,26 @@ def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each (host, source) pair: one call for the batch where torch has it."""
     dst = [d for d, _ in pairs]
     src = [s for _, s in pairs]
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        try:
-            foreach(dst, src)
-            return
-        except (RuntimeError, TypeError, NotImplementedError):  # an odd pair: copied one by one below
-            pass
-    for d, s in pairs:
-        d.copy_(s)
+    with torch.no_grad():  # (grad mode is per thread: a source that requires grad is never recorded)
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is not None:
+            try:
+                foreach(dst, src)
+                return
+            except (RuntimeError, TypeError, NotImplementedError):  # an odd pair: copied one by one below
+                pass
+        for d, s in pairs:
+            d.copy_(s)
 
 
 class MirrorSet:
     """Host copies of one save's tensors; ``mirror`` is called per tensor during the walk."""
 
     def __init__(self) -> None:
-        self._mirrors: dict[tuple, torch.Tensor] = {}
-        self._used: set[tuple] = set()
+        #: by key: the mirror, and its shape, dtype and size (a key's tensor may change shape
+        #: between saves: its mirror is then made again)
+        self._mirrors: dict[str, tuple[torch.Tensor, tuple, torch.dtype, int]] = {}
+        self._used: set[str] = set()
         self._pid = os.getpid()
         self._busy = False
         self._lock = threading.Lock()
@@ -111,26 +114,27 @@ class MirrorSet:
         copies, self._copies = self._copies, []
         concurrent.futures.wait(copies)  # no thread still writes a mirror the next save is handed
         with self._lock:
-            used = sum(m.numel() * m.element_size() for k, m in self._mirrors.items() if k in self._used)
+            used = sum(m[3] for k, m in self._mirrors.items() if k in self._used)
             if self.nbytes - used > 2 * used:
                 for k in [k for k in self._mirrors if k not in self._used]:
-                    self.nbytes -= self._mirrors[k].numel() * self._mirrors[k].element_size()
-                    del self._mirrors[k]
+                    self.nbytes -= self._mirrors.pop(k)[3]
             self._busy = False
 
     def mirror(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A host tensor that will hold ``t``'s values once :meth:`wait` returns; the copy
         is started (a device copy) or queued (a host copy: see the module docstring) now."""
-        shape = t.shape
-        ident = (key, shape, t.dtype)
-        host = self._mirrors.get(ident)
-        if host is None:
-            host = torch.empty(tuple(shape), dtype=t.dtype, pin_memory=self.pin and t.is_cuda)
-            self._mirrors[ident] = host
-            self.nbytes += host.numel() * host.element_size()
-        self._used.add(ident)
-        src = t.detach() if t.requires_grad else t  # never recorded by autograd (no no_grad block per tensor)
-        if src.is_cuda:
+        shape, dtype = t.shape, t.dtype
+        got = self._mirrors.get(key)  # (by key alone: a str hashes at once, a shape does not)
+        if got is None or got[1] != shape or got[2] != dtype:
+            if got is not None:
+                self.nbytes -= got[3]
+            host = torch.empty(tuple(shape), dtype=dtype, pin_memory=self.pin and t.is_cuda)
+            got = self._mirrors[key] = (host, shape, dtype, host.nbytes)
+            self.nbytes += got[3]
+        host = got[0]
+        self._used.add(key)
+        if t.is_cuda:
+            src = t.detach() if t.requires_grad else t  # never recorded by autograd (no no_grad block per tensor)
             if self._stream is None:
                 self._device = src.device
                 self._stream = side_stream(src.device)
@@ -138,8 +142,8 @@ class MirrorSet:
             with torch.cuda.stream(self._stream):
                 host.copy_(src, non_blocking=True)
         else:
-            self._batch.append((host, src))
-            self._batch_bytes += host.nbytes
+            self._batch.append((host, t))  # (copied under no_grad: see _copy)
+            self._batch_bytes += got[3]
             if self._batch_bytes >= COPY_BATCH_BYTES or len(self._batch) >= COPY_BATCH_TENSORS:
                 self._hand_over()
         return host
