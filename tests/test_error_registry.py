@@ -48,13 +48,14 @@ def _package_classes() -> list[type[ObjckptError]]:
 
 #: classes defined outside objckpt/errors.py that once reached other ranks as their base class
 OUTSIDE_ERRORS_PY = {
-    "objckpt.tier.errors": {"TierSettingsError", "LocalTierError", "TierRestoreError", "DrainError"},
+    "objckpt.tier.errors": {"TierSettingsError", "LocalTierError", "TierRestoreError", "DrainError", "DrainCutError"},
     "objckpt.tier.transfer": {"PeerCopyError"},
     "objckpt.tier.overlay": {"ReadOnlyStoreError"},
     "objckpt.tier.topology": {"TopologyError"},
     "objckpt.manager.naming": {"InvalidStepError", "SwappedArgumentsError", "StepFormatError"},
     "objckpt.manager.index": {"IndexContentionError"},
     "objckpt.manager.retention": {"RetentionPolicyError", "StepOrderError"},
+    "objckpt.manager.preemption": {"PreemptionSettingsError"},
     "objckpt.storage.s3.config": {"NoCredentialsError", "CertificateError"},
     "objckpt.storage.s3.setting": {"S3ConfigError"},
     "objckpt.storage.s3.request": {"MalformedAnswer"},

@@ -53,6 +53,8 @@ from .naming import (DEFAULT_STEP_FORMAT, InvalidStepError, StepNaming, SwappedA
 from ..tier.advice import Advice
 from ..tier.settings import DEPRECATED_KEYWORDS, TierSettings
 from ..tier.settings import from_keywords as tier_from_keywords
+from .preemption import (DEFAULT_CHECK_EVERY, DEFAULT_DEADLINE_S, DEFAULT_SIGNALS, Preemption,
+                         PreemptionSettings)
 from .steps import PlainSteps, RootSteps, StepsHost
 from .tiers import TieredSaves
 from .retention import Candidate, RetentionPolicy, RetentionPolicyError, StepOrderError, best_step, steps_to_keep
@@ -75,7 +77,9 @@ class CheckpointManager:
                  no_dist: bool = False, leftover_grace: float = LEFTOVER_GRACE,
                  clock: Callable[[], float] = time.time, tier: Optional[TierSettings] = None,
                  node_override: Optional[str] = None, failure_rate: Optional[float] = None,
-                 single_writer: bool = False,
+                 single_writer: bool = False, preemption_signals: tuple[int, ...] = DEFAULT_SIGNALS,
+                 preemption_deadline_s: float = DEFAULT_DEADLINE_S,
+                 preemption_check_every: int = DEFAULT_CHECK_EVERY,
                  # deprecated: the fields of ``tier`` (one DeprecationWarning per manager that gets any)
                  local_dir: Optional[str] = _UNSET, replicas: Optional[int] = _UNSET,
                  persist_every: Optional[int] = _UNSET, persist_every_seconds: Optional[float] = _UNSET,
@@ -111,7 +115,16 @@ class CheckpointManager:
         (failures per hour) for :meth:`advice`.  The keywords ``local_dir=``, ``replicas=``,
         ``persist_every=``, ... (the fields of ``TierSettings``) still work for one release,
         with a ``DeprecationWarning``; passing one of them with ``tier=`` is a
-        :class:`~objckpt.TierSettingsError`."""
+        :class:`~objckpt.TierSettingsError`.
+
+        Preemption (:meth:`reached_preemption`; docs/tiering.md, "Preemption"):
+        ``preemption_signals`` (default ``(signal.SIGTERM,)``; ``()``: off, no handler) are
+        recorded by a handler installed here (main thread; the handler there before still
+        runs after it; :meth:`close` puts it back); ``preemption_deadline_s`` bounds the
+        preemption save from the first signal any rank received; ``preemption_check_every``:
+        :meth:`reached_preemption` communicates at its first call and every that many calls
+        after (the same on every rank; a :class:`~objckpt.manager.preemption.PreemptionSettingsError`
+        names a bad value or ranks that differ)."""
         self.root = root.rstrip("/")
         self.policy = RetentionPolicy(keep_last, keep_every, keep_best, best_key, best_mode, keep_every_seconds)
         if save_every is not None and (not looks_like_step(save_every) or check_step(save_every) < 1):
@@ -124,6 +137,7 @@ class CheckpointManager:
         self.process_group = process_group
         self.no_dist = no_dist
         self.single_writer = single_writer
+        preemption = PreemptionSettings.checked(preemption_signals, preemption_deadline_s, preemption_check_every)
         self._comm: Comm = LocalComm() if no_dist else get_comm(process_group)
         store, prefix = open_store(self.root, storage_options)
         self.index = StepIndex(store, prefix, self.naming)
@@ -143,6 +157,9 @@ class CheckpointManager:
         #: how this manager's steps are saved, found and loaded: the one seam (objckpt.manager.steps)
         self._steps: RootSteps = (PlainSteps(host) if settings is None
                                   else TieredSaves(host, settings, node_override, failure_rate))
+        #: the signal record and the ranks' agreement (installed last: a refused manager installs nothing)
+        self._preemption = Preemption(preemption, self._comm)
+        self._preemption_saved = False  # the agreed step's save was issued: wait() is bounded by its deadline
 
     def _host(self) -> StepsHost:
         """What the steps implementation may use of this manager (late-bound: each callback
@@ -185,6 +202,13 @@ class CheckpointManager:
         raises :class:`StepOrderError`, before anything is uploaded."""
         step = _step_arg("save(step, state)", step, state, "save(step=..., state=...)")
         md = dict(metadata or {})
+        agreed = self._preemption.agreed
+        if agreed is not None and step == agreed.step:  # saved whatever save_every says, to the fastest tier
+            log.info("objckpt: preemption save of step %d (%.1f s left of the deadline)", step,
+                     self._preemption.left())
+            handle = self._steps.preemption_save(step, state, md, agreed.deadline)
+            self._preemption_saved = True
+            return handle
         if self.save_every is not None and not force and step % self.save_every:
             log.debug("objckpt: step %d is off the save interval (save_every=%d): not saved", step, self.save_every)
             return None
@@ -199,6 +223,36 @@ class CheckpointManager:
             return False
         known = self._known_steps()
         return not known or step > max(known)
+
+    # -- preemption (objckpt.manager.preemption) --------------------------------------------
+    def reached_preemption(self, step: int) -> bool:
+        """Whether to save ``step`` now because the job is being preempted: True on every rank at
+        the same call once any rank received one of ``preemption_signals``, then True at every
+        later call (without communicating).  A collective: every rank calls it every step.  It
+        communicates (one tiny all-reduce) at its first call and every
+        ``preemption_check_every``-th call after, and returns False in between; without
+        ``preemption_signals`` it returns False (after one check at its first call that every
+        rank agrees on that).  Save the step it returns True for, then ``wait()`` and exit::
+
+            if mgr.should_save(step) or mgr.reached_preemption(step):
+                mgr.save(step, state)
+            if mgr.preemption_step == step:
+                mgr.wait()
+                sys.exit(0)
+        """
+        return self._preemption.reached(_step_arg("reached_preemption(step)", step))
+
+    @property
+    def preemption_step(self) -> Optional[int]:
+        """The step every rank agreed to save at a preemption (None: none yet)."""
+        agreed = self._preemption.agreed
+        return None if agreed is None else agreed.step
+
+    @property
+    def preempted(self) -> bool:
+        """Whether this process received one of ``preemption_signals`` (other ranks may have
+        without this one: :meth:`reached_preemption` is what the ranks agree on)."""
+        return self._preemption.received
 
     def _submit(self, job: CommitJob) -> Optional[CommitJob]:
         if self._worker is None:
@@ -306,8 +360,15 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Until every save issued so far has committed and been indexed (and retention ran);
-        raises the first error (a failed save on every rank, index/retention errors on rank 0)."""
-        self._steps.wait()
+        raises the first error (a failed save on every rank, index/retention errors on rank 0).
+        After a preemption save: returns by the preemption deadline at most, and says in the
+        log what reached which tier (a drain the deadline cut is a WARNING, not an error: the
+        step is committed in the local tier; docs/tiering.md, "Preemption")."""
+        agreed = self._preemption.agreed
+        if agreed is not None and self._preemption_saved:
+            self._steps.preemption_wait(agreed.step, agreed.deadline)
+        else:
+            self._steps.wait()
         if self._worker is not None:
             errors = self._worker.join()
             if errors:
@@ -318,6 +379,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._preemption.close()
             self._steps.close()
             if self._worker is not None:
                 self._worker.stop()

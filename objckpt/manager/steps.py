@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -83,6 +84,8 @@ class StepsHost:
 class RootSteps(ABC):
     """How a manager's steps are saved, found and loaded (every rank calls every method)."""
 
+    _preemption_told = False
+
     @abstractmethod
     def save(self, step: int, state: Any, md: dict[str, Any]) -> Optional[SaveHandle]:
         """Save ``state`` as ``step`` (``md``: its metadata); an async save's handle or None."""
@@ -106,6 +109,24 @@ class RootSteps(ABC):
     @abstractmethod
     def step_tiers(self) -> dict[int, list[str]]:
         """Each step and where it is (``"object"``: under the root)."""
+
+    def preemption_save(self, step: int, state: Any, md: dict[str, Any], deadline: float) -> Optional[SaveHandle]:
+        """The save of the step every rank agreed on at a preemption (objckpt.manager.preemption),
+        to be done by ``deadline`` (``time.monotonic()``): here the ordinary save, to the root."""
+        return self.save(step, state, md)
+
+    def preemption_wait(self, step: int, deadline: float) -> None:
+        """:meth:`wait` after a preemption save of ``step``, saying where it got (logged once)."""
+        self.wait()
+        if self._preemption_told:
+            return
+        self._preemption_told = True
+        log.info("objckpt: preemption save of step %d: committed in object storage (%s)", step,
+                 self.host.step_uri(step))
+        if time.monotonic() > deadline:
+            log.warning("objckpt: the preemption save of step %d committed after its deadline "
+                        "(preemption_deadline_s): the scheduler's grace period may be too short for a save to "
+                        "object storage; a local tier commits faster (docs/tiering.md)", step)
 
     def advice(self) -> Advice:
         """The checkpoint interval advice; only tiered saves measure what it needs."""

@@ -50,6 +50,7 @@ from ..tier.peer_restore import Prepared, Received, load_of, prepared_everywhere
 from ..tier.topology import Topology, node_name, tier_comm, tier_wire
 from ..tier.wire import Wire, resolve_backend
 from .steps import RootSteps, StepsHost
+from .tier_preemption import TierPreemption
 
 log = logging.getLogger("objckpt.manager")
 
@@ -71,7 +72,7 @@ def _cuda() -> bool:
         return False
 
 
-class TieredSaves(RootSteps):
+class TieredSaves(TierPreemption, RootSteps):
     """The local tier, peers and draining of one manager (every rank holds one)."""
 
     def __init__(self, host: StepsHost, settings: TierSettings, node_override: Optional[str],
@@ -204,7 +205,7 @@ class TieredSaves(RootSteps):
             problems = _space.node_problems([r for _, _, r in gathered], self.topology, self.s.replicas or 0)
         with _owner.undone_if_refused(claim):
             raise_problems(f"step {step} not saved, nothing written", problems, cause=failed)
-        due = gathered[0][1]
+        due = gathered[0][1] or step == self.preempt_step  # a preemption save drains at once
         saved_at = self.host.clock()
         store = LocalStore("/", direct=self.s.direct)
         handle: Optional[SaveHandle] = None
@@ -337,10 +338,11 @@ class TieredSaves(RootSteps):
         self._draining.add(u.step)
         try:
             rep = drain(self.bg, u.step, self.step_dir(u.step), self.host.store, self.host.step_prefix(u.step),
-                        self.host.step_uri(u.step), self.s.drain_bandwidth, node=self.topology.nodes[self.comm.rank], known=meta)
+                        self.host.step_uri(u.step), self.s.drain_bandwidth, node=self.topology.nodes[self.comm.rank],
+                        known=meta, stop=self.cut)
         finally:
             self._draining.discard(u.step)
-        self.drains.append(rep.seconds)
+        self.note_drained(u.step, rep.seconds)
         self.host.drained(u.step, u.metadata, u.saved_at)  # learnt as the root's and indexed (rank 0)
         log.info("objckpt: step %d drained to %s (%d bytes from rank %d, %.2fs%s)", u.step,
                  self.host.step_uri(u.step), rep.bytes, self.comm.rank, rep.seconds,

@@ -63,7 +63,7 @@ from ..storage.memory import MemoryStore
 from ..units import MiB
 from . import local as _local
 from .drain_plan import DrainFile, NodeFiles, assign
-from .errors import DrainError
+from .errors import DrainCutError, DrainError
 
 log = logging.getLogger("objckpt.tier")
 
@@ -119,13 +119,14 @@ def drain_budget(memory_bytes: Optional[int] = None) -> OperationBudget:
 
 def upload_file(src: Path, store: ObjectStore, key: str, throttle: Throttle,
                 budget: Optional[OperationBudget] = None, check: Optional[mover.BlobCheck] = None,
-                size: Optional[int] = None) -> int:
+                size: Optional[int] = None, stop: Optional[Callable[[], bool]] = None) -> int:
     """``src`` to ``key``, in parts of :data:`DRAIN_PART` (a multipart upload past one part),
     through one buffer from the host pool drawn from ``budget`` (default :func:`drain_budget`).
     ``check`` (the blob's chunk crcs): every part is checked as it is read, before it is
     written; a mismatch raises :class:`~objckpt.errors.CorruptCheckpointError` and aborts the
     upload (nothing completed at ``key``).  ``size``: the size the manifest records (a copy
-    of another size is damaged: refused before anything is sent)."""
+    of another size is damaged: refused before anything is sent).  ``stop``: checked before
+    each part; true, the upload is aborted with :class:`DrainCutError`."""
     budget = budget if budget is not None else drain_budget()
     have = src.stat().st_size
     if size is not None and have != size:
@@ -161,6 +162,7 @@ def upload_file(src: Path, store: ObjectStore, key: str, throttle: Throttle,
             writer = store.open_writer(key, size, len(pieces))
             try:
                 for i, (off, n) in enumerate(pieces):
+                    _check_stop(stop, str(src))
                     _runtime.run(writer.write_part(i, off, fill(off, n)))
                     throttle.account(n)
                 if check is not None:
@@ -204,13 +206,15 @@ class _Step:
 
 def drain(comm: Comm, step: int, step_dir: Path, store: ObjectStore, prefix: str, uri: str,
           bandwidth: Optional[float] = None, memory_bytes: Optional[int] = None, node: str = "",
-          known: Optional[_manifest.Manifest] = None) -> DrainReport:
+          known: Optional[_manifest.Manifest] = None, stop: Optional[Callable[[], bool]] = None) -> DrainReport:
     """Collective over ``comm``: every file the step's manifest names, from whichever rank's
     node folder (``step_dir`` on each, this rank's on ``node``) holds it intact, to
     ``prefix``; then rank 0 commits the manifest there (see the module).  Raises a
     :class:`DrainError` on every rank when it did not commit (naming the ranks, files and
     nodes).  ``memory_bytes``: the upload buffer's budget (:func:`drain_budget`); ``known``:
-    the step's manifest where this rank decoded it already (its save's background job)."""
+    the step's manifest where this rank decoded it already (its save's background job);
+    ``stop``: checked before each file and each part (a preemption's deadline): once true,
+    this rank's uploads stop with :class:`DrainCutError` and the drain commits nothing."""
     rep = DrainReport(step, uri)
     budget = drain_budget(memory_bytes)
     t0 = time.perf_counter()
@@ -221,6 +225,7 @@ def drain(comm: Comm, step: int, step_dir: Path, store: ObjectStore, prefix: str
     refs = {r.name: r for r in st.m.rank_indexes}
 
     def index(name: str, out: RankOutcome) -> None:
+        _check_stop(stop, name)
         data = (step_dir / name).read_bytes()
         mover.check_index(data, refs[name], str(step_dir / name))
         _runtime.run(store.put(st.m.object_key(prefix, name, refs[name].spread), data))
@@ -234,8 +239,9 @@ def drain(comm: Comm, step: int, step_dir: Path, store: ObjectStore, prefix: str
 
     def blob(name: str, out: RankOutcome) -> None:
         b = blobs[name]
+        _check_stop(stop, name)
         out.bytes += upload_file(step_dir / name, store, st.m.object_key(prefix, name, b.spread), throttle, budget,
-                                 st.checks[name].fresh(), b.size)
+                                 st.checks[name].fresh(), b.size, stop)
 
     _rounds(comm, st, [f for f in files if f.name in blobs], blob, rep)
     status = CommitStatus(CommitState.OK)
@@ -254,6 +260,11 @@ def drain(comm: Comm, step: int, step_dir: Path, store: ObjectStore, prefix: str
         raise DrainError(f"draining step {step}: {status.message}", step=step, retryable=True)
     rep.committed = True
     return rep
+
+
+def _check_stop(stop: Optional[Callable[[], bool]], what: str) -> None:
+    if stop is not None and stop():
+        raise DrainCutError(f"the drain was stopped before {what!r} (the preemption deadline passed)")
 
 
 def _agree(comm: Comm, step: int, uri: str, prefix: str, step_dir: Path, node: str,

@@ -44,6 +44,10 @@ class DrainError(ObjckptError, OSError):
         self.gone = gone
 
 
+class DrainCutError(ObjckptError):
+    """A drain stopped by its caller (a preemption's deadline passed) before it committed."""
+
+
 def settings_problem(text: str) -> RankError:
     """A rank's refusal because the settings are impossible here (a blank node name, a bad
     value, a folder of another root in the way): :class:`TierSettingsError`."""
