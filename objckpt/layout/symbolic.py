@@ -172,6 +172,10 @@ class RankIndexResolver(InlineResolver):
         if idx is None:
             idx = self._rank_idx[(rank, key)] = ChunkIndex(list(self._ranks[rank].get(key, {}).values()))
         found = [c for c, inter in idx.overlapping(piece)]
+        if len(found) == 1:  # the common case: the piece stored as one chunk, which tiles it if it is the piece
+            c = found[0]
+            if c.offsets == piece[0] and c.shape == piece[1] and c.length == math.prod(c.shape) * isz:
+                return found
         bad = [c for c in found if c.length != math.prod(c.shape) * isz]
         defect = tiling_defect([(c.offsets, c.shape) for c in found], piece) if found else None
         if bad or defect is not None or not found:
