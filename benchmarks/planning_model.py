@@ -62,8 +62,11 @@ def internals() -> types.SimpleNamespace:
     from objckpt.runtime import loop as _runtime
     from objckpt.checksum import crc32c
     from objckpt.format import keys, rank_index
-    from objckpt.format.manifest import (Blob, Chunk, ChunkRecord, Mesh, RankIndexRef, _chunk_to_json, decode, encode,
-                                         to_json_obj)
+    from objckpt.format.manifest import Blob, Chunk, ChunkRecord, Mesh, RankIndexRef, decode, encode, to_json_obj
+    try:
+        from objckpt.format.entry_json import chunk_dict as _chunk_to_json
+    except ImportError:  # a tree from before format/entry_json.py
+        from objckpt.format.manifest import _chunk_to_json  # type: ignore[attr-defined,no-redef]
     from objckpt.format.spread import Placement
     from objckpt.format.tree import encode_tree
     from objckpt.layout.base import PLAN_CACHE, ManifestCommon, RankOutcome

@@ -52,7 +52,8 @@ from . import spread as _spread
 from . import tables as _tables
 from .keys import is_safe_object_name
 from ..runtime.gc_pause import paused_gc
-from .sealed_json import ZSTD_MAGIC, load_json, load_sealed, only_str_keys, reseal, seal, verify  # noqa: F401  (re-exported)
+from .entry_json import entry_dict, entry_texts
+from .sealed_json import ZSTD_MAGIC, EncodedDict, load_json, load_sealed, only_str_keys, reseal, seal, verify  # noqa: F401  (re-exported)
 from .tree import check_tree
 from .entries import (MAX_INT, Blob, Chunk, ChunkRecord, Mesh, RankIndexRef, ShardSpec, TensorCount,  # noqa: F401
                       TensorEntry, TensorLayout)  # (re-exported: the records a manifest is made of)
@@ -144,32 +145,12 @@ class Manifest:
         return sum(b.size for b in self.blobs)
 
 
-def _chunk_to_json(c: Chunk) -> dict[str, Any]:
-    d = {
-        "offsets": list(c.offsets),
-        "shape": list(c.shape),
-        "blob": c.blob,
-        "offset": c.offset,
-        "length": c.length,
-        "crc32c": c.crc32c,
-    }
-    if c.block_crc32c:
-        d["block_crc32c"] = _blocks.pack(c.block_crc32c)
-    return d
-
-
-def to_json_obj(m: Manifest) -> dict[str, Any]:
-    tensors: dict[str, Any] = {}
-    for k, t in m.tensors.items():
-        d: dict[str, Any] = {"dtype": t.dtype, "shape": list(t.shape)}
-        if t.alias_of is not None:
-            d["alias_of"] = t.alias_of
-        elif t.layout is not None:
-            lay = t.layout
-            d["layout"] = {"mesh": lay.mesh, "placements": list(lay.placements), "split": lay.split, "rot": lay.rot}
-        else:
-            d["chunks"] = [_chunk_to_json(c) for c in t.chunks]
-        tensors[k] = d
+def to_json_obj(m: Manifest, *, entries_ahead: bool = False) -> dict[str, Any]:
+    """``m`` as a JSON object; ``entries_ahead``: its ``tensors`` as the
+    :class:`~objckpt.format.sealed_json.EncodedDict` of their canonical texts
+    (:mod:`objckpt.format.entry_json`; every tensor key a ``str``), for :func:`encode`."""
+    tensors: Any = (EncodedDict(entry_texts(m.tensors)) if entries_ahead else
+                    {k: entry_dict(t) for k, t in m.tensors.items()})
     v2 = any(t.layout is not None for t in m.tensors.values())
     version = written_version(m)
     out = {
@@ -226,7 +207,8 @@ def encode(m: Manifest, *, compress: Optional[bool] = None) -> bytes:
     # not strings; every other dict of the manifest is built here with string keys
     plain = all(type(k) is str for k in m.tensors) and only_str_keys([m.metadata, m.tree, m.rank_trees])
     with paused_gc():
-        raw = seal(to_json_obj(m), str_keys=plain)
+        # each entry written once for both of the seal's encodings (format/entry_json.py)
+        raw = seal(to_json_obj(m, entries_ahead=plain), str_keys=plain)
     if compress is None:
         compress = len(raw) > COMPRESS_ABOVE
     return zstandard.ZstdCompressor(level=3).compress(raw) if compress else raw
