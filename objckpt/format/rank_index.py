@@ -19,7 +19,7 @@ canonical JSON of everything else (docs/format.md §9.1, §12.3).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import zstandard
 
@@ -28,7 +28,7 @@ from . import packed as _blocks
 from .chunk_checks import block_list
 from .entries import MAX_INT, Chunk, ChunkRecord
 from ..runtime.gc_pause import paused_gc
-from .sealed_json import load_sealed, seal, verify
+from .sealed_json import EncodedDict, load_sealed, seal, verify
 
 INDEX_FORMAT = "objckpt-rank-index"
 
@@ -40,7 +40,9 @@ def encode(attempt: str, rank: int, records: Sequence[ChunkRecord]) -> bytes:
             c = r.chunk
             by_key.setdefault(r.key, []).append([list(c.offsets), list(c.shape), c.blob, c.offset, c.length,
                                                  c.crc32c, _blocks.pack(c.block_crc32c) if c.block_crc32c else []])
-        raw = seal({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": by_key})
+        # (each key's records encoded once for both of the seal's encodings: lists, no dict to sort)
+        chunks: Any = EncodedDict.of(by_key) if all(type(k) is str for k in by_key) else by_key
+        raw = seal({"format": INDEX_FORMAT, "attempt": attempt, "rank": rank, "chunks": chunks})
     return zstandard.ZstdCompressor(level=3).compress(raw)  # internal: always compressed
 
 
