@@ -63,6 +63,28 @@ def test_the_handler_before_still_runs_and_close_puts_it_back(tmp_path: Path, us
     assert signal.getsignal(signal.SIGTERM) is mine
 
 
+def test_a_manager_dropped_without_close_stops_listening_and_the_next_close_restores(
+        tmp_path: Path, user_handler: list[int]) -> None:
+    """A manager never closed (a script, a test) must not keep later managers from putting
+    back the handler that was there before them: the handler holds managers weakly."""
+    import gc
+
+    a = _mgr(tmp_path / "a")
+    record = a._preemption.record
+    assert record is not None
+    del a, record
+    gc.collect()
+    theirs = signal.getsignal(signal.SIGTERM)  # ours, installed by the manager that was dropped
+    calls: list[int] = []
+    signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))  # a handler installed after it
+    mine_now = signal.getsignal(signal.SIGTERM)
+    b = _mgr(tmp_path / "b")
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert b.preempted and calls == [signal.SIGTERM]
+    b.close()
+    assert signal.getsignal(signal.SIGTERM) is mine_now and theirs is not mine_now
+
+
 def test_two_managers_share_the_handler_and_each_close_leaves_the_other_listening(
         tmp_path: Path, user_handler: list[int]) -> None:
     mine = signal.getsignal(signal.SIGTERM)

@@ -54,6 +54,9 @@ from ..api import load as _load
 from ..api import read as _read
 from ..errors import NotFoundError, ObjckptError, StateDictMismatchError
 from ..manager import CheckpointManager
+from ..manager.preemption import (DEFAULT_CHECK_EVERY, DEFAULT_DEADLINE_S, DEFAULT_SIGNALS, PreemptionSettings,
+                                  PreemptionSettingsError)
+from .hf_preemption import ObjckptPreemptionCallback
 from .hf_pretrained import config_json, generation_config_json, training_args_json
 from .rng_state import capture_rng, restore_rng
 
@@ -90,23 +93,50 @@ class ObjckptTrainerMixin:
     ``storage_options``: for objckpt (endpoint, credentials; by default the AWS
     environment).  ``async_save``: the training loop goes on once the state is
     staged in host memory; uploads finish in the background (``train`` waits for
-    the last one before returning)."""
+    the last one before returning).
+
+    Preemption (:mod:`objckpt.integrations.hf_preemption`): ``preemption_signals``
+    (default ``(signal.SIGTERM,)``), ``preemption_deadline_s`` and
+    ``preemption_check_every`` go to the manager (``CheckpointManager``'s keywords of the
+    same names); an :class:`~objckpt.integrations.hf_preemption.ObjckptPreemptionCallback`
+    then saves the step every rank agrees on once any rank got one of the signals, and
+    stops training: ``train`` returns, :attr:`preemption_step` names the step.
+    ``preemption_signals=()`` turns it off (no handler, no callback)."""
 
     def __init__(self, *args: Any, checkpoint_root: str, storage_options: Optional[dict[str, Any]] = None,
-                 async_save: bool = False, **kwargs: Any) -> None:
+                 async_save: bool = False, preemption_signals: tuple[int, ...] = DEFAULT_SIGNALS,
+                 preemption_deadline_s: float = DEFAULT_DEADLINE_S,
+                 preemption_check_every: int = DEFAULT_CHECK_EVERY, **kwargs: Any) -> None:
+        try:  # checked before the Trainer is built: the error names this class's keyword
+            self._objckpt_preemption = PreemptionSettings.checked(preemption_signals, preemption_deadline_s,
+                                                                  preemption_check_every)
+        except PreemptionSettingsError as e:
+            raise PreemptionSettingsError(str(e).replace("CheckpointManager(", f"{type(self).__name__}(")) from None
         super().__init__(*args, **kwargs)
         self.checkpoint_root = checkpoint_root.rstrip("/")
         self.objckpt_storage_options = storage_options
         self.objckpt_async_save = async_save
         self._objckpt_manager: Optional[CheckpointManager] = None
+        self._objckpt_listening = False  # whether _objckpt_manager listens for the preemption signals
+        self._objckpt_training = False  # inside train()
         self._objckpt_resume: Optional[_Resume] = None
         self._objckpt_saved: set[int] = set()
+        self.preemption_callback: Optional[ObjckptPreemptionCallback] = None
+        if self._objckpt_preemption.signals:
+            self.preemption_callback = ObjckptPreemptionCallback(lambda: self.checkpoint_manager)
+            self.add_callback(self.preemption_callback)  # type: ignore[attr-defined]
 
     # -- the manager -------------------------------------------------------------------------
     @property
     def checkpoint_manager(self) -> CheckpointManager:
         """The :class:`CheckpointManager` of ``checkpoint_root``, its retention from the
-        Trainer's arguments (created on first use, when the process group exists)."""
+        Trainer's arguments (created on first use, when the process group exists).  It listens
+        for the preemption signals while :meth:`train` runs only (nothing acts on a signal
+        outside ``train``: the handler there before is back when it returns); one made
+        outside ``train`` does not listen, and ``train`` replaces it with one that does."""
+        listen = self._objckpt_training and bool(self._objckpt_preemption.signals)
+        if self._objckpt_manager is not None and self._objckpt_listening != listen:
+            self._objckpt_drop_manager()
         if self._objckpt_manager is None:
             args = self.args  # type: ignore[attr-defined]
             limit = args.save_total_limit if args.save_total_limit and args.save_total_limit > 0 else None
@@ -115,8 +145,35 @@ class ObjckptTrainerMixin:
             mode = "max" if args.greater_is_better else "min"
             self._objckpt_manager = CheckpointManager(
                 self.checkpoint_root, keep_last=limit, keep_best=best, best_key=metric if best else None,
-                best_mode=mode, async_save=self.objckpt_async_save, storage_options=self.objckpt_storage_options)
+                best_mode=mode, async_save=self.objckpt_async_save, storage_options=self.objckpt_storage_options,
+                preemption_signals=self._objckpt_preemption.signals if listen else (),
+                preemption_deadline_s=self._objckpt_preemption.deadline_s,
+                preemption_check_every=self._objckpt_preemption.check_every)
+            self._objckpt_listening = listen
         return self._objckpt_manager
+
+    def _objckpt_stop_listening(self) -> None:
+        """The manager stops listening for the preemption signals (the handler there before is
+        back) and stays: dropping it would make the next use a collective again (its steps
+        are read once, on rank 0, and broadcast), which a rank-0-only use after ``train``
+        would hang in."""
+        if self._objckpt_manager is not None and self._objckpt_listening:
+            self._objckpt_manager._preemption.close()
+            self._objckpt_listening = False
+
+    def _objckpt_drop_manager(self) -> None:
+        """Close the manager (its saves waited for, its signal handler put back); the next
+        use of :attr:`checkpoint_manager` makes another."""
+        mgr, self._objckpt_manager = self._objckpt_manager, None
+        if mgr is not None:
+            mgr.close()
+
+    @property
+    def preemption_step(self) -> Optional[int]:
+        """The step saved because the job is being preempted (None: none): after ``train``
+        returns with one, exit (``sys.exit(0)``); the next job resumes from it."""
+        cb = self.preemption_callback
+        return None if cb is None else cb.saved_step
 
     def _objckpt_refuse_unsupported(self) -> None:
         for flag, name in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "FSDP")):
@@ -205,16 +262,21 @@ class ObjckptTrainerMixin:
         ``"latest"`` (the newest step under ``checkpoint_root``, or a fresh start when
         there is none) or ``True`` (the newest step; an error when there is none)."""
         self._objckpt_refuse_unsupported()
-        uri = self._objckpt_target(resume_from_checkpoint)
+        self._objckpt_training = True
         try:
-            out = self._objckpt_train(uri, resume_from_checkpoint, *args, **kwargs)
-        except BaseException:
-            self._objckpt_settle(raising=True)
-            raise
+            uri = self._objckpt_target(resume_from_checkpoint)
+            try:
+                out = self._objckpt_train(uri, resume_from_checkpoint, *args, **kwargs)
+            except BaseException:
+                self._objckpt_settle(raising=True)
+                raise
+            finally:
+                self._objckpt_resume = None
+            self._objckpt_settle(raising=False)
+            return out
         finally:
-            self._objckpt_resume = None
-        self._objckpt_settle(raising=False)
-        return out
+            self._objckpt_training = False
+            self._objckpt_stop_listening()
 
     def _objckpt_train(self, uri: Optional[str], resume: Any, *args: Any, **kwargs: Any) -> Any:
         if uri is None:
@@ -295,6 +357,9 @@ class ObjckptTrainerMixin:
 
     def _load_best_model(self) -> None:
         t: Any = self
+        if self.preemption_step is not None:  # the job is exiting: no download in the grace period
+            log.info("preempted at step %d: the best model is not loaded", self.preemption_step)
+            return None
         best = t.state.best_model_checkpoint
         if not best or ("://" not in best and not os.path.isfile(os.path.join(best, "manifest.json"))):
             return super()._load_best_model()  # type: ignore[misc]  # a stock local checkpoint

@@ -268,11 +268,12 @@ class ObjckptCheckpointIO(CheckpointIO):
             _runtime.run(store.put(key, body))
         _invalidate_fsspec(uri)
 
-    def _wait_for(self, uri: str) -> None:
-        """Block until no save of ``uri`` is in flight (its errors surface elsewhere)."""
+    def _wait_for(self, uri: str, timeout: Optional[float] = None) -> bool:
+        """Block until no save of ``uri`` is in flight (its errors surface elsewhere), ``timeout``
+        seconds at most; whether none is left."""
         with self._lock:
             futs = list(self._pending.get(uri, []))
-        concurrent.futures.wait(futs)
+        return not concurrent.futures.wait(futs, timeout=timeout).not_done
 
     def _raise_failures(self) -> None:
         with self._lock:

@@ -27,6 +27,7 @@ import math
 import signal
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, Iterable, Optional
@@ -76,10 +77,12 @@ class SignalRecord:
 
 @dataclass(frozen=True)
 class _Slot:
-    """One signal's registration: the handler there before ours, and the records to note."""
+    """One signal's registration: the handler there before ours, and the records to note,
+    held weakly: a manager dropped without ``close()`` stops listening when it is collected,
+    and the last live one's ``close()`` still puts the handler there before back."""
 
     previous: Any
-    records: tuple[SignalRecord, ...] = ()
+    records: tuple["weakref.ref[SignalRecord]", ...] = ()
 
 
 _slots: dict[int, _Slot] = {}
@@ -96,8 +99,10 @@ def _on_signal(signum: int, frame: Optional[FrameType]) -> None:
     if slot is None:
         return
     now = time.monotonic()
-    for rec in slot.records:
-        rec.note(signum, now)
+    for ref in slot.records:
+        rec = ref()
+        if rec is not None:
+            rec.note(signum, now)
     prev = slot.previous
     if callable(prev) and prev is not _on_signal and prev is not signal.default_int_handler:
         _chaining.add(signum)
@@ -126,9 +131,10 @@ def listen(signals: tuple[int, ...]) -> SignalRecord:
             current = signal.getsignal(s)
             slot = _slots.get(s)
             if current is _on_signal and slot is not None:
-                _slots[s] = replace(slot, records=slot.records + (rec,))
+                live = tuple(ref for ref in slot.records if ref() is not None)
+                _slots[s] = replace(slot, records=live + (weakref.ref(rec),))
             else:  # not installed, or another handler replaced ours since: it becomes the previous one
-                _slots[s] = _Slot(current, (slot.records if slot is not None else ()) + (rec,))
+                _slots[s] = _Slot(current, (slot.records if slot is not None else ()) + (weakref.ref(rec),))
                 signal.signal(s, _on_signal)
     return rec
 
@@ -142,9 +148,9 @@ def unlisten(rec: SignalRecord) -> None:
     with _lock:
         for s in rec.signals:
             slot = _slots.get(s)
-            if slot is None or rec not in slot.records:
+            if slot is None or all(ref() is not rec for ref in slot.records):
                 continue
-            rest = tuple(r for r in slot.records if r is not rec)
+            rest = tuple(ref for ref in slot.records if ref() is not None and ref() is not rec)
             ours = signal.getsignal(s) is _on_signal
             if rest or (ours and not main):  # off the main thread nothing can be put back: ours stays, empty
                 _slots[s] = replace(slot, records=rest)
