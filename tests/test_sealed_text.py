@@ -70,8 +70,8 @@ def _flip(data: bytes, old: bytes, new: bytes) -> bytes:
 
 @pytest.mark.parametrize("edit", ["a value", "the text crc", "the canonical crc"])
 def test_any_changed_byte_is_still_refused(manifest_bytes: bytes, edit: str) -> None:
-    if edit == "a value":  # a shape digit: still valid JSON, still a valid shape
-        bad = _flip(manifest_bytes, b'"shape":[5,7]', b'"shape":[5,8]')
+    if edit == "a value":  # a tensor's shape digit (not its chunk's): still valid JSON, still a valid shape
+        bad = _flip(manifest_bytes, b'"dtype":"float32","shape":[5,7]', b'"dtype":"float32","shape":[5,8]')
     else:
         tail = re.search(rb'"crc32c_text":(\d+),"crc32c":(\d+)\}$', manifest_bytes)
         assert tail is not None

@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import math
 import pickle
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class RankIndexResolver(InlineResolver):
         super().__init__(m)
         self.store = store
         self.prefix = prefix
-        self._ranks: dict[int, dict[str, dict[tuple[int, ...], Chunk]]] = {}
+        self._ranks: dict[int, Mapping[str, dict[tuple[int, ...], Chunk]]] = {}
         self._ranks_col: Optional[np.ndarray] = None  # each blob's writer rank
         self._blob_sizes: list[int] = []
         self._pieces: dict[tuple[tuple[int, ...], ShardSpec, Box], list[StoredPiece]] = {}
@@ -132,7 +132,7 @@ class RankIndexResolver(InlineResolver):
             got = await asyncio.gather(*(self._fetch(r, stats) for r in sorted(need)))
             self._ranks.update(zip(sorted(need), got))
 
-    async def _fetch(self, rank: int, stats: Optional[IOStats]) -> dict[str, dict[tuple[int, ...], Chunk]]:
+    async def _fetch(self, rank: int, stats: Optional[IOStats]) -> Mapping[str, dict[tuple[int, ...], Chunk]]:
         m = self.m
         ref = m.rank_indexes[rank]
         key = m.index_key(self.prefix, rank)
@@ -151,7 +151,7 @@ class RankIndexResolver(InlineResolver):
         mine = np.flatnonzero(self._ranks_col == rank).tolist()  # this rank's blobs, in manifest order
         return rank_index.decode(data, where, attempt=m.attempt, rank=rank, blobs=mine,
                                  blob_sizes=self._blob_sizes, crc_block=m.crc_block,
-                                 require_crc=m.format_version >= SEALED_VERSION)
+                                 require_crc=m.format_version >= SEALED_VERSION, lazy=True)
 
     def overlapping(self, key: str, box: Box) -> list[Overlap]:
         e = self.m.tensors[key]
