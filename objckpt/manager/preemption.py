@@ -42,7 +42,7 @@ DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGTERM,)
 #: seconds a preemption save may take, from the first signal (most grace periods are 30 s or more)
 DEFAULT_DEADLINE_S = 25.0
 #: reached_preemption communicates at its first call and every k-th call after: one all-reduce was
-#: measured at 0.4 / 0.7 / 1.9 / 7.5 ms per call on gloo at 2 / 4 / 8 / 16 ranks sharing 2 cores
+#: measured at 0.2 / 0.6 / 2.5 / 5.2 ms per call on gloo at 2 / 4 / 8 / 16 ranks sharing 2 cores
 #: (benchmarks/results/preemption-collective.json); every 10th call keeps 16 ranks under 1 ms a call,
 #: and a signal is acted on within 10 steps (docs/tiering.md, "Preemption", says how to choose)
 DEFAULT_CHECK_EVERY = 10
