@@ -10,7 +10,6 @@ Each rank writes what it saw to ``<out>/<mode>-<rank>.json`` and exits 0 as the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -19,34 +18,17 @@ import sys
 import tempfile
 from typing import Any
 
-import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from objckpt.integrations.hf_trainer import ObjckptTrainer
+from preemption_jobs import state_digest
 from recipes import load_recipe
 
 RECIPE = load_recipe("hf_trainer.py", "hf_trainer_recipe")
 
 
 def digest(*objs: Any) -> str:
-    h = hashlib.sha256()
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            h.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        elif isinstance(v, dict):
-            for k in sorted(v, key=str):
-                h.update(str(k).encode())
-                walk(v[k])
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        else:
-            h.update(repr(v).encode())
-
-    for o in objs:
-        walk(o.state_dict())
-    return h.hexdigest()
+    return state_digest([o.state_dict() for o in objs])
 
 
 class Job(TrainerCallback):

@@ -13,7 +13,6 @@ checkpoint taken mid-epoch exactly only then, and a preemption step is usually m
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ import lightning as L
 import torch
 
 from lightning_helpers import Tiny
+from preemption_jobs import state_digest
 from objckpt.lightning import ModelCheckpoint, ObjckptCheckpointIO, ObjckptPreemption
 
 BATCHES_PER_EPOCH = 4
@@ -60,24 +60,8 @@ def data(rank: int) -> Resumable:
 
 def digest(trainer: L.Trainer, module: L.LightningModule) -> str:
     """The model, optimizer and scheduler state, hashed bit for bit."""
-    h = hashlib.sha256()
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            h.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        elif isinstance(v, dict):
-            for k in sorted(v, key=str):
-                h.update(str(k).encode())
-                walk(v[k])
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        else:
-            h.update(repr(v).encode())
-
-    walk({"model": module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
-          "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()})
-    return h.hexdigest()
+    return state_digest({"model": module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+                         "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()})
 
 
 class Job(Tiny):

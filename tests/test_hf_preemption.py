@@ -4,15 +4,12 @@ save interval, to moto S3 over HTTP; ``train()`` returns, the job exits 0, and a
 resumes from that step bit for bit (tests/hf_preemption_job.py is the job)."""
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import signal
-import subprocess
-import sys
 from typing import Any
 
 import pytest
+from preemption_jobs import job_env as _env, run_job
 
 import objckpt
 from objckpt.manager.preemption import DEFAULT_CHECK_EVERY, DEFAULT_DEADLINE_S, PreemptionSettingsError
@@ -22,21 +19,8 @@ JOB = TESTS / "hf_preemption_job.py"
 MAX_STEPS = 6
 
 
-def _env(endpoint: str, opts: dict[str, Any]) -> dict[str, str]:
-    return {**os.environ, "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": opts["aws_access_key_id"],
-            "AWS_SECRET_ACCESS_KEY": opts["aws_secret_access_key"], "AWS_DEFAULT_REGION": opts["region_name"],
-            "OMP_NUM_THREADS": "1"}  # compared bit for bit: one thread count everywhere
-
-
 def _run(args: dict[str, Any], env: dict[str, str], ranks: int = 1) -> list[dict[str, Any]]:
-    """The job (under torchrun for ``ranks`` > 1); each rank's result.  Exit status 0 required."""
-    cmd = [sys.executable, str(JOB), json.dumps(args)]
-    if ranks > 1:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                    "--monitor-interval", "0.1"]
-    job = subprocess.run(cmd, env=env, cwd=TESTS, capture_output=True, text=True, timeout=600)
-    assert job.returncode == 0, (job.returncode, job.stdout[-2000:], job.stderr[-4000:])
-    return [json.loads(pathlib.Path(args["out"], f"{args['mode']}-{r}.json").read_text()) for r in range(ranks)]
+    return run_job(JOB, args, env, ranks)
 
 
 def _committed(root: str, opts: dict[str, Any], step: int) -> None:
