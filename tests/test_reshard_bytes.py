@@ -102,8 +102,8 @@ def test_corrupt_byte_in_a_partly_read_block_is_detected(tmp_path: Any, where: s
 
 def test_crc_block_choice() -> None:
     """Small chunks get small blocks, large ones at most 1 MiB; an explicit crc_block is kept."""
-    assert crc_blocks.choose([64 << 10] * 10) == 1 << 10
-    assert crc_blocks.choose([16 << 20] * 10) == 256 << 10
+    assert crc_blocks.choose([64 << 10] * 10) == 2 << 10
+    assert crc_blocks.choose([16 << 20] * 10) == 512 << 10
     assert crc_blocks.choose([1 << 30]) == crc_blocks.MAX_BLOCK
     assert crc_blocks.choose([100, 500]) == crc_blocks.MAX_BLOCK  # read whole anyway
     assert crc_blocks.choose([1500] * 8) == crc_blocks.MIN_BLOCK

@@ -23,8 +23,10 @@ MAX_BLOCK = 1 << 20
 #: the chunk length the estimate assumes when a save leaves the part size to the endpoint
 DEFAULT_PART = 16 << 20
 MIN_BLOCK = 1 << 10
-#: estimated widening waste allowed, as a fraction of the bytes stored
-WASTE = 1 / 64
+#: estimated widening waste allowed, as a fraction of the bytes stored: the share of gap bytes a merged
+#: read may carry too (planning/ranges.GAP_SHARE).  It was 1/64: 3,200 tensors of 64 KiB then had 1 KiB
+#: blocks, 204,800 block crcs a save, a fifth of its time (docs/benchmarks.md, "Many small tensors")
+WASTE = 1 / 32
 
 
 def chunk_lengths(box_bytes: int, part_size: int) -> list[int]:
