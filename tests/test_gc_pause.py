@@ -219,6 +219,35 @@ def test_a_save_keeps_the_older_objects_frozen_while_it_runs(tmp_path_factory: p
     assert gc.get_freeze_count() == 0
 
 
+def test_a_first_save_describes_and_plans_without_a_collection(
+        tmp_path: Any, collections: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first save of a structure (the save plan cache's miss) describes its tensors and
+    plans their writes with the collector paused: objects per tensor, no cycle among them."""
+    from objckpt.layout import GatheredLayout
+    from objckpt.save import pipeline, plan_cache
+
+    inside: dict[str, int] = {}
+
+    def counted(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            n = len(collections)
+            out = real(*args, **kwargs)
+            inside[name] = len(collections) - n
+            return out
+        return call
+
+    monkeypatch.setattr(pipeline, "describe_walked", counted("describe", pipeline.describe_walked))
+    monkeypatch.setattr(pipeline, "plan_made", counted("plan_made", pipeline.plan_made))
+    monkeypatch.setattr(GatheredLayout, "plan", counted("layout.plan", GatheredLayout.plan))
+    misses = plan_cache.PLANS.stats["misses"]
+    state = {f"first-save.{i}.w": torch.full((8,), float(i)) for i in range(2000)}
+    objckpt.save(state, str(tmp_path / "ck"))
+    assert plan_cache.PLANS.stats["misses"] == misses + 1
+    assert inside == {"describe": 0, "layout.plan": 0, "plan_made": 0} and gc.isenabled()
+    assert collections  # the collector ran around them (threshold 50)
+    assert torch.equal(objckpt.read(str(tmp_path / "ck"))["first-save.1999.w"], torch.full((8,), 1999.0))
+
+
 def test_a_child_forked_during_a_pause_has_the_collector_on_and_nothing_to_end() -> None:
     """A worker forked while a decode holds the pause (another thread) must not inherit a
     collector switched off for good."""

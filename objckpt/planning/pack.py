@@ -114,6 +114,14 @@ def plan_save(
     first_blob: int = 0,
 ) -> SavePlan:
     """Lay ``specs`` out in blobs and parts; the order of ``specs`` is kept."""
+    return _lay_out([(s.key, s.shape, s.itemsize) for s in specs], blob_bytes=blob_bytes, part_bytes=part_bytes,
+                    chunk_bytes=chunk_bytes, max_part_bytes=max_part_bytes, align=align, first_blob=first_blob)
+
+
+def _lay_out(specs: Sequence[tuple[str, tuple[int, ...], int]], *, blob_bytes: int, part_bytes: int,
+             chunk_bytes: int, max_part_bytes: int, align: int = 64, first_blob: int = 0) -> SavePlan:
+    """:func:`plan_save` of (key, shape, itemsize) triples: a save of thousands of tensors
+    makes no :class:`TensorSpec` per tensor on its way to the layout."""
     if part_bytes <= 0 or chunk_bytes <= 0 or blob_bytes <= 0:
         raise ValueError("blob, part and chunk sizes must be positive")
     blobs: list[BlobPlan] = []
@@ -126,17 +134,16 @@ def plan_save(
         return b
 
     made = ChunkPlan._made
-    for spec in specs:
-        dims = spec.shape
-        nbytes = math.prod(dims) * spec.itemsize
+    for key, dims, size in specs:
+        nbytes = math.prod(dims) * size
         # the whole tensor in one chunk (the common case) is split_rows's one range, found without it
         whole = len(dims) > 0 and (nbytes <= chunk_bytes or dims[0] == 0)
-        rows = [(0, dims[0])] if whole else split_rows(spec, chunk_bytes)
+        rows = [(0, dims[0])] if whole else split_rows(TensorSpec(key, dims, size), chunk_bytes)
         for r0, r1 in rows:
             if len(dims) == 0:
                 shape: tuple[int, ...] = ()
                 offsets: tuple[int, ...] = ()
-                length = spec.itemsize
+                length = size
             elif whole:  # its shape as it is
                 shape = tuple(dims)
                 offsets = (0,) * len(dims)
@@ -144,10 +151,10 @@ def plan_save(
             else:
                 shape = (r1 - r0,) + tuple(dims[1:])
                 offsets = (r0,) + (0,) * (len(dims) - 1)
-                length = math.prod(shape) * spec.itemsize
+                length = math.prod(shape) * size
             if length > max_part_bytes:
                 raise UnsupportedValueError(
-                    f"tensor {spec.key!r}: one row along dim 0 is {length} bytes, above the store's "
+                    f"tensor {key!r}: one row along dim 0 is {length} bytes, above the store's "
                     f"largest part ({max_part_bytes}); reshape it so dim 0 is longer"
                 )
             if blob is None or (blob.size >= blob_bytes and length > 0):
@@ -159,7 +166,7 @@ def plan_save(
                     part.size = start - part.offset
                 part = PartPlan(blob.index, len(blob.parts), start, 0)
                 blob.parts.append(part)
-            chunk = made(spec.key, r0, r1, offsets, shape, blob.index, start, length)
+            chunk = made(key, r0, r1, offsets, shape, blob.index, start, length)
             part.chunks.append(chunk)
             blob.size = start + length
             part.size = blob.size - part.offset
@@ -178,6 +185,6 @@ class PackLimits:
 
 def pack_items(items: Sequence["WriteItemLike"], itemsizes: dict[str, int], limits: PackLimits) -> SavePlan:
     """Lay out write items (in order) in blobs and parts; item ``i`` packs under the key ``"<key>\\0<i>"``."""
-    specs = [TensorSpec(f"{it.key}\x00{i}", tuple(it.shape), itemsizes[it.key]) for i, it in enumerate(items)]
-    return plan_save(specs, blob_bytes=limits.blob_size, part_bytes=max(limits.part_size, limits.min_part),
-                     chunk_bytes=limits.part_size, max_part_bytes=limits.max_part)
+    specs = [(f"{it.key}\x00{i}", tuple(it.shape), itemsizes[it.key]) for i, it in enumerate(items)]
+    return _lay_out(specs, blob_bytes=limits.blob_size, part_bytes=max(limits.part_size, limits.min_part),
+                    chunk_bytes=limits.part_size, max_part_bytes=limits.max_part)

@@ -38,11 +38,23 @@ class Source:
     tensor: torch.Tensor
     parts: dict[Box, tuple[int, ...]] = field(default_factory=dict)
 
+    @classmethod
+    def whole(cls, box: Box, tensor: torch.Tensor) -> "Source":
+        """``Source(box, tensor)`` of a plain tensor, built without the dataclass's
+        ``__init__`` and its new ``parts`` dict: a save describes thousands of them."""
+        s = object.__new__(cls)
+        s.__dict__.update(box=box, tensor=tensor, parts=_NO_PARTS)
+        return s
+
     def view(self, box: Box) -> torch.Tensor:
         """The part of ``tensor`` holding ``box`` (one of the boxes this rank holds)."""
         if box == self.box and not self.parts:
             return self.tensor
         return local_view(self.tensor, box, self.parts[box])
+
+
+#: a plain tensor's ``Source.parts`` (one box, all of it): shared, never written to
+_NO_PARTS: dict[Box, tuple[int, ...]] = {}
 
 
 @dataclass
@@ -117,17 +129,30 @@ def describe_walked(w: Walked, comm: Optional[Comm] = None) -> LocalState:
     dtypes: dict[str, str] = {}
     values: dict[str, Any] = {}
     alias_of = col.alias_of
+    facts = col.facts  # plain tensors: (device, shape, strides, dtype), read by the walk
+    by_dtype: dict[torch.dtype, tuple[str, int]] = {}  # its name and item size
+    zeros: dict[int, tuple[int, ...]] = {}  # a box's offsets, by rank
+    made, whole = TensorMeta.made, Source.whole
+    read_from = w.read_from if w.early else None
     for key, value in col.tensors.items():
         if type(value) in _PLAIN_TYPES:
-            dt = value.dtype
-            dtypes[key] = name = dtype_name(dt, key)
+            f = facts.get(key)
+            dt, size = (f[3], f[1]) if f is not None else (value.dtype, value.shape)
+            named = by_dtype.get(dt)
+            if named is None:
+                named = by_dtype[dt] = (dtype_name(dt, key), itemsize(dt))
+            dtypes[key] = named[0]
             if key in alias_of:
                 continue
-            shape = tuple(value.shape)
-            box = ((0,) * len(shape), shape)
-            metas[key] = TensorMeta.made(name, shape, itemsize(dt), (box,))
+            shape = tuple(size)
+            n = len(shape)
+            origin = zeros.get(n)
+            if origin is None:
+                origin = zeros[n] = (0,) * n
+            box = (origin, shape)
+            metas[key] = made(named[0], shape, named[1], (box,))
             values[key] = value
-            sources[key] = Source(box, w.read_from(key, value))
+            sources[key] = whole(box, read_from(key, value) if read_from is not None else value)
             continue
         part = local_part(key, value)
         dtypes[key] = dtype_name(part.dtype, key)
