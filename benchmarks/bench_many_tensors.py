@@ -21,7 +21,8 @@ once, by this tree, under a temporary folder on ``--dir`` (default /dev/shm):
 and the same state saved (``--saves``; every call into a new place under that folder):
 **save** (``objckpt.save``), **manager.save** (a tiered ``CheckpointManager.save``,
 synchronous: the local commit the training waits for; the work after it untimed),
-**dcp.save** and **torch.save**; and the async saves, timed until they return (the
+**dcp.save**, **torch.save** and **copy** (a copy of every tensor into host tensors the first
+call allocates and later calls reuse: the stall's reference, cold and warm); and the async saves, timed until they return (the
 training's stall; their completion untimed): **async_save** (``objckpt.async_save``),
 **manager.async_save** (tiered, ``async_save=True``) and **dcp.async_save**, each against
 a copy of the same tensors into touched host tensors in the same process (the issue's
@@ -53,10 +54,11 @@ from typing import Any, Callable, Optional
 from . import harness as h
 
 OPS = ("plain", "manager", "latest_step", "dcp", "torch.load", "save", "manager.save", "dcp.save", "torch.save",
-       "async_save", "manager.async_save", "dcp.async_save")
+       "async_save", "manager.async_save", "dcp.async_save", "copy")
 #: the operations that run objckpt (the baselines run them too)
 OBJCKPT_OPS = ("plain", "manager", "latest_step", "save", "manager.save", "async_save", "manager.async_save")
-SAVES = ("save", "manager.save", "dcp.save", "torch.save", "async_save", "manager.async_save", "dcp.async_save")
+SAVES = ("save", "manager.save", "dcp.save", "torch.save", "async_save", "manager.async_save", "dcp.async_save",
+         "copy")
 #: saves timed until they return (the training's stall), their completion untimed
 ASYNC = ("async_save", "manager.async_save", "dcp.async_save")
 
@@ -179,6 +181,14 @@ def _save_child(args: argparse.Namespace, op: str, base: str, rss0: int, state_b
             if op == "dcp.async_save":
                 return pending.append(dcp.async_save(state, checkpoint_id=where))
             dcp.save(state, checkpoint_id=where)
+    elif op == "copy":  # the stall's reference: host tensors made by the first call, reused after
+        hosts: dict[str, Any] = {}
+
+        def fn() -> Any:
+            if not hosts:
+                hosts.update({k: torch.empty_like(v) for k, v in state.items()})  # no page touched yet
+            for k, v in state.items():
+                hosts[k].copy_(v)
     else:
         def fn() -> Any:
             torch.save(state, os.path.join(out, f"state{next(calls)}.pt"))
@@ -272,6 +282,15 @@ def drive(args: argparse.Namespace) -> int:
         print("\nasync saves: the warm stall against a copy of the same tensors into touched host tensors "
               "(same process):\n")
         print(h.md_table(["operation", "warm stall s", "copy s", "stall / copy"], stalls))
+    copies = results.get("copy [peer]") or []
+    cold_copy = statistics.median(r["cold_s"] for r in copies) if copies else 0.0
+    cold = [[name, _fmt([r["cold_s"] for r in rs]), f"{cold_copy:.3f}",
+             _fmt([r["cold_s"] / cold_copy for r in rs], "{:.2f}x")]
+            for name, rs in results.items() if rs and cold_copy and name.split(" [")[0] in ASYNC]
+    if cold:
+        print("\nasync saves: the cold stall (the first call in a new process) against the first copy of the "
+              "same tensors into host tensors made for it (the **copy** row's cold median):\n")
+        print(h.md_table(["operation", "cold stall s", "cold copy s", "stall / cold copy"], cold))
     if args.name:
         path = h.write_results(h.result_path(args.name), {"name": args.name, "config": vars(args),
                                                           "state_bytes": nbytes, "results": results,

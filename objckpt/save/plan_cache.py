@@ -207,6 +207,13 @@ class Item:
     row_start: int
     row_end: int
 
+    @classmethod
+    def made(cls, pk: str, key: str, whole: bool, box: Box, row_start: int, row_end: int) -> "Item":
+        """``Item(...)`` without the dataclass's ``__init__``: a first save makes one per tensor."""
+        it = object.__new__(cls)
+        it.__dict__.update(pk=pk, key=key, whole=whole, box=box, row_start=row_start, row_end=row_end)
+        return it
+
 
 @dataclass(frozen=True)
 class Planned:
@@ -319,13 +326,17 @@ def plan_made(world: str, layout: SaveLayout, local: LocalState, writes: RankWri
     items: list[Item] = []
     pieces: dict[str, Piece] = {}
     sources = local.sources
-    made = Piece.made
+    made, item = Piece.made, Item.made
     for i, it in enumerate(writes.items):
         key, box, r0, r1 = it.key, it.box, it.row_start, it.row_end
         pk = f"{key}\x00{i}"  # the packing key plan_save was given (see planning.pack.pack_items)
-        items.append(Item(pk, key, is_whole(sources[key], box, r0, r1), box, r0, r1))
-        o = box[0]
-        pieces[pk] = made(key, (o[0] + r0,) + tuple(o[1:]) if o else ())  # (WriteItem.offsets)
+        src = sources[key]
+        o, shape = box
+        # is_whole(src, box, r0, r1), its common case (all of a plain tensor) decided first
+        whole = (r0 == 0 and box is src.box and not src.parts and len(shape) > 0 and r1 == shape[0]) \
+            or is_whole(src, box, r0, r1)
+        items.append(item(pk, key, whole, box, r0, r1))
+        pieces[pk] = made(key, o if r0 == 0 else (o[0] + r0,) + tuple(o[1:]) if o else ())  # (WriteItem.offsets)
     places = chunk_places(writes.plan, pieces)
     if isinstance(layout, SymbolicLayout):
         return Planned(world, True, None, dict(layout.specs), writes, crc_block, items, pieces, places)

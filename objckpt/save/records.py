@@ -38,10 +38,11 @@ def chunk_places(plan: SavePlan, pieces: Mapping[str, Piece]) -> list[tuple[str,
     chunk moved to its piece's place in the whole tensor).  The same in every save of one
     plan, so a save that reuses a plan computes them once (:mod:`.plan_cache`)."""
     out = []
+    add = out.append
     for c in plan.chunks:
         piece = pieces[c.key]
         base = piece.offsets
-        out.append((piece.key, tuple(b + o for b, o in zip(base, c.offsets)) if any(base) else c.offsets))
+        add((piece.key, tuple(b + o for b, o in zip(base, c.offsets)) if any(base) else c.offsets))
     return out
 
 
