@@ -336,7 +336,8 @@ def plan_made(world: str, layout: SaveLayout, local: LocalState, writes: RankWri
         whole = (r0 == 0 and box is src.box and not src.parts and len(shape) > 0 and r1 == shape[0]) \
             or is_whole(src, box, r0, r1)
         items.append(item(pk, key, whole, box, r0, r1))
-        pieces[pk] = made(key, o if r0 == 0 else (o[0] + r0,) + tuple(o[1:]) if o else ())  # (WriteItem.offsets)
+        # WriteItem.offsets: the box's own offsets when its rows start at 0 (the common case)
+        pieces[pk] = made(key, o if r0 == 0 and type(o) is tuple else (o[0] + r0,) + tuple(o[1:]) if o else ())
     places = chunk_places(writes.plan, pieces)
     if isinstance(layout, SymbolicLayout):
         return Planned(world, True, None, dict(layout.specs), writes, crc_block, items, pieces, places)
