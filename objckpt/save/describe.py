@@ -133,7 +133,6 @@ def describe_walked(w: Walked, comm: Optional[Comm] = None) -> LocalState:
     by_dtype: dict[torch.dtype, tuple[str, int]] = {}  # its name and item size
     zeros: dict[int, tuple[int, ...]] = {}  # a box's offsets, by rank
     made, whole = TensorMeta.made, Source.whole
-    read_from = w.read_from if w.early else None
     for key, value in col.tensors.items():
         if type(value) in _PLAIN_TYPES:
             f = facts.get(key)
@@ -152,7 +151,7 @@ def describe_walked(w: Walked, comm: Optional[Comm] = None) -> LocalState:
             box = (origin, shape)
             metas[key] = made(named[0], shape, named[1], (box,))
             values[key] = value
-            sources[key] = whole(box, read_from(key, value) if read_from is not None else value)
+            sources[key] = whole(box, w.read_from(key, value))
             continue
         part = local_part(key, value)
         dtypes[key] = dtype_name(part.dtype, key)

@@ -258,7 +258,8 @@ def item_tensor(src: Source, box: Box, row_start: int, row_end: int) -> torch.Te
 def is_whole(src: Source, box: Box, row_start: int, row_end: int) -> bool:
     """Whether a write item reads all of its source's tensor as it is (no view to cut)."""
     _, shape = box
-    return box == src.box and not src.parts and len(shape) > 0 and row_start == 0 and row_end == shape[0]
+    return ((box is src.box or box == src.box) and not src.parts and len(shape) > 0 and row_start == 0
+            and row_end == shape[0])
 
 
 @dataclass
@@ -330,12 +331,8 @@ def plan_made(world: str, layout: SaveLayout, local: LocalState, writes: RankWri
     for i, it in enumerate(writes.items):
         key, box, r0, r1 = it.key, it.box, it.row_start, it.row_end
         pk = f"{key}\x00{i}"  # the packing key plan_save was given (see planning.pack.pack_items)
-        src = sources[key]
-        o, shape = box
-        # is_whole(src, box, r0, r1), its common case (all of a plain tensor) decided first
-        whole = (r0 == 0 and box is src.box and not src.parts and len(shape) > 0 and r1 == shape[0]) \
-            or is_whole(src, box, r0, r1)
-        items.append(item(pk, key, whole, box, r0, r1))
+        o = box[0]
+        items.append(item(pk, key, is_whole(sources[key], box, r0, r1), box, r0, r1))
         # WriteItem.offsets: the box's own offsets when its rows start at 0 (the common case)
         pieces[pk] = made(key, o if r0 == 0 and type(o) is tuple else (o[0] + r0,) + tuple(o[1:]) if o else ())
     places = chunk_places(writes.plan, pieces)
